@@ -1,0 +1,1 @@
+"""Reference solutions of the course: one complete module per exercise template."""

@@ -1,0 +1,125 @@
+"""Process-group setup from torchrun's environment, and the backend/device choice.
+
+torchrun (``torch.distributed.run``) exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT to every process it starts; ``init_process_group`` with the default
+``env://`` method reads them. See torch/distributed/run.py and
+https://pytorch.org/docs/stable/elastic/run.html.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_SECONDS = float(os.environ.get("DTFS_PG_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is in the world, and where its tensors live."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def choose_backend(local_world_size: int) -> str:
+    """NCCL when CUDA is present and every local rank gets its own GPU, else gloo on CPU.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so with fewer GPUs than local
+    ranks we fall back to gloo on CPU rather than fail. ROCm builds expose the same torch.cuda
+    API and call their RCCL backend "nccl" too.
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    """An integer from the environment, with a message that says who should have set it."""
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(
+                f"{name} is not set: start this program with torchrun, e.g. "
+                "`uv run torchrun --standalone --nproc_per_node=2 -m <module>`"
+            )
+        return default
+    try:
+        return int(value)
+    except ValueError as err:
+        raise RuntimeError(f"{name}={value!r} is not an integer") from err
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) as torchrun exported them."""
+    world_size = env_int("WORLD_SIZE")
+    rank = env_int("RANK")
+    local_rank = env_int("LOCAL_RANK", rank)
+    local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
+    return rank, world_size, local_rank, local_world_size
+
+
+def setup_distributed(
+    backend: str | None = None, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+) -> DistInfo:
+    """Join the process group described by torchrun's environment variables.
+
+    Pins the CUDA device before the first collective (NCCL needs to know which GPU this rank
+    owns) and keeps CPU ranks to one thread each, so N ranks on N cores do not oversubscribe.
+    """
+    rank, world_size, local_rank, local_world_size = world_from_env()
+    backend = backend or choose_backend(local_world_size)
+    device = device_for(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_seconds),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank, world_size, local_rank, local_world_size, backend, device)
+
+
+def current_info() -> DistInfo:
+    """The DistInfo of an already initialised process group (used inside test worlds)."""
+    if not dist.is_initialized():
+        raise RuntimeError("no process group: call setup_distributed() or run inside run_world()")
+    backend = str(dist.get_backend())
+    local_rank = env_int("LOCAL_RANK", dist.get_rank())
+    local_world_size = env_int("LOCAL_WORLD_SIZE", dist.get_world_size())
+    return DistInfo(
+        dist.get_rank(),
+        dist.get_world_size(),
+        local_rank,
+        local_world_size,
+        backend,
+        device_for(backend, local_rank),
+    )
+
+
+def cleanup_distributed() -> None:
+    """Leave the process group if we joined one (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

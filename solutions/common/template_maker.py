@@ -1,0 +1,179 @@
+"""Make each exercise template from its solution, so the two can never drift apart.
+
+A solution marks every piece a learner writes with a comment block and a fenced region::
+
+    # TODO 1.2: average the gradients across ranks, in place.
+    # Invariant: ...
+    # Hint 1: ...      (a nudge)
+    # Hint 2: ...      (the shape of the solution)
+    # See guidelines.md#12-broadcast-and-gradient-averaging
+    # >>> solution
+    ...the reference code...
+    # <<< solution
+
+The template keeps the comment block and replaces the fenced region with
+``raise NotImplementedError("TODO 1.2: <goal> (see <phase>/guidelines.md#<anchor>)")``.
+Imports of sibling solution modules that have templates are pointed at those templates, so a
+learner's trainer runs on the learner's own sampler and all-reduce.
+
+    uv run python -m solutions.common.template_maker --check   # exit 1 if a template drifted
+    uv run python -m solutions.common.template_maker --write   # regenerate (maintainers only:
+                                                               # it overwrites learners' work)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTION_START = "# >>> solution"
+SOLUTION_END = "# <<< solution"
+TODO_LINE = re.compile(r"#\s*TODO (?P<id>\d+\.\d+)\s*:\s*(?P<goal>.+?)\s*$")
+SEE_LINE = re.compile(r"#\s*See (?P<ref>guidelines\.md#[a-z0-9-]+)")
+SIBLING_IMPORT = re.compile(r"^(?P<indent>\s*)from solutions\.(?P<phase>phase\d+_\w+)\.(?P<mod>\w+) import")
+
+
+class TemplateError(ValueError):
+    """A solution's TODO markers are malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Todo:
+    """One TODO region: its exercise id, goal and guidelines reference."""
+
+    exercise: str
+    goal: str
+    ref: str
+    line: int
+
+
+def has_todos(solution: Path) -> bool:
+    return SOLUTION_START in solution.read_text()
+
+
+def template_path(solution: Path) -> Path:
+    """solutions/phaseN_x/mod.py -> phaseN_x/template_mod.py"""
+    return ROOT / solution.parent.name / f"template_{solution.name}"
+
+
+def solution_files() -> list[Path]:
+    """Every solution module that has at least one TODO region."""
+    return sorted(
+        path for path in (ROOT / "solutions").glob("phase*/*.py") if has_todos(path)
+    )
+
+
+def _comment_block(lines: list[str], end: int) -> list[str]:
+    """The contiguous comment lines just above index ``end``."""
+    block: list[str] = []
+    i = end - 1
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        block.insert(0, lines[i].strip())
+        i -= 1
+    return block
+
+
+def _parse_todo(block: list[str], where: str) -> Todo:
+    todo = next((m for m in map(TODO_LINE.match, block) if m), None)
+    see = next((m for m in map(SEE_LINE.match, block) if m), None)
+    if todo is None or see is None:
+        raise TemplateError(
+            f"{where}: the comment block above '{SOLUTION_START}' needs a "
+            "'# TODO <id>: <goal>' line and a '# See guidelines.md#<anchor>' line"
+        )
+    return Todo(todo["id"], todo["goal"].rstrip("."), see["ref"], 0)
+
+
+def _raise_lines(indent: str, todo: Todo, phase: str) -> list[str]:
+    return [
+        f"{indent}raise NotImplementedError(",
+        f'{indent}    "TODO {todo.exercise}: {todo.goal} "',
+        f'{indent}    "(see {phase}/{todo.ref})"',
+        f"{indent})",
+    ]
+
+
+def make_template(solution: Path) -> str:
+    """The template text for one solution module."""
+    phase = solution.parent.name
+    rel = solution.relative_to(ROOT)
+    lines = solution.read_text().splitlines()
+    out = [
+        f"# Exercise template generated from {rel}.",
+        "# Replace every `raise NotImplementedError(...)` with your code; the comments above each",
+        f"# one say what to build. Grade yourself: uv run pytest tests/test_{phase.split('_')[0]}.py",
+    ]
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        if stripped == SOLUTION_START:
+            where = f"{rel}:{i + 1}"
+            todo = _parse_todo(_comment_block(lines, i), where)
+            indent = line[: len(line) - len(line.lstrip())]
+            end = next(
+                (j for j in range(i + 1, len(lines)) if lines[j].strip() == SOLUTION_END), None
+            )
+            nested = next(
+                (j for j in range(i + 1, end or len(lines)) if lines[j].strip() == SOLUTION_START),
+                None,
+            )
+            if end is None or nested is not None:
+                raise TemplateError(f"{where}: '{SOLUTION_START}' has no matching '{SOLUTION_END}'")
+            out += _raise_lines(indent, todo, phase)
+            i = end + 1
+            continue
+        if stripped == SOLUTION_END:
+            raise TemplateError(f"{rel}:{i + 1}: '{SOLUTION_END}' without '{SOLUTION_START}'")
+        match = SIBLING_IMPORT.match(line)
+        if match:
+            sibling = ROOT / "solutions" / match["phase"] / f"{match['mod']}.py"
+            if sibling.exists() and has_todos(sibling):
+                line = line.replace(
+                    f"from solutions.{match['phase']}.{match['mod']} import",
+                    f"from {match['phase']}.template_{match['mod']} import",
+                )
+        out.append(line)
+        i += 1
+    return "\n".join(out) + "\n"
+
+
+def todos(solution: Path) -> list[Todo]:
+    """Every TODO region of a solution, in file order."""
+    lines = solution.read_text().splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.strip() == SOLUTION_START:
+            todo = _parse_todo(_comment_block(lines, i), f"{solution}:{i + 1}")
+            found.append(Todo(todo.exercise, todo.goal, todo.ref, i + 1))
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate or check the exercise templates.")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="exit 1 if a template differs")
+    mode.add_argument("--write", action="store_true", help="overwrite the templates")
+    args = parser.parse_args(argv)
+    drifted = 0
+    for solution in solution_files():
+        target = template_path(solution)
+        text = make_template(solution)
+        current = target.read_text() if target.exists() else None
+        if current == text:
+            continue
+        if args.write:
+            target.write_text(text)
+            print(f"wrote {target.relative_to(ROOT)}")
+        else:
+            drifted += 1
+            print(f"{target.relative_to(ROOT)} differs from what {solution.relative_to(ROOT)} makes")
+    return 1 if drifted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

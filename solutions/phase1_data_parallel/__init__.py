@@ -1,0 +1,1 @@
+"""Phase 1 reference solutions: data parallelism on one node."""

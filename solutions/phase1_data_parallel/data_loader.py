@@ -1,0 +1,140 @@
+"""Exercise 1.1: a distributed sampler that gives each rank its own shard of every epoch.
+
+Data parallelism only works if the N ranks see N *different* slices of the data, and together
+cover the whole dataset once per epoch. This sampler reproduces, index for index,
+``torch.utils.data.DistributedSampler`` (torch/utils/data/distributed.py):
+
+1. shuffle all indices with a generator seeded by ``seed + epoch`` (the same permutation on every
+   rank, a new one every epoch),
+2. pad by repeating indices from the front (or cut the tail with ``drop_last``) so the total is a
+   multiple of the world size,
+3. take every ``num_replicas``-th index starting at ``rank``.
+
+It adds one thing PyTorch's sampler lacks: ``set_epoch(epoch, start_index=k)`` skips the first
+``k`` samples of this rank's shard, which is what a run resumed in the middle of an epoch needs
+(phase 4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+class DistributedShardSampler(Sampler[int]):
+    """Yields this rank's indices of a dataset, reshuffled each epoch, equal in count on all ranks.
+
+    Args:
+        dataset: anything with ``len()``.
+        num_replicas: world size; defaults to the process group's.
+        rank: this process's rank; defaults to the process group's.
+        shuffle: shuffle with a generator seeded by ``seed + epoch``.
+        seed: must be the same on every rank.
+        drop_last: drop the tail so shards divide evenly, instead of padding with repeats.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if dist.is_initialized() else 1
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas}: it must be at least 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank={rank} is outside [0, {num_replicas - 1}] for num_replicas={num_replicas}"
+            )
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start_index = 0
+        n = len(dataset)
+        # TODO 1.1: work out how many samples each rank gets per epoch.
+        # Invariant: every rank gets the same count, so ranks run the same number of steps
+        #   (a rank with one batch more would wait forever in its extra all-reduce).
+        # Hint 1: padding rounds n up to a multiple of num_replicas; drop_last rounds it down
+        #   (only when n does not divide evenly).
+        # Hint 2: num_samples = ceil((n - num_replicas) / num_replicas) with drop_last and a
+        #   remainder, else ceil(n / num_replicas); total_size = num_samples * num_replicas.
+        # See guidelines.md#11-the-distributed-sampler
+        # >>> solution
+        if self.drop_last and n % num_replicas != 0:
+            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        # <<< solution
+        self.total_size = self.num_samples * self.num_replicas
+
+    def epoch_indices(self) -> list[int]:
+        """All ranks' indices for the current epoch, padded or cut to ``total_size``."""
+        n = len(self.dataset)
+        # TODO 1.1: build the epoch's global index list, identical on every rank.
+        # Invariant: same (seed, epoch) -> same list on every rank; its length is total_size.
+        # Hint 1: a fresh torch.Generator seeded with seed + epoch makes the shuffle
+        #   reproducible; pad by repeating indices from the front, as many times as needed
+        #   (the padding can be longer than the dataset when n < num_replicas).
+        # Hint 2: g = torch.Generator(); g.manual_seed(self.seed + self.epoch);
+        #   indices = torch.randperm(n, generator=g).tolist(); then pad with
+        #   (indices * ceil(pad / n))[:pad], or cut with indices[: self.total_size].
+        # See guidelines.md#11-the-distributed-sampler
+        # >>> solution
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=generator).tolist()
+        else:
+            indices = list(range(n))
+        if self.drop_last:
+            return indices[: self.total_size]
+        padding = self.total_size - len(indices)
+        if padding > 0:
+            indices += (indices * math.ceil(padding / len(indices)))[:padding]
+        return indices
+        # <<< solution
+
+    def __iter__(self) -> Iterator[int]:
+        # TODO 1.1: yield this rank's shard of epoch_indices(), skipping start_index samples.
+        # Invariant: shards of different ranks are disjoint (apart from padding) and together
+        #   are the whole epoch; every shard has num_samples indices before skipping.
+        # Hint 1: rank r takes positions r, r + N, r + 2N, ... (interleaved, not a block), which
+        #   is what DistributedSampler does.
+        # Hint 2: shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas];
+        #   return iter(shard[self.start_index :]).
+        # See guidelines.md#11-the-distributed-sampler
+        # >>> solution
+        shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas]
+        return iter(shard[self.start_index :])
+        # <<< solution
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+        """Pick the epoch's permutation; call it before every epoch, on every rank.
+
+        ``start_index`` skips that many of this rank's samples of the epoch (resuming part-way).
+        Without ``set_epoch`` every epoch repeats epoch 0's order.
+        """
+        if not 0 <= start_index <= self.num_samples:
+            raise ValueError(
+                f"start_index={start_index} is outside [0, {self.num_samples}], the number of "
+                "samples this rank has per epoch"
+            )
+        self.epoch = epoch
+        self.start_index = start_index

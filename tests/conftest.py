@@ -1,0 +1,207 @@
+"""The grading harness: ``--impl``, short teacher-like failures, and the scoreboard.
+
+* ``--impl templates`` (default) grades the learner's templates, ``--impl solutions`` the reference.
+* A failure caused by an unwritten TODO reads as one line naming the TODO and its guidelines
+  section; later tests of the same exercise that stop at the same wall are reported as skipped
+  ("blocked by TODO 1.1"), so each open exercise shows up once. Rank failures and hangs from
+  :func:`solutions.common.world.run_world` are shown as their own short message, not as harness
+  tracebacks.
+* At the end, a scoreboard per phase: which exercises pass, and the next TODO to open.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from exercises import BY_ID, EXERCISES, PHASE_TITLES, Exercise
+from grading import IMPL_ENV, IMPLS, LoadError
+from solutions.common.world import RankDied, RankFailed, WorldError, WorldHung
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Tally:
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    todo: str | None = None  # the first unwritten-TODO message seen for this exercise
+    nodes: list[str] = field(default_factory=list)
+
+
+TALLY: dict[str, Tally] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--impl",
+        choices=IMPLS,
+        default=os.environ.get(IMPL_ENV, "templates"),
+        help="grade the learner's templates (default) or the reference solutions",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Set before any world starts: ranks inherit it and load the same implementation.
+    os.environ[IMPL_ENV] = config.getoption("--impl")
+    config.addinivalue_line("markers", "exercise(id): the exercise a test grades")
+    config.addinivalue_line("markers", "harness: tests of the grading harness itself")
+    for ex in EXERCISES:
+        config.addinivalue_line("markers", f"{ex.marker}: exercise {ex.id}, {ex.title}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"grading: --impl {config.getoption('--impl')}"
+
+
+# ----------------------------------------------------------------------------- short failures
+
+
+def _exercise_of(item: pytest.Item) -> Exercise | None:
+    marker = item.get_closest_marker("exercise")
+    return BY_ID.get(marker.args[0]) if marker else None
+
+
+def _todo_text(exc: BaseException) -> str | None:
+    """The TODO message when ``exc`` is an unwritten TODO, here or on a rank."""
+    if isinstance(exc, NotImplementedError):
+        return str(exc) or "a function still raises NotImplementedError"
+    if isinstance(exc, RankFailed) and exc.exc_type == "NotImplementedError":
+        return exc.message or "a function still raises NotImplementedError"
+    return None
+
+
+def _where(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    """``file:line in Class.method`` of the innermost frame in the project."""
+    for entry in reversed(excinfo.traceback):
+        path = Path(str(entry.path))
+        if ROOT in path.parents and ".venv" not in path.parts:
+            qualname = getattr(entry.frame.code.raw, "co_qualname", entry.name)
+            return f"{path.relative_to(ROOT)}:{entry.lineno + 1} in {qualname}"
+    return ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is None or report.when != "call":
+        return
+    exc = call.excinfo.value
+    ex = _exercise_of(item)
+    label = f"{ex.id} {ex.title}" if ex else item.name
+    todo = _todo_text(exc)
+    if todo is not None and ex is not None:
+        tally = TALLY.setdefault(ex.id, Tally())
+        if tally.todo is not None:
+            report.outcome = "skipped"
+            report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: blocked by {todo}")
+            return
+        tally.todo = todo
+        where = _where(call.excinfo) if isinstance(exc, NotImplementedError) else ""
+        if isinstance(exc, RankFailed) and exc.frames:
+            where = f"rank {exc.rank}, {exc.frames[-1].location}"
+        report.longrepr = f"[{label}] not written yet: {todo}" + (f"\n  at {where}" if where else "")
+    elif isinstance(exc, (RankFailed, WorldHung, RankDied, WorldError)):
+        report.longrepr = f"[{label}] {exc}"
+    elif isinstance(exc, LoadError):
+        report.longrepr = f"[{label}] {exc}"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    ids = [ex.id for ex in EXERCISES if ex.marker in report.keywords]
+    if not ids:
+        return
+    counted = report.when == "call" or (report.when == "setup" and not report.passed)
+    if not counted:
+        return
+    tally = TALLY.setdefault(ids[0], Tally())
+    tally.nodes.append(report.nodeid)
+    if report.passed:
+        tally.passed += 1
+    elif report.failed:
+        tally.failed += 1
+    else:
+        tally.skipped += 1
+
+
+# ----------------------------------------------------------------------------- the scoreboard
+
+
+def _status(tally: Tally) -> str:
+    if tally.failed or (tally.skipped and tally.todo):
+        return "TODO" if tally.todo else "FAIL"
+    if tally.passed:
+        return "pass"
+    return "skipped"
+
+
+def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str]]:
+    """(line, Class.function) of each ``raise NotImplementedError("TODO <id>: ...")`` in a file."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return []
+    sites: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, [*scope, child.name])
+                continue
+            if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call):
+                func, args = child.exc.func, child.exc.args
+                if (
+                    isinstance(func, ast.Name)
+                    and func.id == "NotImplementedError"
+                    and args
+                    and isinstance(args[0], ast.Constant)
+                    and str(args[0].value).startswith(f"TODO {exercise_id}:")
+                ):
+                    sites.append((child.lineno, ".".join(scope) or "<module>"))
+            visit(child, scope)
+
+    visit(tree, [])
+    return sorted(sites)
+
+
+def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
+    guide = f"{ex.phase}/guidelines.md#{ex.anchor}"
+    if impl == "templates":
+        for module in ex.modules:
+            path = ROOT / ex.phase / f"template_{module}.py"
+            sites = _raise_sites(path, ex.id)
+            if sites:
+                line, where = sites[0]
+                rel = path.relative_to(ROOT)
+                return f"open {rel}:{line}, {where} (TODO {ex.id}; read {guide})"
+    test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
+    return f"fix {ex.id}: see its first failure above; rerun with `uv run pytest {test_file} -m {ex.marker}`"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+    if not TALLY:
+        return
+    impl = config.getoption("--impl")
+    write = terminalreporter.write_line
+    terminalreporter.section(f"scoreboard (--impl {impl})", sep="=")
+    next_step = None
+    for phase, title in PHASE_TITLES.items():
+        rows = [ex for ex in EXERCISES if ex.phase == phase and ex.id in TALLY]
+        if not rows:
+            continue
+        write(title)
+        for ex in rows:
+            tally = TALLY[ex.id]
+            total = tally.passed + tally.failed + tally.skipped
+            status = _status(tally)
+            write(f"  [{status:^7}] {ex.id:<5} {ex.title:<42} {tally.passed}/{total} tests pass")
+            if status != "pass" and next_step is None:
+                next_step = _next_step(ex, tally, impl)
+    write("")
+    write(f"Next: {next_step}" if next_step else "Every graded exercise passes.")

@@ -1,0 +1,43 @@
+"""The course's exercises: id, title, where the learner writes it, and its guidelines section.
+
+The scoreboard and the "next TODO" pointer read this table; tests refer to exercises by id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str
+    title: str
+    phase: str  # the phase folder, e.g. "phase1_data_parallel"
+    modules: tuple[str, ...]  # solution module names; the template is template_<name>.py
+    anchor: str  # section of <phase>/guidelines.md
+
+    @property
+    def marker(self) -> str:
+        """The pytest marker that selects this exercise: ``pytest -m ex1_2``."""
+        return "ex" + self.id.replace(".", "_")
+
+
+PHASE_TITLES = {
+    "phase1_data_parallel": "Phase 1: data parallel on one node",
+    "phase2_advanced": "Phase 2: advanced single node",
+    "phase3_multi_node": "Phase 3: multi-node",
+    "phase4_production": "Phase 4: production",
+}
+
+EXERCISES = [
+    Exercise("1.1", "distributed sampler", "phase1_data_parallel", ("data_loader",),
+             "11-the-distributed-sampler"),
+    Exercise("1.2", "broadcast, gradient averaging, DP step", "phase1_data_parallel",
+             ("trainer",), "12-broadcast-and-gradient-averaging"),
+    Exercise("1.3", "all-reduce from send/recv", "phase1_data_parallel", ("all_reduce",),
+             "13-all-reduce-from-send-and-recv"),
+    Exercise("1.4", "data-parallel trainer", "phase1_data_parallel", ("trainer",),
+             "14-the-data-parallel-trainer"),
+]
+
+BY_ID = {exercise.id: exercise for exercise in EXERCISES}

@@ -1,0 +1,88 @@
+"""What tests use to reach the code under test: the chosen implementation and small worlds.
+
+``--impl templates`` (the default) grades the learner's ``phaseN_*/template_*.py``;
+``--impl solutions`` grades the reference in ``solutions/``. Test modules never import either
+directly: they call :func:`load`, here and inside the ranks of a world, so one switch decides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from exercises import BY_ID
+from solutions.common.world import run_world
+
+IMPL_ENV = "DTFS_IMPL"
+IMPLS = ("templates", "solutions")
+
+
+class LoadError(Exception):
+    """The module under test could not be imported (a syntax error in a template, say)."""
+
+
+def impl() -> str:
+    value = os.environ.get(IMPL_ENV, "templates")
+    if value not in IMPLS:
+        raise LoadError(f"{IMPL_ENV}={value!r}: choose one of {', '.join(IMPLS)}")
+    return value
+
+
+def module_name(phase: str, module: str) -> str:
+    if impl() == "solutions":
+        return f"solutions.{phase}.{module}"
+    return f"{phase}.template_{module}"
+
+
+def load(phase: str, module: str) -> ModuleType:
+    """Import the implementation of ``module`` chosen by ``--impl``."""
+    name = module_name(phase, module)
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:
+        where = name.replace(".", "/") + ".py"
+        raise LoadError(f"could not import {where}: {type(exc).__name__}: {exc}") from exc
+
+
+def exercise(exercise_id: str) -> Callable[[Any], Any]:
+    """Mark a test as grading one exercise: ``@exercise("1.2")``; select with ``-m ex1_2``."""
+    ex = BY_ID[exercise_id]
+
+    def mark(test: Any) -> Any:
+        test = pytest.mark.exercise(exercise_id)(test)
+        return getattr(pytest.mark, ex.marker)(test)
+
+    return mark
+
+
+def world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with the same ``--impl`` as the tests."""
+    merged = {IMPL_ENV: impl(), **(env or {})}
+    extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    return run_world(fn, world_size, args, kwargs, env=merged, **extra)
+
+
+def ranks_agree(values: Sequence[Any]) -> bool:
+    """True when every rank returned an equal value (tensors compared exactly)."""
+    import torch
+
+    first = values[0]
+    for other in values[1:]:
+        if isinstance(first, torch.Tensor):
+            if not torch.equal(first, other):
+                return False
+        elif first != other:
+            return False
+    return True
