@@ -22,6 +22,8 @@ with bitwise-identical results even for floating point, where (a + b) + c != a +
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -40,6 +42,13 @@ def combine_(accumulator: torch.Tensor, incoming: torch.Tensor, op: object) -> t
     if op == ReduceOp.MAX:
         return torch.maximum(accumulator, incoming, out=accumulator)
     raise ValueError(f"op={op} is not supported here: use one of SUM, PRODUCT, MIN, MAX")
+
+
+def wait_all(works: Sequence[dist.Work | None]) -> None:
+    """Wait for every pending isend/irecv (``None`` stands for an op that completed at once)."""
+    for work in works:
+        if work is not None:
+            work.wait()
 
 
 def check_all_reduce_args(tensor: torch.Tensor, op: object) -> None:
@@ -73,7 +82,7 @@ def reduce_broadcast_all_reduce(
     #   The root posts one irecv per peer (each into its own buffer), waits for them, then
     #   reduces in rank order with combine_ and isends the result to every peer.
     # Hint 2: on the root: bufs = {r: torch.empty_like(tensor) for r != root};
-    #   works = [dist.irecv(bufs[r], src=r) ...]; wait all; result = first contribution.clone();
+    #   wait_all([dist.irecv(bufs[r], src=r) ...]); result = first contribution.clone();
     #   combine_(result, next contribution, op) ...; tensor.copy_(result); isend to each peer.
     #   Elsewhere: dist.send(tensor, dst=root); dist.recv(tensor, src=root).
     # See guidelines.md#13-all-reduce-from-send-and-recv
@@ -99,8 +108,8 @@ def direct_exchange_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM) 
     # Hint 1: blocking send/recv pairs in a loop can deadlock (two ranks both sending first);
     #   post all isends and irecvs, then wait for all of them.
     # Hint 2: bufs = {p: torch.empty_like(tensor) for p != rank}; works = isend(tensor, dst=p)
-    #   and irecv(bufs[p], src=p) for every peer p; wait all; result = clone of contribution 0;
-    #   combine_ the rest in rank order; tensor.copy_(result).
+    #   and irecv(bufs[p], src=p) for every peer p; wait_all(works);
+    #   result = clone of contribution 0; combine_ the rest in rank order; tensor.copy_(result).
     # See guidelines.md#13-all-reduce-from-send-and-recv
     raise NotImplementedError(
         "TODO 1.3: exchange tensors with every peer at once, then reduce all n contributions "

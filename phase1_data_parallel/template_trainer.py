@@ -232,7 +232,9 @@ def build_model(config: TrainConfig, spec: PatternSpec) -> nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256) -> float:
+def evaluate(
+    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256
+) -> float:
     """Accuracy over the whole dataset: each rank scores a disjoint slice, counts are summed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     indices = list(range(rank, len(dataset), world))  # type: ignore[arg-type]

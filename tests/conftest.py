@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
-
 from exercises import BY_ID, EXERCISES, PHASE_TITLES, Exercise
-from grading import IMPL_ENV, IMPLS, LoadError
-from solutions.common.world import RankDied, RankFailed, WorldError, WorldHung
+from grading import IMPL_ENV, LoadError
+
+from solutions.common.world import RankFailed, WorldError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,15 +37,6 @@ class Tally:
 
 
 TALLY: dict[str, Tally] = {}
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--impl",
-        choices=IMPLS,
-        default=os.environ.get(IMPL_ENV, "templates"),
-        help="grade the learner's templates (default) or the reference solutions",
-    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -87,7 +80,9 @@ def _where(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     outcome = yield
     report = outcome.get_result()
     if call.excinfo is None or report.when != "call":
@@ -106,10 +101,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         where = _where(call.excinfo) if isinstance(exc, NotImplementedError) else ""
         if isinstance(exc, RankFailed) and exc.frames:
             where = f"rank {exc.rank}, {exc.frames[-1].location}"
-        report.longrepr = f"[{label}] not written yet: {todo}" + (f"\n  at {where}" if where else "")
-    elif isinstance(exc, (RankFailed, WorldHung, RankDied, WorldError)):
-        report.longrepr = f"[{label}] {exc}"
-    elif isinstance(exc, LoadError):
+        report.longrepr = f"[{label}] not written yet: {todo}" + (
+            f"\n  at {where}" if where else ""
+        )
+    elif isinstance(exc, (WorldError, LoadError)):
         report.longrepr = f"[{label}] {exc}"
 
 
@@ -181,10 +176,13 @@ def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
                 rel = path.relative_to(ROOT)
                 return f"open {rel}:{line}, {where} (TODO {ex.id}; read {guide})"
     test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
-    return f"fix {ex.id}: see its first failure above; rerun with `uv run pytest {test_file} -m {ex.marker}`"
+    rerun = f"uv run pytest {test_file} -m {ex.marker}"
+    return f"fix {ex.id}: see its first failure above; rerun with `{rerun}`"
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
     if not TALLY:
         return
     impl = config.getoption("--impl")

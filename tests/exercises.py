@@ -30,14 +30,34 @@ PHASE_TITLES = {
 }
 
 EXERCISES = [
-    Exercise("1.1", "distributed sampler", "phase1_data_parallel", ("data_loader",),
-             "11-the-distributed-sampler"),
-    Exercise("1.2", "broadcast, gradient averaging, DP step", "phase1_data_parallel",
-             ("trainer",), "12-broadcast-and-gradient-averaging"),
-    Exercise("1.3", "all-reduce from send/recv", "phase1_data_parallel", ("all_reduce",),
-             "13-all-reduce-from-send-and-recv"),
-    Exercise("1.4", "data-parallel trainer", "phase1_data_parallel", ("trainer",),
-             "14-the-data-parallel-trainer"),
+    Exercise(
+        "1.1",
+        "distributed sampler",
+        "phase1_data_parallel",
+        ("data_loader",),
+        "11-the-distributed-sampler",
+    ),
+    Exercise(
+        "1.2",
+        "broadcast, gradient averaging, DP step",
+        "phase1_data_parallel",
+        ("trainer",),
+        "12-broadcast-and-gradient-averaging",
+    ),
+    Exercise(
+        "1.3",
+        "all-reduce from send/recv",
+        "phase1_data_parallel",
+        ("all_reduce",),
+        "13-all-reduce-from-send-and-recv",
+    ),
+    Exercise(
+        "1.4",
+        "data-parallel trainer",
+        "phase1_data_parallel",
+        ("trainer",),
+        "14-the-data-parallel-trainer",
+    ),
 ]
 
 BY_ID = {exercise.id: exercise for exercise in EXERCISES}

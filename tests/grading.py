@@ -14,8 +14,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
 from exercises import BY_ID
+
 from solutions.common.world import run_world
 
 IMPL_ENV = "DTFS_IMPL"

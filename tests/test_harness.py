@@ -22,6 +22,7 @@ def rank_and_sum() -> tuple[int, int, float]:
 
 def rank_one_raises(pid_dir: str) -> None:
     Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    dist.barrier()  # both pids are on disk before anything fails
     if dist.get_rank() == 1:
         raise ValueError("rank 1 saw a bad value: 42")
     dist.barrier()  # rank 0 waits here for a rank that is gone
@@ -29,6 +30,7 @@ def rank_one_raises(pid_dir: str) -> None:
 
 def rank_one_skips_the_all_reduce(pid_dir: str) -> None:
     Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    dist.barrier()
     t = torch.ones(4)
     if dist.get_rank() != 1:
         dist.all_reduce(t)  # the collective rank 1 never joins

@@ -14,15 +14,16 @@ import subprocess
 import sys
 from contextlib import redirect_stderr
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from grading import exercise, load, module_name, world
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
-from grading import exercise, load, module_name, world
 from solutions.common.comm_counter import CommCounter
 
 PHASE = "phase1_data_parallel"
@@ -51,15 +52,19 @@ def test_sampler_yields_what_pytorch_yields() -> None:
     Sampler = sampler_module().DistributedShardSampler
     checked = 0
     for n in DATASET_SIZES:
-        data = range(n)
+        data: Any = range(n)  # any Sized works; DistributedSampler's hints say Dataset
         for world_size in (1, 2, 3, 4):
             for rank in range(world_size):
                 for shuffle in (True, False):
                     for drop_last in (False, True):
                         for seed in (0, 7):
                             ours = Sampler(data, world_size, rank, shuffle, seed, drop_last)
-                            ref = DistributedSampler(
-                                data, world_size, rank, shuffle=shuffle, seed=seed,
+                            ref: DistributedSampler[int] = DistributedSampler(
+                                data,
+                                world_size,
+                                rank,
+                                shuffle=shuffle,
+                                seed=seed,
                                 drop_last=drop_last,
                             )
                             for epoch in (0, 1, 5):
@@ -102,7 +107,9 @@ def test_set_epoch_reshuffles_and_is_reproducible() -> None:
     epoch1 = list(sampler)
     sampler.set_epoch(0)
     again = list(sampler)
-    assert epoch0 != epoch1, "1.1: set_epoch(1) gave epoch 0's order: seed the shuffle with seed + epoch"
+    assert epoch0 != epoch1, (
+        "1.1: set_epoch(1) gave epoch 0's order: seed the shuffle with seed + epoch"
+    )
     assert epoch0 == again, "1.1: the same epoch must give the same order every time"
 
 
@@ -120,7 +127,8 @@ def test_resuming_part_way_and_refusing_bad_arguments() -> None:
             f"{start} samples: expected {shard[start:]}, got {list(resumed)}"
         )
         assert len(resumed) == len(shard) - start, (
-            f"1.1: len() after start_index={start} should be {len(shard) - start}, got {len(resumed)}"
+            f"1.1: len() after start_index={start} should be {len(shard) - start}, "
+            f"got {len(resumed)}"
         )
     with pytest.raises(ValueError, match=str(len(shard) + 1)):
         resumed.set_epoch(0, start_index=len(shard) + 1)
@@ -132,7 +140,9 @@ def test_resuming_part_way_and_refusing_bad_arguments() -> None:
 
 def sampler_defaults_worker(n: int) -> tuple[list[int], list[int]]:
     Sampler = sampler_module().DistributedShardSampler
-    ours, ref = Sampler(range(n), seed=2), DistributedSampler(range(n), seed=2)
+    data: Any = range(n)
+    ours = Sampler(data, seed=2)
+    ref: DistributedSampler[int] = DistributedSampler(data, seed=2)
     ours.set_epoch(3)
     ref.set_epoch(3)
     return list(ours), list(ref)
@@ -150,6 +160,8 @@ def test_sampler_reads_rank_and_world_from_the_process_group(world_size: int) ->
 
 class ToyNet(nn.Module):
     """A float64 MLP with a frozen layer, a parameter no forward uses, and a buffer."""
+
+    scale: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -174,7 +186,10 @@ def make_toy(seed: int) -> ToyNet:
 def global_batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(99)
     return [
-        (torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(3, (batch,), generator=g))
+        (
+            torch.randn(batch, 6, generator=g, dtype=torch.float64),
+            torch.randint(3, (batch,), generator=g),
+        )
         for _ in range(steps)
     ]
 
@@ -214,7 +229,9 @@ def average_worker() -> tuple[dict[str, torch.Tensor | None], int]:
     model.unused.weight.grad = None
     model.unused.bias.grad = None
     nbytes = trainer.average_gradients(model)
-    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}, nbytes
+    return {
+        n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
+    }, nbytes
 
 
 @exercise("1.2")
@@ -362,7 +379,9 @@ def all_reduce_worker(strategy: str) -> list[str]:
         fn(mine, op=op)
         dist.all_reduce(ref, op=op)
         if not torch.equal(mine, ref):
-            problems.append(f"rank {rank}: op={op_name} gives {mine.tolist()}, expected {ref.tolist()}")
+            problems.append(
+                f"rank {rank}: op={op_name} gives {mine.tolist()}, expected {ref.tolist()}"
+            )
     try:
         fn(torch.ones(4, 4).t())
         problems.append("a non-contiguous tensor must be refused with a ValueError")
@@ -376,7 +395,9 @@ def all_reduce_worker(strategy: str) -> list[str]:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_all_reduce_equals_dist_all_reduce(strategy: str, world_size: int) -> None:
-    problems = [p for rank_problems in world(all_reduce_worker, world_size, strategy) for p in rank_problems]
+    problems = [
+        p for rank_problems in world(all_reduce_worker, world_size, strategy) for p in rank_problems
+    ]
     assert not problems, f"1.3 {strategy} on {world_size} ranks:\n  " + "\n  ".join(problems[:8])
 
 
@@ -406,7 +427,9 @@ def test_each_rank_sends_the_bytes_the_strategy_predicts(strategy: str, world_si
             f"1.3 {strategy}, {n} ranks, S={size} bytes: rank {rank} sent {sent} bytes, expected "
             f"{expected} ({rule}). Use dist.send/isend (module attribute) so sends are counted."
         )
-        assert received == expected, f"1.3 {strategy}: rank {rank} received {received}, expected {expected}"
+        assert received == expected, (
+            f"1.3 {strategy}: rank {rank} received {received}, expected {expected}"
+        )
 
 
 # ============================================================================ 1.4 trainer
@@ -415,8 +438,13 @@ def test_each_rank_sends_the_bytes_the_strategy_predicts(strategy: str, world_si
 def train_worker(strategy: str) -> dict[str, object]:
     trainer = trainer_module()
     config = trainer.TrainConfig(
-        epochs=3, global_batch_size=32, train_samples=768, test_samples=512, all_reduce=strategy,
-        model="mlp", lr=0.05,
+        epochs=3,
+        global_batch_size=32,
+        train_samples=768,
+        test_samples=512,
+        all_reduce=strategy,
+        model="mlp",
+        lr=0.05,
     )
     result = trainer.train(config)
     return {
@@ -429,17 +457,24 @@ def train_worker(strategy: str) -> dict[str, object]:
 @exercise("1.4")
 def test_trainer_learns_and_every_all_reduce_gives_the_same_model() -> None:
     world_size = 2
-    results = {s: world(train_worker, world_size, s)[0] for s in ("torch", "reduce_broadcast", "direct_exchange")}
+    results = {
+        s: world(train_worker, world_size, s)[0]
+        for s in ("torch", "reduce_broadcast", "direct_exchange")
+    }
     base = results["torch"]
     epochs = base["epochs"]
-    assert epochs[-1]["loss"] < epochs[0]["loss"], f"1.4: loss did not fall: {[e['loss'] for e in epochs]}"
+    assert epochs[-1]["loss"] < epochs[0]["loss"], (
+        f"1.4: loss did not fall: {[e['loss'] for e in epochs]}"
+    )
     assert epochs[-1]["test_accuracy"] > 0.4, (
         f"1.4: test accuracy {epochs[-1]['test_accuracy']:.2f} after 3 epochs; chance is 0.10"
     )
     size = base["num_params"] * 4
     for strategy, result in results.items():
         for e in result["epochs"]:
-            assert 0.0 < e["share"] < 1.0, f"1.4 {strategy}: communication share {e['share']} not in (0, 1)"
+            assert 0.0 < e["share"] < 1.0, (
+                f"1.4 {strategy}: communication share {e['share']} not in (0, 1)"
+            )
             assert e["bytes_reduced_per_step"] == size, (
                 f"1.4 {strategy}: payload per step should be the gradient size, {size} bytes; "
                 f"got {e['bytes_reduced_per_step']}"
@@ -450,7 +485,10 @@ def test_trainer_learns_and_every_all_reduce_gives_the_same_model() -> None:
                 f"1.4: training with --all-reduce {strategy} ends with a different {name} than "
                 f"with torch (max diff {(got - ref).abs().max():.2e})"
             )
-    sent = {s: results[s]["epochs"][0]["bytes_sent_per_step"] for s in ("reduce_broadcast", "direct_exchange")}
+    sent = {
+        s: results[s]["epochs"][0]["bytes_sent_per_step"]
+        for s in ("reduce_broadcast", "direct_exchange")
+    }
     # averaged over ranks: reduce_broadcast 2(n-1)/n·S, direct exchange (n-1)·S
     assert sent["reduce_broadcast"] == pytest.approx(2 * (world_size - 1) / world_size * size)
     assert sent["direct_exchange"] == pytest.approx((world_size - 1) * size)
@@ -465,8 +503,9 @@ def test_trainer_learns_and_every_all_reduce_gives_the_same_model() -> None:
         (["--model", "resnet"], "1", ["'resnet'", "cnn"]),
     ],
 )
-def test_bad_arguments_fail_before_training(argv: list[str], world_size: str, expected: list[str],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_arguments_fail_before_training(
+    argv: list[str], world_size: str, expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     trainer = trainer_module()
     monkeypatch.setenv("WORLD_SIZE", world_size)
     monkeypatch.setenv("RANK", "0")
@@ -476,15 +515,27 @@ def test_bad_arguments_fail_before_training(argv: list[str], world_size: str, ex
     assert code == 2, f"1.4: main({argv}) should return 2 before training, returned {code}"
     assert not dist.is_initialized(), "1.4: the error must come before init_process_group"
     for word in expected:
-        assert word in stderr.getvalue(), f"1.4: the error should mention {word}: {stderr.getvalue()!r}"
+        assert word in stderr.getvalue(), (
+            f"1.4: the error should mention {word}: {stderr.getvalue()!r}"
+        )
 
 
 @exercise("1.4")
 def test_trainer_runs_under_torchrun() -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", module_name(PHASE, "trainer"), "--epochs", "1", "--train-samples", "512",
-        "--model", "mlp",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        module_name(PHASE, "trainer"),
+        "--epochs",
+        "1",
+        "--train-samples",
+        "512",
+        "--model",
+        "mlp",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -506,5 +557,7 @@ def raise_rank_error(output: str, returncode: int) -> None:
             continue
         if match["type"] == "NotImplementedError":
             raise NotImplementedError(match["message"])
-        pytest.fail(f"1.4: torchrun exited with {returncode}; a rank raised {line.strip()}", pytrace=False)
+        pytest.fail(
+            f"1.4: torchrun exited with {returncode}; a rank raised {line.strip()}", pytrace=False
+        )
     pytest.fail(f"1.4: torchrun exited with {returncode}:\n{output[-1500:]}", pytrace=False)

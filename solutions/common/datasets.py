@@ -35,8 +35,11 @@ def class_prototypes(spec: PatternSpec) -> torch.Tensor:
     return protos / protos.std(dim=(1, 2, 3), keepdim=True)
 
 
-def make_pattern_dataset(num_samples: int, spec: PatternSpec = PatternSpec(), split_seed: int = 0) -> TensorDataset:
-    """``num_samples`` (image [1, H, W] float32, label int64) pairs; ``split_seed`` picks the split."""
+def make_pattern_dataset(
+    num_samples: int, spec: PatternSpec = PatternSpec(), split_seed: int = 0
+) -> TensorDataset:
+    """``num_samples`` pairs of (image [1, H, W] float32, label int64); ``split_seed`` picks
+    the split (0 for training, 1 for testing), the classes stay the same."""
     if num_samples < 1:
         raise ValueError(f"num_samples={num_samples}: the dataset needs at least one sample")
     protos = class_prototypes(spec)
@@ -47,7 +50,9 @@ def make_pattern_dataset(num_samples: int, spec: PatternSpec = PatternSpec(), sp
     shifts = torch.randint(-s, s + 1, (num_samples, 2), generator=g)
     shifted = torch.empty_like(images)
     for i in range(num_samples):  # torch.roll has no per-sample shifts
-        shifted[i] = torch.roll(images[i], shifts=(int(shifts[i, 0]), int(shifts[i, 1])), dims=(1, 2))
+        shifted[i] = torch.roll(
+            images[i], shifts=(int(shifts[i, 0]), int(shifts[i, 1])), dims=(1, 2)
+        )
     contrast = 0.7 + 0.6 * torch.rand(num_samples, 1, 1, 1, generator=g)
     noisy = contrast * shifted + spec.noise * torch.randn(shifted.shape, generator=g)
     return TensorDataset(noisy.float(), labels)

@@ -34,7 +34,9 @@ SOLUTION_START = "# >>> solution"
 SOLUTION_END = "# <<< solution"
 TODO_LINE = re.compile(r"#\s*TODO (?P<id>\d+\.\d+)\s*:\s*(?P<goal>.+?)\s*$")
 SEE_LINE = re.compile(r"#\s*See (?P<ref>guidelines\.md#[a-z0-9-]+)")
-SIBLING_IMPORT = re.compile(r"^(?P<indent>\s*)from solutions\.(?P<phase>phase\d+_\w+)\.(?P<mod>\w+) import")
+SIBLING_IMPORT = re.compile(
+    r"^(?P<indent>\s*)from solutions\.(?P<phase>phase\d+_\w+)\.(?P<mod>\w+) import"
+)
 
 
 class TemplateError(ValueError):
@@ -62,9 +64,7 @@ def template_path(solution: Path) -> Path:
 
 def solution_files() -> list[Path]:
     """Every solution module that has at least one TODO region."""
-    return sorted(
-        path for path in (ROOT / "solutions").glob("phase*/*.py") if has_todos(path)
-    )
+    return sorted(path for path in (ROOT / "solutions").glob("phase*/*.py") if has_todos(path))
 
 
 def _comment_block(lines: list[str], end: int) -> list[str]:
@@ -105,7 +105,8 @@ def make_template(solution: Path) -> str:
     out = [
         f"# Exercise template generated from {rel}.",
         "# Replace every `raise NotImplementedError(...)` with your code; the comments above each",
-        f"# one say what to build. Grade yourself: uv run pytest tests/test_{phase.split('_')[0]}.py",
+        "# one say what to build. Grade yourself: "
+        f"uv run pytest tests/test_{phase.split('_')[0]}.py",
     ]
     i = 0
     while i < len(lines):
@@ -171,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {target.relative_to(ROOT)}")
         else:
             drifted += 1
-            print(f"{target.relative_to(ROOT)} differs from what {solution.relative_to(ROOT)} makes")
+            print(
+                f"{target.relative_to(ROOT)} differs from what {solution.relative_to(ROOT)} makes"
+            )
     return 1 if drifted else 0
 
 

@@ -21,6 +21,7 @@ message rank 1 never sent") into a confusing connection error.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import linecache
@@ -183,10 +184,8 @@ def parse_faulthandler_dump(text: str) -> list[Frame]:
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent (the fork server) exits."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def _describe(exc: BaseException) -> tuple[str, str, list[Frame]]:
@@ -247,10 +246,8 @@ def _rank_main(
     except BaseException as exc:  # report everything, KeyboardInterrupt included
         report = pickle.dumps(("error", _describe(exc)))
     conn.send_bytes(report)
-    try:
+    with contextlib.suppress(EOFError, OSError):
         conn.recv_bytes()  # wait until every rank is done (see the module docstring)
-    except (EOFError, OSError):
-        pass
     if dist.is_initialized():
         dist.destroy_process_group()
     dump.close()
@@ -287,28 +284,29 @@ class _Rank:
 
 
 def _read_stacks(pending: list[_Rank]) -> dict[int, list[Frame]]:
+    """Ask each hung rank for its stack (SIGUSR1 -> faulthandler) and parse what it writes."""
     for member in pending:
         if member.process.is_alive():
             os.kill(member.process.pid, signal.SIGUSR1)
-    deadline = time.monotonic() + 1.0
-    stacks: dict[int, list[Frame]] = {}
-    while time.monotonic() < deadline:
+    texts = {member.rank: "" for member in pending}
+    complete: set[int] = set()
+    deadline = time.monotonic() + 2.0
+    while len(complete) < len(pending) and time.monotonic() < deadline:
+        time.sleep(0.1)
         for member in pending:
             text = member.stack_file.read_text() if member.stack_file.exists() else ""
-            if "File " in text:
-                stacks[member.rank] = _project_frames(parse_faulthandler_dump(text))
-        if len(stacks) == len(pending):
-            break
-        time.sleep(0.05)
-    return {member.rank: stacks.get(member.rank, []) for member in pending}
+            if "File " in text and text == texts[member.rank]:
+                complete.add(member.rank)  # unchanged for 0.1 s: the dump is finished
+            texts[member.rank] = text
+    return {
+        rank: _project_frames(parse_faulthandler_dump(text)) for rank, text in texts.items()
+    }
 
 
 def _stop(members: list[_Rank], graceful: bool) -> None:
     for member in members:
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             member.conn.send_bytes(_EXIT)
-        except (BrokenPipeError, OSError):
-            pass
     if graceful:
         deadline = time.monotonic() + 10.0
         for member in members:

@@ -37,6 +37,9 @@ class DistributedShardSampler(Sampler[int]):
         drop_last: drop the tail so shards divide evenly, instead of padding with repeats.
     """
 
+    num_samples: int  # this rank's samples per epoch (the same on every rank)
+    total_size: int  # num_samples * num_replicas: the epoch's index count after padding
+
     def __init__(
         self,
         dataset: Sized,

@@ -270,7 +270,9 @@ def build_model(config: TrainConfig, spec: PatternSpec) -> nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256) -> float:
+def evaluate(
+    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256
+) -> float:
     """Accuracy over the whole dataset: each rank scores a disjoint slice, counts are summed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     indices = list(range(rank, len(dataset), world))  # type: ignore[arg-type]
@@ -328,8 +330,15 @@ def run_epoch(
     values = [loss_sum, samples, steps, compute, communication, bytes_reduced, comm.bytes_sent]
     totals = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(totals)
-    keys = ("loss_sum", "samples", "steps", "compute_seconds", "communication_seconds",
-            "bytes_reduced", "bytes_sent")
+    keys = (
+        "loss_sum",
+        "samples",
+        "steps",
+        "compute_seconds",
+        "communication_seconds",
+        "bytes_reduced",
+        "bytes_sent",
+    )
     return dict(zip(keys, totals.tolist(), strict=True))
     # <<< solution
 

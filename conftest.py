@@ -1,0 +1,20 @@
+"""Root conftest: declares ``--impl`` so pytest knows it however it is started.
+
+Options must be known before pytest collects anything; a conftest inside tests/ is read too late
+when pytest runs with no path arguments. The grading machinery is in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--impl",
+        choices=("templates", "solutions"),
+        default=os.environ.get("DTFS_IMPL", "templates"),
+        help="grade the learner's templates (default) or the reference solutions",
+    )

@@ -1,0 +1,151 @@
+"""Templates and solutions stay in step: same public API, TODOs that teach, no stubs shipped.
+
+Templates are generated from the solutions' marked TODO regions by
+``solutions.common.template_maker``; these checks run under both ``--impl`` values, except the
+byte-for-byte comparison with the generator, which only makes sense on an untouched checkout
+(learners edit their templates) and so runs with ``--impl solutions`` (CI).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+from exercises import BY_ID
+from grading import impl
+
+from solutions.common import template_maker
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = template_maker.solution_files()
+IDS = [str(path.relative_to(ROOT)) for path in SOLUTIONS]
+TODO_MESSAGE = re.compile(
+    r"^TODO (?P<id>\d+\.\d+): (?P<goal>.+) "
+    r"\(see (?P<phase>phase\d+_\w+)/guidelines\.md#(?P<anchor>[a-z0-9-]+)\)$"
+)
+
+pytestmark = pytest.mark.harness
+
+
+def test_there_are_templates_to_check() -> None:
+    assert SOLUTIONS, "no solution module has TODO regions: nothing would be graded"
+
+
+def public_api(tree: ast.Module) -> dict[str, tuple[str, str | None]]:
+    """Public functions, classes and methods -> (parameters with defaults, docstring)."""
+    api: dict[str, tuple[str, str | None]] = {}
+
+    def describe(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, str | None]:
+        return ast.unparse(fn.args), ast.get_docstring(fn)
+
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith(
+            "_"
+        ):
+            api[node.name] = describe(node)
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            api[node.name] = ("class", ast.get_docstring(node))
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    not item.name.startswith("_") or item.name in ("__init__", "__call__")
+                ):
+                    api[f"{node.name}.{item.name}"] = describe(item)
+    return api
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=IDS)
+def test_template_has_the_solutions_public_api(solution: Path) -> None:
+    template = template_maker.template_path(solution)
+    assert template.exists(), f"{template.relative_to(ROOT)} is missing; regenerate with --write"
+    ours = public_api(ast.parse(template.read_text()))
+    theirs = public_api(ast.parse(solution.read_text()))
+    missing = sorted(set(theirs) - set(ours))
+    extra = sorted(set(ours) - set(theirs))
+    assert not missing, f"{template.name} lacks {missing}, which the tests call"
+    assert not extra, (
+        f"{template.name} has public names the solution lacks: {extra} (prefix helpers with _)"
+    )
+    for name, (params, doc) in theirs.items():
+        assert ours[name][0] == params, (
+            f"{template.name}: {name}({ours[name][0]}) should have the parameters ({params})"
+        )
+        assert ours[name][1] == doc, (
+            f"{template.name}: {name}'s docstring differs from the solution's"
+        )
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=IDS)
+def test_template_imports(solution: Path) -> None:
+    template = template_maker.template_path(solution)
+    name = f"{template.parent.name}.{template.stem}"
+    importlib.import_module(name)
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub makes for a page's headings."""
+    anchors = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            title = re.sub(r"[^\w\- ]", "", title)
+            anchors.add(title.replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=IDS)
+def test_every_todo_raises_naming_its_exercise_and_guidelines_section(solution: Path) -> None:
+    generated = ast.parse(template_maker.make_template(solution))
+    messages = []
+    for node in ast.walk(generated):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            func = node.exc.func
+            if isinstance(func, ast.Name) and func.id == "NotImplementedError":
+                arg = node.exc.args[0] if node.exc.args else None
+                assert isinstance(arg, ast.Constant), (
+                    f"line {node.lineno}: the TODO message must be a string"
+                )
+                messages.append((node.lineno, str(arg.value)))
+    regions = template_maker.todos(solution)
+    assert len(messages) == len(regions) > 0, (
+        f"{solution.name}: {len(regions)} TODO regions but {len(messages)} raises in the template"
+    )
+    for lineno, message in messages:
+        match = TODO_MESSAGE.match(message)
+        assert match, (
+            f"template line {lineno}: {message!r} should read "
+            "'TODO x.y: goal (see phase/guidelines.md#anchor)'"
+        )
+        assert match["id"] in BY_ID, (
+            f"template line {lineno}: exercise {match['id']} is not in tests/exercises.py"
+        )
+        guidelines = ROOT / match["phase"] / "guidelines.md"
+        assert guidelines.exists(), f"{guidelines.relative_to(ROOT)} is missing"
+        assert match["anchor"] in github_anchors(guidelines.read_text()), (
+            f"template line {lineno}: {guidelines.relative_to(ROOT)} has no heading "
+            f"for #{match['anchor']}"
+        )
+
+
+def test_no_solution_raises_not_implemented() -> None:
+    stubs = []
+    for path in sorted((ROOT / "solutions").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                    stubs.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not stubs, f"a solution must be complete, but these raise NotImplementedError: {stubs}"
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=IDS)
+def test_committed_template_is_what_the_generator_makes(solution: Path) -> None:
+    if impl() != "solutions":
+        pytest.skip("maintainers' check (--impl solutions): learners edit their templates")
+    template = template_maker.template_path(solution)
+    assert template.read_text() == template_maker.make_template(solution), (
+        f"{template.relative_to(ROOT)} drifted from {solution.relative_to(ROOT)}: run "
+        "`uv run python -m solutions.common.template_maker --write` and commit"
+    )
