@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from solutions.common.comm_counter import CommCounter
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
@@ -44,6 +44,7 @@ from solutions.common.distributed import (
 from solutions.common.models import MLP, BabyCNN
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
+from solutions.common.training import evaluate
 from phase1_data_parallel.template_all_reduce import (
     direct_exchange_all_reduce,
     reduce_broadcast_all_reduce,
@@ -229,25 +230,6 @@ def build_model(config: TrainConfig, spec: PatternSpec) -> nn.Module:
     if config.model == "cnn":
         return BabyCNN(in_channels=1, num_classes=spec.num_classes)
     return MLP(spec.image_size * spec.image_size, hidden=128, num_classes=spec.num_classes)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 256
-) -> float:
-    """Accuracy over the whole dataset: each rank scores a disjoint slice, counts are summed."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    indices = list(range(rank, len(dataset), world))  # type: ignore[arg-type]
-    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size)
-    model.eval()
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for inputs, targets in loader:
-        predictions = model(inputs.to(device)).argmax(dim=1)
-        counts[0] += (predictions == targets.to(device)).sum()
-        counts[1] += targets.numel()
-    model.train()
-    dist.all_reduce(counts)
-    return float(counts[0] / counts[1])
 
 
 def run_epoch(

@@ -58,6 +58,48 @@ EXERCISES = [
         ("trainer",),
         "14-the-data-parallel-trainer",
     ),
+    Exercise(
+        "2.1",
+        "gradient accumulation",
+        "phase2_advanced",
+        ("gradient_accumulation",),
+        "21-gradient-accumulation",
+    ),
+    Exercise(
+        "2.2",
+        "mixed precision and loss scaling",
+        "phase2_advanced",
+        ("mixed_precision",),
+        "22-mixed-precision",
+    ),
+    Exercise(
+        "2.3",
+        "activation checkpointing",
+        "phase2_advanced",
+        ("activation_checkpointing",),
+        "23-activation-checkpointing",
+    ),
+    Exercise(
+        "2.4",
+        "naive model parallelism",
+        "phase2_advanced",
+        ("model_parallel",),
+        "24-naive-model-parallelism",
+    ),
+    Exercise(
+        "2.5",
+        "pipeline parallelism",
+        "phase2_advanced",
+        ("pipeline_schedules", "pipeline_partition", "pipeline_executor"),
+        "25-pipeline-parallelism",
+    ),
+    Exercise(
+        "2.6",
+        "tensor parallelism",
+        "phase2_advanced",
+        ("tensor_parallel",),
+        "26-tensor-parallelism",
+    ),
 ]
 
 BY_ID = {exercise.id: exercise for exercise in EXERCISES}

@@ -78,6 +78,28 @@ def world_from_env() -> tuple[int, int, int, int]:
     return rank, world_size, local_rank, local_world_size
 
 
+def _become_world_of_one() -> None:
+    """Started with plain ``python -m`` rather than torchrun: run as a world of one process."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    print(
+        "note: WORLD_SIZE is not set, so this runs as a world of one process; use torchrun "
+        "(uv run torchrun --standalone --nproc_per_node=2 -m ...) for more",
+        flush=True,
+    )
+
+
 def setup_distributed(
     backend: str | None = None, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
 ) -> DistInfo:
@@ -86,6 +108,8 @@ def setup_distributed(
     Pins the CUDA device before the first collective (NCCL needs to know which GPU this rank
     owns) and keeps CPU ranks to one thread each, so N ranks on N cores do not oversubscribe.
     """
+    if "WORLD_SIZE" not in os.environ:
+        _become_world_of_one()
     rank, world_size, local_rank, local_world_size = world_from_env()
     backend = backend or choose_backend(local_world_size)
     device = device_for(backend, local_rank)

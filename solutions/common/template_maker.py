@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_LINE = 100  # ruff's line length (pyproject.toml)
 SOLUTION_START = "# >>> solution"
 SOLUTION_END = "# <<< solution"
 TODO_LINE = re.compile(r"#\s*TODO (?P<id>\d+\.\d+)\s*:\s*(?P<goal>.+?)\s*$")
@@ -89,12 +91,12 @@ def _parse_todo(block: list[str], where: str) -> Todo:
 
 
 def _raise_lines(indent: str, todo: Todo, phase: str) -> list[str]:
-    return [
-        f"{indent}raise NotImplementedError(",
-        f'{indent}    "TODO {todo.exercise}: {todo.goal} "',
-        f'{indent}    "(see {phase}/{todo.ref})"',
-        f"{indent})",
-    ]
+    """``raise NotImplementedError("TODO x.y: goal (see ...)")`` wrapped to the line length."""
+    width = MAX_LINE - len(indent) - 7  # four spaces, two quotes, one trailing space
+    goal = textwrap.wrap(f"TODO {todo.exercise}: {todo.goal}", width, break_long_words=False)
+    pieces = [*goal, f"(see {phase}/{todo.ref})"]
+    body = [f'{indent}    "{piece} "' for piece in pieces[:-1]] + [f'{indent}    "{pieces[-1]}"']
+    return [f"{indent}raise NotImplementedError(", *body, f"{indent})"]
 
 
 def make_template(solution: Path) -> str:
