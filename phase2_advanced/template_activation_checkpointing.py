@@ -1,0 +1,272 @@
+# Exercise template generated from solutions/phase2_advanced/activation_checkpointing.py.
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
+"""Exercise 2.3: activation checkpointing by hand, memory traded for recomputation.
+
+Backward needs activations from forward: a plain n-layer network keeps all n of them until
+backward reaches them. Checkpointing keeps only the *input* of a segment, runs the segment's
+forward without recording a graph, and in backward runs that forward again, this time recording,
+to get the activations just before they are needed (Chen et al., "Training Deep Nets with
+Sublinear Memory Cost", 2016). With n layers cut into k segments the peak is about
+k boundary activations + n/k activations of the segment being recomputed, smallest near
+k = sqrt(n): O(sqrt n) memory for one extra forward.
+
+Two details make recomputation *exact*:
+
+* RNG state. Dropout draws a new mask every call. The recomputed forward must draw the same
+  mask, so the RNG state is saved before the first forward and restored (inside
+  ``torch.random.fork_rng``, so the outer stream is untouched) before recomputing.
+* Autocast state. A forward under autocast must be recomputed under the same autocast.
+
+This mirrors PyTorch's reentrant ``torch.utils.checkpoint.checkpoint`` (torch/utils/checkpoint.py,
+``CheckpointFunction``) and its ``checkpoint_sequential``, with one difference: an extra
+zero-size tensor that requires grad is passed in, so the output requires grad even when no real
+input does (the reentrant version silently drops the parameters' gradients in that case).
+PyTorch now recommends its non-reentrant variant, built on ``saved_tensors_hooks``.
+
+    uv run torchrun --standalone --nproc_per_node=2 \
+        -m solutions.phase2_advanced.activation_checkpointing
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from solutions.common.datasets import PatternSpec, make_pattern_dataset
+from solutions.common.distributed import cleanup_distributed, setup_distributed
+from solutions.common.memory import SavedTensorMeter
+from solutions.common.rank_logging import log0
+from solutions.common.seeding import seed_everything
+from solutions.common.training import LoopConfig, train_data_parallel
+
+
+def _autocast_states() -> list[tuple[str, bool, torch.dtype]]:
+    """(device type, enabled, dtype) of autocast for CPU and, when present, CUDA."""
+    device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [
+        (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types
+    ]
+
+
+def _cuda_devices(tensors: Sequence[Any]) -> list[int]:
+    return sorted({t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Runs ``run_function(*args)`` without saving activations; recomputes them in backward.
+
+    ``forward(ctx, run_function, preserve_rng_state, anchor, *args)``: ``anchor`` is a zero-size
+    tensor with ``requires_grad=True`` that makes the output require grad whatever ``args`` are.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        run_function: Callable[..., Any],
+        preserve_rng_state: bool,
+        anchor: torch.Tensor,
+        *args: Any,
+    ) -> Any:
+        ctx.run_function = run_function
+        ctx.preserve_rng_state = preserve_rng_state
+        ctx.autocast_states = _autocast_states()
+        # TODO 2.3: remember what the recomputation needs, then run the forward without a graph.
+        # Invariant: nothing inside run_function is saved for backward (only the inputs are);
+        #   the RNG state saved is the one the forward below starts from.
+        # Hint 1: store torch.get_rng_state() (and torch.cuda.get_rng_state(d) for each CUDA
+        #   device among the inputs) on ctx when preserve_rng_state; keep the tensor inputs with
+        #   ctx.save_for_backward and the rest (positions, non-tensors) as ctx attributes;
+        #   compute under torch.no_grad().
+        # Hint 2: ctx.cpu_rng = torch.get_rng_state(); ctx.cuda_devices = _cuda_devices(args);
+        #   ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices];
+        #   ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)];
+        #   ctx.non_tensor_args = list(args) with None at tensor positions;
+        #   ctx.save_for_backward(*tensors); with torch.no_grad(): return run_function(*args)
+        # See guidelines.md#23-activation-checkpointing
+        raise NotImplementedError(
+            "TODO 2.3: remember what the recomputation needs, then run the forward without a graph "
+            "(see phase2_advanced/guidelines.md#23-activation-checkpointing)"
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        # TODO 2.3: recompute the forward with a graph, then backpropagate through it.
+        # Invariant: the recomputed forward sees the same inputs, RNG state and autocast state
+        #   as the first one, so its outputs (dropout masks included) are bitwise the same; the
+        #   caller's RNG stream is left as it was.
+        # Hint 1: rebuild the arguments with each saved tensor detached and given
+        #   requires_grad_(its original requires_grad); inside torch.random.fork_rng restore the
+        #   saved states, re-enter autocast (torch.autocast(device_type, enabled=, dtype=) for
+        #   each entry of ctx.autocast_states) and torch.enable_grad(), call run_function; then
+        #   torch.autograd.backward on the outputs that require grad with their grad_outputs.
+        # Hint 2: return (None, None, None, *grads) where grads[i] is the recomputation input's
+        #   .grad for tensor arguments and None for the others (one entry per forward input).
+        # See guidelines.md#23-activation-checkpointing
+        raise NotImplementedError(
+            "TODO 2.3: recompute the forward with a graph, then backpropagate through it "
+            "(see phase2_advanced/guidelines.md#23-activation-checkpointing)"
+        )
+
+
+class _reentered_autocast:
+    """Enter ``torch.autocast`` for each recorded (device type, enabled, dtype)."""
+
+    def __init__(self, states: list[tuple[str, bool, torch.dtype]]) -> None:
+        self.contexts = [torch.autocast(dt, enabled=on, dtype=dtype) for dt, on, dtype in states]
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(None, None, None)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
+    """``function(*args)``, keeping only ``args`` for backward and recomputing the rest."""
+    anchor = torch.empty(0, requires_grad=True)
+    return CheckpointFunction.apply(function, preserve_rng_state, anchor, *args)
+
+
+def _run_layers(functions: nn.Sequential, start: int, end: int) -> Callable[[Any], Any]:
+    def forward(x: Any) -> Any:
+        for index in range(start, end + 1):
+            x = functions[index](x)
+        return x
+
+    return forward
+
+
+def checkpoint_sequential(
+    functions: nn.Sequential, segments: int, input: torch.Tensor, preserve_rng_state: bool = True
+) -> torch.Tensor:
+    """Run ``functions`` in ``segments`` pieces; every piece but the last is checkpointed.
+
+    Pieces are ``len(functions) // segments`` layers long and the last piece takes the rest,
+    as in ``torch.utils.checkpoint.checkpoint_sequential``.
+    """
+    n = len(functions)
+    if not 1 <= segments <= n:
+        raise ValueError(
+            f"segments={segments} for {n} layers: use between 1 and {n} segments "
+            f"(about sqrt({n}) = {math.isqrt(n)} minimises memory)"
+        )
+    # TODO 2.3: checkpoint every segment but the last, which runs normally.
+    # Invariant: same result as functions(input); only segment inputs are kept for backward,
+    #   plus the activations of the last segment (its backward comes first, so recomputing it
+    #   would buy nothing).
+    # Hint 1: segment_size = n // segments; segments start at 0, size, 2*size, ... and the
+    #   last one runs from (segments - 1) * size to the end. _run_layers(functions, a, b) makes
+    #   a function running layers a..b inclusive.
+    # Hint 2: for start in range(0, size * (segments - 1), size): input = checkpoint(
+    #   _run_layers(functions, start, start + size - 1), input, preserve_rng_state=...);
+    #   return _run_layers(functions, size * (segments - 1), n - 1)(input)
+    # See guidelines.md#23-activation-checkpointing
+    raise NotImplementedError(
+        "TODO 2.3: checkpoint every segment but the last, which runs normally "
+        "(see phase2_advanced/guidelines.md#23-activation-checkpointing)"
+    )
+
+
+class CheckpointedSequential(nn.Module):
+    """An ``nn.Sequential`` whose forward runs through :func:`checkpoint_sequential`.
+
+    Wrapping it in DistributedDataParallel works: every parameter is still used once per
+    forward, and its gradient arrives once, during the recomputing backward.
+    """
+
+    def __init__(self, layers: nn.Sequential, segments: int) -> None:
+        super().__init__()
+        self.layers = layers
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return self.layers(x)
+        return checkpoint_sequential(self.layers, self.segments, x)
+
+
+def deep_mlp(
+    depth: int,
+    width: int,
+    in_features: int | None = None,
+    num_classes: int | None = None,
+    dropout: float = 0.0,
+) -> nn.Sequential:
+    """Linear -> ReLU (-> Dropout) blocks, ``depth`` of them: deep enough for checkpointing to
+    matter. ``in_features`` adds a Flatten + input projection, ``num_classes`` a classifier."""
+    layers: list[nn.Module] = []
+    if in_features is not None:
+        layers += [nn.Flatten(), nn.Linear(in_features, width)]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    if num_classes is not None:
+        layers.append(nn.Linear(width, num_classes))
+    for layer in layers:  # He initialisation keeps a deep ReLU stack trainable (He et al. 2015)
+        if isinstance(layer, nn.Linear):
+            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
+    return nn.Sequential(*layers)
+
+
+def peak_saved_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Peak bytes autograd holds for backward during one forward + backward of ``model``."""
+    with SavedTensorMeter(exclude=model.parameters()) as meter:
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="data-parallel training with checkpointing")
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--segments", type=int, default=0, help="default: about sqrt(layers)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train-samples", type=int, default=4096)
+    args = parser.parse_args(argv)
+    info = setup_distributed()
+    try:
+        seed_everything(0)
+        spec = PatternSpec()
+        layers = deep_mlp(args.depth, args.width, spec.image_size**2, spec.num_classes)
+        segments = args.segments or max(1, math.isqrt(len(layers)))
+        model = CheckpointedSequential(layers, segments).to(info.device)
+        sample = make_pattern_dataset(64, spec, split_seed=2)
+        x, y = (t.to(info.device) for t in sample.tensors)
+        plain, checkpointed = peak_saved_bytes(layers, x, y), peak_saved_bytes(model, x, y)
+        log0(
+            f"checkpointing: {len(layers)} layers in {segments} segments, world "
+            f"{info.world_size}; peak saved for backward per 64 samples: plain "
+            f"{plain / 2**20:.2f} MiB, checkpointed {checkpointed / 2**20:.2f} MiB "
+            f"({checkpointed / plain:.2f}x)"
+        )
+
+        def step(
+            ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+        ) -> float:
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+
+        config = LoopConfig(epochs=args.epochs, lr=0.02, train_samples=args.train_samples)
+        train_data_parallel(model, step, config, info)
+    finally:
+        cleanup_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Phase 2 reference solutions: advanced single node (memory, model, pipeline, tensor parallel)."""

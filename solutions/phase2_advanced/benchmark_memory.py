@@ -1,0 +1,153 @@
+"""Benchmark the memory/compute trade of phase 2, part 1: checkpointing, accumulation, bf16.
+
+One deep MLP, one batch, one optimizer step per repetition. For each way of running it the
+table shows the peak bytes autograd held for backward (``SavedTensorMeter``: works on CPU and
+GPU) and the median step time, both as ratios to the plain fp32 step. On a GPU it adds
+``torch.cuda.max_memory_allocated`` for the step (weights, gradients and optimizer state
+included).
+
+    uv run python -m solutions.phase2_advanced.benchmark_memory
+    uv run python -m solutions.phase2_advanced.benchmark_memory --depth 32 --width 1024 --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from solutions.common.memory import SavedTensorMeter
+from solutions.phase2_advanced.activation_checkpointing import checkpoint_sequential, deep_mlp
+from solutions.phase2_advanced.gradient_accumulation import (
+    accumulate_gradients,
+    split_micro_batches,
+)
+
+StepFn = Callable[[nn.Sequential, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    peak_saved_bytes: int
+    median_seconds: float
+    cuda_peak_bytes: int | None
+
+
+def plain(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def checkpointed(segments: int) -> StepFn:
+    def step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
+        nn.functional.cross_entropy(checkpoint_sequential(model, segments, x), y).backward()
+
+    return step
+
+
+def accumulated(micro_batches: int) -> StepFn:
+    def step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
+        size = math.ceil(len(x) / micro_batches)
+        accumulate_gradients(model, nn.functional.cross_entropy, split_micro_batches(x, y, size))
+
+    return step
+
+
+def bf16_autocast(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+
+
+def measure(
+    name: str,
+    step: StepFn,
+    model: nn.Sequential,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    repeats: int,
+) -> Row:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    cuda = x.device.type == "cuda"
+    times, peak, cuda_peak = [], 0, None
+    for _ in range(repeats + 1):  # the first run warms up allocators and kernels
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with SavedTensorMeter(exclude=model.parameters()) as meter:
+            step(model, x, y)
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+            cuda_peak = torch.cuda.max_memory_allocated()
+        times.append(time.perf_counter() - start)
+        peak = meter.peak_bytes
+    return Row(name, peak, statistics.median(times[1:]), cuda_peak)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    base = rows[0]
+    header = "| run | peak saved for backward MiB | vs plain | median step ms | vs plain |"
+    lines = [header, "|---|---:|---:|---:|---:|"]
+    if base.cuda_peak_bytes is not None:
+        lines[0] += " cuda max allocated MiB | vs plain |"
+        lines[1] += "---:|---:|"
+    for row in rows:
+        line = (
+            f"| {row.name} | {row.peak_saved_bytes / 2**20:.2f} | "
+            f"{row.peak_saved_bytes / base.peak_saved_bytes:.2f}x | "
+            f"{1e3 * row.median_seconds:.1f} | {row.median_seconds / base.median_seconds:.2f}x |"
+        )
+        if row.cuda_peak_bytes is not None and base.cuda_peak_bytes:
+            line += (
+                f" {row.cuda_peak_bytes / 2**20:.1f} | "
+                f"{row.cuda_peak_bytes / base.cuda_peak_bytes:.2f}x |"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run(depth: int, width: int, batch: int, repeats: int, device: torch.device) -> list[Row]:
+    torch.manual_seed(0)
+    model = deep_mlp(depth, width, num_classes=10).to(device)
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(10, (batch,), device=device)
+    layers = len(model)
+    sqrt_segments = max(2, math.isqrt(layers))
+    runs: list[tuple[str, StepFn]] = [("plain fp32", plain)]
+    for segments in sorted({2, sqrt_segments, layers // 2}):
+        runs.append((f"checkpoint, {segments} segments", checkpointed(segments)))
+    runs += [("accumulation, 4 micro-batches", accumulated(4)), ("bf16 autocast", bf16_autocast)]
+    return [measure(name, step, model, x, y, repeats) for name, step in runs]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="memory vs compute of phase 2 techniques")
+    parser.add_argument("--depth", type=int, default=24, help="Linear+ReLU blocks")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    rows = run(args.depth, args.width, args.batch, args.repeats, torch.device(args.device))
+    print(
+        f"deep MLP: {args.depth} x (Linear {args.width} + ReLU) + classifier, batch {args.batch}, "
+        f"{args.device}, torch {torch.__version__}"
+    )
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
