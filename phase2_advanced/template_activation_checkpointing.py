@@ -67,7 +67,7 @@ class CheckpointFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         run_function: Callable[..., Any],
         preserve_rng_state: bool,

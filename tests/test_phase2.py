@@ -222,7 +222,7 @@ def run_scaler_stream(scaler: Any, steps: int) -> tuple[list[float], list[bool],
 @exercise("2.2")
 def test_loss_scaler_follows_grad_scaler() -> None:
     precision = precision_module()
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "init_scale": 2.0**10,
         "growth_factor": 2.0,
         "backoff_factor": 0.25,

@@ -87,8 +87,11 @@ def test_template_imports(solution: Path) -> None:
 def github_anchors(markdown: str) -> set[str]:
     """The anchors GitHub makes for a page's headings."""
     anchors = set()
+    in_code = False
     for line in markdown.splitlines():
-        if line.startswith("#"):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif line.startswith("#") and not in_code:
             title = line.lstrip("#").strip().lower()
             title = re.sub(r"[^\w\- ]", "", title)
             anchors.add(title.replace(" ", "-"))

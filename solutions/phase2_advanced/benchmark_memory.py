@@ -132,9 +132,9 @@ def run(depth: int, width: int, batch: int, repeats: int, device: torch.device) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="memory vs compute of phase 2 techniques")
-    parser.add_argument("--depth", type=int, default=24, help="Linear+ReLU blocks")
+    parser.add_argument("--depth", type=int, default=16, help="Linear+ReLU blocks")
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
