@@ -44,7 +44,7 @@ from solutions.common.distributed import cleanup_distributed, setup_distributed
 from solutions.common.memory import SavedTensorMeter
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, train_data_parallel
+from solutions.common.training import LoopConfig, global_batch_error, train_data_parallel
 
 
 def _autocast_states() -> list[tuple[str, bool, torch.dtype]]:
@@ -132,7 +132,8 @@ class _reentered_autocast:
 
 def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
     """``function(*args)``, keeping only ``args`` for backward and recomputing the rest."""
-    anchor = torch.empty(0, requires_grad=True)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    anchor = torch.empty(0, device=device, requires_grad=True)
     return CheckpointFunction.apply(function, preserve_rng_state, anchor, *args)
 
 
@@ -156,8 +157,8 @@ def checkpoint_sequential(
     n = len(functions)
     if not 1 <= segments <= n:
         raise ValueError(
-            f"segments={segments} for {n} layers: use between 1 and {n} segments "
-            f"(about sqrt({n}) = {math.isqrt(n)} minimises memory)"
+            f"segments={segments} for {n} layers: use between 1 and {n} segments (about the "
+            "square root of the number of layers that save activations minimises memory)"
         )
     # TODO 2.3: checkpoint every segment but the last, which runs normally.
     # Invariant: same result as functions(input); only segment inputs are kept for backward,
@@ -231,16 +232,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="data-parallel training with checkpointing")
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--segments", type=int, default=0, help="default: about sqrt(layers)")
+    parser.add_argument("--segments", type=int, default=0, help="default: about sqrt(depth)")
+    parser.add_argument("--global-batch-size", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--train-samples", type=int, default=4096)
     args = parser.parse_args(argv)
+    if (error := global_batch_error(args.global_batch_size)) is not None:
+        return error
     info = setup_distributed()
     try:
         seed_everything(0)
         spec = PatternSpec()
         layers = deep_mlp(args.depth, args.width, spec.image_size**2, spec.num_classes)
-        segments = args.segments or max(1, math.isqrt(len(layers)))
+        # a Linear+ReLU block keeps one activation: sqrt of the block count minimises memory
+        segments = args.segments or max(2, math.isqrt(args.depth))
         model = CheckpointedSequential(layers, segments).to(info.device)
         sample = make_pattern_dataset(64, spec, split_seed=2)
         x, y = (t.to(info.device) for t in sample.tensors)
@@ -261,7 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             optimizer.step()
             return loss.item()
 
-        config = LoopConfig(epochs=args.epochs, lr=0.02, train_samples=args.train_samples)
+        config = LoopConfig(
+            epochs=args.epochs,
+            global_batch_size=args.global_batch_size,
+            lr=0.01,
+            train_samples=args.train_samples,
+        )
         train_data_parallel(model, step, config, info)
     finally:
         cleanup_distributed()

@@ -33,7 +33,12 @@ from solutions.common.distributed import cleanup_distributed, env_int, setup_dis
 from solutions.common.models import BabyCNN
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, check_global_batch, train_data_parallel
+from solutions.common.training import (
+    LoopConfig,
+    check_global_batch,
+    global_batch_error,
+    train_data_parallel,
+)
 from solutions.phase1_data_parallel.trainer import average_gradients
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -184,13 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--train-samples", type=int, default=4096)
     args = parser.parse_args(argv)
-    world = env_int("WORLD_SIZE", 1)
-    try:
-        per_rank = check_global_batch(args.global_batch_size, world)
-    except ValueError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: --global-batch-size: {err}", file=sys.stderr)
-        return 2
+    if (error := global_batch_error(args.global_batch_size)) is not None:
+        return error
+    per_rank = check_global_batch(args.global_batch_size, env_int("WORLD_SIZE", 1))
     info = setup_distributed()
     try:
         seed_everything(0)

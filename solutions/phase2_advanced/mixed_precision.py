@@ -37,7 +37,7 @@ from solutions.common.distributed import cleanup_distributed, setup_distributed
 from solutions.common.models import BabyCNN
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, train_data_parallel
+from solutions.common.training import LoopConfig, global_batch_error, train_data_parallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -273,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--train-samples", type=int, default=4096)
     args = parser.parse_args(argv)
+    if (error := global_batch_error(args.global_batch_size)) is not None:
+        return error
     info = setup_distributed()
     try:
         seed_everything(0)
