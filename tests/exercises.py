@@ -97,7 +97,7 @@ EXERCISES = [
         "2.6",
         "tensor parallelism",
         "phase2_advanced",
-        ("tensor_parallel",),
+        ("tensor_parallel_ops", "tensor_parallel_layers", "tensor_parallel"),
         "26-tensor-parallelism",
     ),
 ]

@@ -1,0 +1,309 @@
+"""Exercise 2.6, part 2: column- and row-parallel linear layers (Megatron-LM, section 3).
+
+A linear layer computes ``y = x W^T + b`` with ``W`` of shape [out, in]. Its weight can be split
+across n ranks in two ways, and each needs different communication::
+
+    column-parallel: split W's rows (output features)   row-parallel: split W's columns (inputs)
+
+      x (replicated) --f--> x W_r^T + b_r = y_r            x_r (sliced) --> x_r W_r^T = p_r
+      rank r holds out/n of y's features                   rank r holds a partial sum of all of y
+      gather_output: all-gather y_r -> y                   y = g(sum_r p_r) + b   (bias ONCE, after)
+
+Column then row, with no communication between them, is Megatron's MLP: the column layer's
+output slice is exactly the row layer's input slice, so the pair costs one all-reduce in forward
+(g) and one in backward (f).
+
+The bias of a row-parallel layer is replicated and added once, after the reduction: added before
+it on every rank, the output would hold n biases; added before it on rank 0 only, the output is
+right but only rank 0's copy of the bias receives a gradient. guidelines.md#26-tensor-parallelism
+works through both.
+
+Both layers are built from a dense ``nn.Linear`` (``from_dense``) so that tests and the demo can
+compare them with it. PyTorch's counterparts are ``ColwiseParallel`` / ``RowwiseParallel`` in
+``torch.distributed.tensor.parallel`` (see tensor_parallel.py's ``library_parallel_mlp``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from solutions.phase2_advanced.tensor_parallel_ops import (
+    Group,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+    tp_rank_and_size,
+)
+
+
+def check_divisible(size: int, what: str, tp_size: int) -> None:
+    """Refuse a split into unequal slices, before any communication, saying how to fix it."""
+    if tp_size < 1:
+        raise ValueError(f"tensor-parallel size {tp_size}: need at least one rank")
+    if size % tp_size:
+        nearest = max(tp_size, round(size / tp_size) * tp_size)
+        divisors = [str(d) for d in range(2, min(size, 16) + 1) if size % d == 0]
+        sizes = f" (e.g. {', '.join(divisors)})" if divisors else ""
+        raise ValueError(
+            f"{what} {size} is not divisible by the tensor-parallel size {tp_size}: every rank "
+            f"must hold an equal slice; make the {what} a multiple of {tp_size} "
+            f"(e.g. {nearest}) or a tensor-parallel size that divides {size}{sizes}"
+        )
+
+
+def column_shard(
+    weight: torch.Tensor, rank: int, world_size: int, fused_parts: int = 1
+) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``weight`` (or entries of a bias) for a column-parallel layer.
+
+    ``fused_parts`` > 1 says that the output features are that many equal matrices stacked (a
+    fused QKV projection: [q; k; v]); the rank then takes its slice of *each* part, so it gets
+    the q, k and v of the same heads. Returns a copy.
+    """
+    if weight.shape[0] % fused_parts:
+        raise ValueError(
+            f"{weight.shape[0]} output features cannot be {fused_parts} equal fused parts"
+        )
+    check_divisible(weight.shape[0] // fused_parts, "output size", world_size)
+    # TODO 2.6: take this rank's equal slice of dim 0, from each of the fused_parts blocks.
+    # Invariant: result.shape[0] == weight.shape[0] // world_size; with fused_parts == 1 it
+    #   is rows [rank*w, (rank+1)*w); with parts, it is those rows of every part, in order.
+    # Hint 1: torch.chunk(weight, fused_parts) gives the blocks; slice each, then concatenate.
+    # Hint 2: w = weight.shape[0] // fused_parts // world_size; return torch.cat([block[rank
+    #   * w:(rank + 1) * w] for block in weight.chunk(fused_parts)]).clone()
+    # See guidelines.md#26-tensor-parallelism
+    # >>> solution
+    width = weight.shape[0] // fused_parts // world_size
+    blocks = weight.chunk(fused_parts, dim=0)
+    return torch.cat([block[rank * width : (rank + 1) * width] for block in blocks]).clone()
+    # <<< solution
+
+
+def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s columns (input features) of ``weight`` for a row-parallel layer (a copy)."""
+    check_divisible(weight.shape[1], "input size", world_size)
+    # TODO 2.6: take this rank's equal slice of the weight's input dimension (dim 1).
+    # Invariant: result.shape == (out, in // world_size): columns [rank*w, (rank+1)*w).
+    # Hint 1: the input features of a row-parallel layer are split, and W is [out, in].
+    # Hint 2: w = weight.shape[1] // world_size; return weight[:, rank*w:(rank+1)*w].clone()
+    # See guidelines.md#26-tensor-parallelism
+    # >>> solution
+    width = weight.shape[1] // world_size
+    return weight[:, rank * width : (rank + 1) * width].clone()
+    # <<< solution
+
+
+def _uniform_like_linear(tensor: torch.Tensor, fan_in: int) -> None:
+    """nn.Linear's default initialisation bound, from the *dense* layer's fan-in."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(tensor, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's rows (output features) split across the group's ranks.
+
+    The input is replicated on every rank; the output is this rank's slice of y's features, or
+    the whole y when ``gather_output`` (an all-gather in forward, a slice in backward).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        group: Group = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.rank, self.tp_size = tp_rank_and_size(group)
+        check_divisible(out_features, "output size", self.tp_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.group = group
+        local = out_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
+        with torch.no_grad():  # each rank draws its own rows: they are different rows anyway
+            _uniform_like_linear(self.weight, in_features)
+            if self.bias is not None:
+                _uniform_like_linear(self.bias, in_features)
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        group: Group = None,
+        *,
+        gather_output: bool = False,
+        fused_parts: int = 1,
+    ) -> ColumnParallelLinear:
+        """This rank's shard of a dense layer (copied; ``linear`` is left unchanged)."""
+        return cls.from_weights(
+            linear.weight,
+            linear.bias,
+            group,
+            gather_output=gather_output,
+            fused_parts=fused_parts,
+        )
+
+    @classmethod
+    def from_weights(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group = None,
+        *,
+        gather_output: bool = False,
+        fused_parts: int = 1,
+    ) -> ColumnParallelLinear:
+        """Like :meth:`from_dense`, from a dense [out, in] weight and [out] bias."""
+        rank, tp_size = tp_rank_and_size(group)
+        check_divisible(weight.shape[0] // fused_parts, "output size", tp_size)
+        out_features, in_features = weight.shape
+        layer = cls(
+            in_features,
+            out_features,
+            bias is not None,
+            gather_output=gather_output,
+            group=group,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(column_shard(weight, rank, tp_size, fused_parts))
+            if bias is not None and layer.bias is not None:
+                layer.bias.copy_(column_shard(bias, rank, tp_size, fused_parts))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TODO 2.6: column-parallel forward: f, this rank's slice of the linear, maybe gather.
+        # Invariant: output == dense output's features [rank*w, (rank+1)*w) (all of them
+        #   with gather_output); in backward, dL/dx is summed over ranks (f does it).
+        # Hint 1: copy_to_tensor_parallel_region is f; F.linear(x, weight, bias) is the local
+        #   product with this rank's bias slice; gather_from_tensor_parallel_region gathers.
+        # Hint 2: y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight,
+        #   self.bias); return gather_from_tensor_parallel_region(y, self.group) if
+        #   self.gather_output else y
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        local_output = F.linear(
+            copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias
+        )
+        if self.gather_output:
+            return gather_from_tensor_parallel_region(local_output, self.group)
+        return local_output
+        # <<< solution
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"({self.out_features // self.tp_size} on this rank), bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's columns (input features) split across the group's ranks.
+
+    The input is this rank's slice of x's features (``input_is_parallel``, e.g. a column-parallel
+    layer's output) or the whole x, which is then sliced here. Each rank computes a partial sum;
+    g all-reduces it; the bias, replicated on every rank, is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = False,
+        group: Group = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.rank, self.tp_size = tp_rank_and_size(group)
+        check_divisible(in_features, "input size", self.tp_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.group = group
+        local = in_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
+        # Replicated: it must start equal on every rank, and zeros are (Megatron does the same).
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
+        with torch.no_grad():
+            _uniform_like_linear(self.weight, in_features)
+
+    @classmethod
+    def from_dense(
+        cls, linear: nn.Linear, group: Group = None, *, input_is_parallel: bool = False
+    ) -> RowParallelLinear:
+        """This rank's shard of a dense layer (copied; ``linear`` is left unchanged)."""
+        return cls.from_weights(
+            linear.weight, linear.bias, group, input_is_parallel=input_is_parallel
+        )
+
+    @classmethod
+    def from_weights(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group = None,
+        *,
+        input_is_parallel: bool = False,
+    ) -> RowParallelLinear:
+        """Like :meth:`from_dense`, from a dense [out, in] weight and [out] bias."""
+        rank, tp_size = tp_rank_and_size(group)
+        out_features, in_features = weight.shape
+        layer = cls(
+            in_features,
+            out_features,
+            bias is not None,
+            input_is_parallel=input_is_parallel,
+            group=group,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(row_shard(weight, rank, tp_size))
+            if bias is not None and layer.bias is not None:
+                layer.bias.copy_(bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TODO 2.6: row-parallel forward: maybe slice x, local product, g, then the bias once.
+        # Invariant: output == the dense layer's output on every rank, with exactly one bias;
+        #   every rank's bias receives the same (full) gradient; one all-reduce in forward.
+        # Hint 1: scatter_to_tensor_parallel_region slices a replicated x; F.linear without
+        #   the bias gives this rank's partial sum; reduce_from_tensor_parallel_region is g.
+        #   Adding the bias before g would add it once per rank (or, on one rank only, leave
+        #   the other ranks' bias copies without a gradient).
+        # Hint 2: if not self.input_is_parallel: x = scatter_to_tensor_parallel_region(x, g);
+        #   y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group);
+        #   return y + self.bias if self.bias is not None else y
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        output = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+        # <<< solution
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} ({self.in_features // self.tp_size} on this rank), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )

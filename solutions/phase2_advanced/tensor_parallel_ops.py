@@ -1,0 +1,187 @@
+"""Exercise 2.6, part 1: the communication of tensor parallelism, as autograd Functions.
+
+Tensor parallelism splits single weight matrices across ranks. Every rank then holds a *slice*
+of an activation, or a *partial sum* of it, and the layers need four conversions between the
+"replicated", "sliced" and "partial" states, each with a matching backward. Megatron-LM (Shoeybi
+et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism",
+2019, section 3) names the first two f and g::
+
+    operator                          forward                       backward
+    f  copy_to_tensor_parallel_region identity                      all-reduce (sum)
+    g  reduce_from_..._region         all-reduce (sum)              identity
+       gather_from_..._region         all-gather along last dim     keep this rank's slice
+       scatter_to_..._region          keep this rank's slice        all-gather along last dim
+
+Each pair is the transpose of the other: if the forward of y = op(x) sends x's pieces to every
+rank, the backward must collect every rank's contribution to dL/dx. f sits where a replicated
+activation enters a column-parallel layer: each rank's slice of the layer uses all of x, so dL/dx
+is the *sum* of every rank's contribution. g sits where a row-parallel layer's partial sums leave:
+the sum is replicated, and its gradient already is too.
+
+Writing them as ``torch.autograd.Function`` lets autograd call the right collective in backward;
+the collectives are plain ``dist.all_reduce`` / ``dist.all_gather`` calls, so tests can count them.
+Megatron's own versions live in megatron/core/tensor_parallel/mappings.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def tp_rank_and_size(group: Group = None) -> tuple[int, int]:
+    """This rank's index in the tensor-parallel group, and the group's size (no communication)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def last_dim_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's equal slice of ``tensor``'s last dimension (a view)."""
+    size = tensor.shape[-1]
+    if size % world_size:
+        raise ValueError(
+            f"last dimension {size} is not divisible by the tensor-parallel size {world_size}: "
+            "every rank must hold an equal slice"
+        )
+    width = size // world_size
+    return tensor[..., rank * width : (rank + 1) * width]
+
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """Megatron's f: identity in forward, all-reduce (sum) of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        # TODO 2.6: f's forward: pass the replicated activation through unchanged.
+        # Invariant: the output has the input's values; no communication in forward.
+        # Hint 1: every rank already holds the whole activation.
+        # Hint 2: return tensor.view_as(tensor) (a new tensor object autograd can attach
+        #   this Function to, sharing the input's memory).
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        return tensor.view_as(tensor)
+        # <<< solution
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # TODO 2.6: f's backward: sum the gradient over the tensor-parallel group.
+        # Invariant: every rank returns the same tensor: the sum of all ranks' grad_output
+        #   (each rank's weight slice contributed its own part of dL/dx); one all-reduce.
+        # Hint 1: all-reduce works in place; grad_output may be shared with autograd or not
+        #   contiguous, so reduce a contiguous copy. Return one gradient per forward input
+        #   (None for the group).
+        # Hint 2: grad = grad_output.contiguous().clone(); dist.all_reduce(grad,
+        #   group=ctx.group); return grad, None
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        grad = grad_output.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+        # <<< solution
+
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """Megatron's g: all-reduce (sum) in forward, identity in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        # TODO 2.6: g's forward: sum the partial results of all ranks.
+        # Invariant: every rank returns the same tensor, the sum of all ranks' inputs; the
+        #   input itself is not modified; one all-reduce.
+        # Hint 1: all-reduce in place on a copy, so the caller's tensor stays intact.
+        # Hint 2: total = tensor.contiguous().clone(); dist.all_reduce(total, group=group);
+        #   return total
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+        # <<< solution
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # TODO 2.6: g's backward: the gradient of a replicated sum is the same on every rank.
+        # Invariant: no communication; each partial input gets the full output gradient,
+        #   since d(sum_r p_r)/d p_r = 1.
+        # Hint 1: nothing to reduce: every rank already holds dL/dy.
+        # Hint 2: return grad_output, None
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        return grad_output, None
+        # <<< solution
+
+
+class GatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather of the last dimension in forward; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        # TODO 2.6: concatenate every rank's slice along the last dimension, in rank order.
+        # Invariant: every rank returns the same tensor, whose last dimension is world_size
+        #   times the input's; rank r's input lands at positions [r*w, (r+1)*w).
+        # Hint 1: dist.all_gather fills a list of equally shaped buffers, one per rank.
+        # Hint 2: _, n = tp_rank_and_size(group); parts = [torch.empty_like(t) for _ in
+        #   range(n)] with t = tensor.contiguous(); dist.all_gather(parts, t, group=group);
+        #   return torch.cat(parts, dim=-1)
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        _, world_size = tp_rank_and_size(group)
+        local = tensor.contiguous()
+        parts = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts, dim=-1)
+        # <<< solution
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # TODO 2.6: the gradient of this rank's input is its own slice of the output gradient.
+        # Invariant: no communication; the result has the input's shape.
+        # Hint 1: every rank holds the full dL/dy (the output was replicated); only the part
+        #   that came from this rank's input belongs to it.
+        # Hint 2: rank, n = tp_rank_and_size(ctx.group);
+        #   return last_dim_slice(grad_output, rank, n).contiguous(), None
+        # See guidelines.md#26-tensor-parallelism
+        # >>> solution
+        rank, world_size = tp_rank_and_size(ctx.group)
+        return last_dim_slice(grad_output, rank, world_size).contiguous(), None
+        # <<< solution
+
+
+class ScatterToTensorParallelRegion(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension in forward; all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        rank, world_size = tp_rank_and_size(group)
+        return last_dim_slice(tensor, rank, world_size).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The transpose of the forward slice: gather every rank's slice of the gradient.
+        return GatherFromTensorParallelRegion.apply(grad_output, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """f: identity forward, all-reduce backward (where a replicated input enters the layer)."""
+    return CopyToTensorParallelRegion.apply(tensor, group)
+
+
+def reduce_from_tensor_parallel_region(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (where partial sums leave the layer)."""
+    return ReduceFromTensorParallelRegion.apply(tensor, group)
+
+
+def gather_from_tensor_parallel_region(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """All-gather the last dimension; backward keeps this rank's slice."""
+    return GatherFromTensorParallelRegion.apply(tensor, group)
+
+
+def scatter_to_tensor_parallel_region(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; backward all-gathers."""
+    return ScatterToTensorParallelRegion.apply(tensor, group)
