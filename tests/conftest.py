@@ -44,6 +44,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[IMPL_ENV] = config.getoption("--impl")
     config.addinivalue_line("markers", "exercise(id): the exercise a test grades")
     config.addinivalue_line("markers", "harness: tests of the grading harness itself")
+    config.addinivalue_line(
+        "markers",
+        "reference: checks the reference or library way beside an exercise (runs with the "
+        "exercise's marker, not counted on the scoreboard: it grades no learner code)",
+    )
     for ex in EXERCISES:
         config.addinivalue_line("markers", f"{ex.marker}: exercise {ex.id}, {ex.title}")
 
@@ -110,7 +115,7 @@ def pytest_runtest_makereport(
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     ids = [ex.id for ex in EXERCISES if ex.marker in report.keywords]
-    if not ids:
+    if not ids or "reference" in report.keywords:
         return
     counted = report.when == "call" or (report.when == "setup" and not report.passed)
     if not counted:

@@ -848,6 +848,7 @@ def library_worker() -> dict[str, Any]:
 
 
 @exercise("2.6")
+@pytest.mark.reference
 def test_library_tensor_parallel_mlp_equals_dense() -> None:
     world_size = 2
     dense = make_dense_mlp()

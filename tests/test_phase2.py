@@ -500,4 +500,5 @@ def test_checkpointed_model_trains_under_ddp() -> None:
 # Model, pipeline and tensor parallelism are graded in their own modules (small files); their
 # tests are imported here so that `uv run pytest tests/test_phase2.py` grades the whole phase.
 from grade_phase2_parallel import *  # noqa: E402, F403
+from grade_phase2_pipeline import *  # noqa: E402, F403
 

@@ -1,0 +1,109 @@
+# Exercise template generated from solutions/phase2_advanced/pipeline_partition.py.
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
+"""Exercise 2.5 (partition): cut an ``nn.Sequential`` into p contiguous, balanced stages.
+
+A pipeline runs at the pace of its slowest stage: in steady state every stage waits for it. So
+the stages should cost about the same, where cost is what limits the run: parameter count when
+memory does, measured time per layer when speed does. Cutting a list of n layer costs into p
+contiguous, non-empty pieces so that the most expensive piece is as cheap as possible is the
+classic *linear partition* problem (Skiena, "The Algorithm Design Manual", section 8.5), solved
+exactly by dynamic programming in O(p·n²). GPipe's library (torchgpipe, Kim et al. 2020,
+"balance by time" and "balance by size") and PipeDream's planner solve versions of it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def check_partition_args(costs: Sequence[float], num_stages: int) -> None:
+    """Refuse what cannot be cut: no stages, more stages than layers, negative costs."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages}: a pipeline needs at least one stage")
+    if num_stages > len(costs):
+        raise ValueError(
+            f"{num_stages} stages but the model has {len(costs)} layers: every stage needs at "
+            f"least one layer, so use at most {len(costs)} stages or a deeper model"
+        )
+    negative = [i for i, cost in enumerate(costs) if cost < 0]
+    if negative:
+        raise ValueError(f"layer costs must be >= 0; layers {negative} have negative costs")
+
+
+def stage_costs(costs: Sequence[float], parts: Sequence[range]) -> list[float]:
+    """The summed cost of each part."""
+    return [sum(costs[i] for i in part) for part in parts]
+
+
+def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
+    """Cut layers 0..n-1 into ``num_stages`` contiguous non-empty ranges, minimising the largest
+    summed cost. Returns the ranges in order; they cover every layer exactly once."""
+    check_partition_args(costs, num_stages)
+    # TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest.
+    # Invariant: the ranges are non-empty, in order, and cover 0..n-1 exactly; no other split
+    #   into num_stages contiguous pieces has a smaller maximum piece cost.
+    # Hint 1: dynamic programming over prefixes: best[k][j] = the smallest possible maximum
+    #   when the first j layers form k stages. The last stage is layers i..j-1 for some i, so
+    #   best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1). Remember which i
+    #   won, then walk back from best[num_stages][n]. Prefix sums give any piece's cost in O(1).
+    # Hint 2: prefix = [0, c0, c0+c1, ...]; best[1][j] = prefix[j]; for k in 2..p, for j in
+    #   k..n, for i in k-1..j-1: candidate = max(best[k-1][i], prefix[j] - prefix[i]); keep the
+    #   smallest and cut[k][j] = i. Then end = n; for k = p..1: start = cut[k][end] (0 when
+    #   k == 1); parts.insert(0, range(start, end)); end = start.
+    # See guidelines.md#25-pipeline-parallelism
+    raise NotImplementedError(
+        "TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest "
+        "(see phase2_advanced/guidelines.md#25-pipeline-parallelism)"
+    )
+
+
+def parameter_costs(model: nn.Sequential) -> list[int]:
+    """Number of parameters of each layer: balance this when memory is what limits."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in model]
+
+
+def measure_layer_costs(
+    model: nn.Sequential, example_input: torch.Tensor, repeats: int = 5
+) -> list[float]:
+    """Median seconds of forward + backward of each layer alone, on ``example_input``'s path.
+
+    Balance this when speed is what limits. The input of each layer is the previous layer's
+    output, so shapes (and costs) are the real ones. Times are noisy on a busy machine: give
+    ``repeats`` enough to see through it.
+    """
+    costs: list[float] = []
+    x = example_input
+    for layer in model:
+        times = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            times.append(time.perf_counter() - start)
+        costs.append(statistics.median(times))
+        with torch.no_grad():
+            x = layer(x)
+    return costs
+
+
+def split_model(model: nn.Sequential, parts: Sequence[range]) -> list[nn.Sequential]:
+    """The stages as ``nn.Sequential``s sharing the model's layers (no copies)."""
+    return [nn.Sequential(*(model[i] for i in part)) for part in parts]
+
+
+def partition_model(
+    model: nn.Sequential, num_stages: int, costs: Sequence[float] | None = None
+) -> list[nn.Sequential]:
+    """Cut ``model`` into ``num_stages`` balanced stages, by ``costs`` or else by parameters."""
+    chosen = parameter_costs(model) if costs is None else list(costs)
+    if len(chosen) != len(model):
+        raise ValueError(f"{len(chosen)} costs for a model of {len(model)} layers: give one each")
+    return split_model(model, balanced_partition(chosen, num_stages))

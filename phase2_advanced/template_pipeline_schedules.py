@@ -1,0 +1,223 @@
+# Exercise template generated from solutions/phase2_advanced/pipeline_schedules.py.
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
+"""Exercise 2.5 (schedules): which forward and backward each pipeline stage runs, in what order.
+
+A pipeline cuts a model into p stages, one per rank, and the batch into m micro-batches. A
+schedule is a pure function of (p, m): for each rank, the ordered list of actions "forward of
+micro-batch i" and "backward of micro-batch i". Nothing here touches a process group, so
+schedules can be tested, simulated (``pipeline_simulation.py``) and drawn without processes;
+``pipeline_executor.py`` runs any of them over point-to-point messages.
+
+* **GPipe** (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+  Parallelism", NeurIPS 2019), also called all-forward-all-backward: every stage runs the m
+  forwards, then the m backwards. A stage holds the activations of all m micro-batches at once.
+* **1F1B** (PipeDream-Flush: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+  Training", ICML 2021): rank r runs min(p - r - 1, m) warm-up forwards, then alternates one
+  forward and one backward, then drains the remaining backwards. Same bubble as GPipe, but at
+  most p - r micro-batches are in flight on rank r instead of m.
+* **Interleaved 1F1B** (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC 2021): the model is cut into p·v stages and rank r holds the v
+  chunks at virtual stages r, r + p, r + 2p, ...; the bubble shrinks about v times for v times
+  more messages. Micro-batches go through the chunks in groups of p, so m must be a multiple of p.
+
+Both bubble formulas assume a backward costs a fixed multiple of a forward and messages are free:
+GPipe and 1F1B idle (p-1)/(m+p-1) of the step on every stage, interleaved (p-1)/(v·m+p-1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+FORWARD: Literal["forward"] = "forward"
+BACKWARD: Literal["backward"] = "backward"
+ActionKind = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work on one rank: ``kind`` of ``microbatch`` through local model ``chunk``.
+
+    ``chunk`` is 0 except in interleaved schedules, where rank r's chunk c is virtual stage
+    ``c * p + r`` (see :func:`virtual_stage`).
+    """
+
+    kind: ActionKind
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        """``F3`` / ``B3``, or ``F3c1`` for chunk 1: short enough for ASCII timelines."""
+        suffix = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.kind[0].upper()}{self.microbatch}{suffix}"
+
+
+Schedule = list[list[Action]]  # schedule[rank] = that rank's actions, in order
+
+
+def forward(microbatch: int, chunk: int = 0) -> Action:
+    return Action(FORWARD, microbatch, chunk)
+
+
+def backward(microbatch: int, chunk: int = 0) -> Action:
+    return Action(BACKWARD, microbatch, chunk)
+
+
+def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
+    """The position in the whole model of ``rank``'s ``chunk``: chunk-major, as in Megatron-LM."""
+    return chunk * num_stages + rank
+
+
+def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
+    """Refuse sizes no schedule can run, naming the value and a fix."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages}: a pipeline needs at least one stage")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches}: split the batch at least once")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks={num_chunks}: every rank holds at least one model chunk")
+
+
+# ----------------------------------------------------------------------------- exercise 2.5
+
+
+def gpipe_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Rank ``rank``'s GPipe actions: every forward, then every backward, micro-batch 0 first."""
+    check_sizes(num_stages, num_microbatches)
+    # TODO 2.5: list the GPipe (all-forward-all-backward) actions of one rank.
+    # Invariant: each micro-batch's forward comes before its backward; this rank holds all m
+    #   micro-batches' activations at the turn from forwards to backwards.
+    # Hint 1: the order is the same on every rank: the rank only decides *when* it can start
+    #   (the executor and the simulator wait for the neighbours), not *what* comes next.
+    # Hint 2: [forward(i) for i in range(m)] + [backward(i) for i in range(m)]
+    # See guidelines.md#25-pipeline-parallelism
+    raise NotImplementedError(
+        "TODO 2.5: list the GPipe (all-forward-all-backward) actions of one rank "
+        "(see phase2_advanced/guidelines.md#25-pipeline-parallelism)"
+    )
+
+
+def one_f_one_b_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Rank ``rank``'s 1F1B (PipeDream-Flush) actions: warm-up, steady 1F1B, cool-down."""
+    check_sizes(num_stages, num_microbatches)
+    # TODO 2.5: list the 1F1B actions of one rank: warm-up forwards, steady 1F1B, cool-down.
+    # Invariant: rank r never holds more than min(p - r, m) micro-batches' activations (run a
+    #   backward as soon as the next forward would exceed that); forwards and backwards each
+    #   go through the micro-batches in order 0, 1, ..., m-1.
+    # Hint 1: rank r must run p - r - 1 forwards before the first gradient can come back to it
+    #   (it goes down to the last stage and back), but never more than m. After that, every
+    #   forward is followed by the oldest pending backward; the last backwards drain alone.
+    # Hint 2: warmup = min(p - r - 1, m); actions = forwards 0..warmup-1; then for i in
+    #   range(m - warmup): forward(warmup + i), backward(i); then backwards m-warmup..m-1.
+    # See guidelines.md#25-pipeline-parallelism
+    raise NotImplementedError(
+        "TODO 2.5: list the 1F1B actions of one rank: warm-up forwards, steady 1F1B, cool-down "
+        "(see phase2_advanced/guidelines.md#25-pipeline-parallelism)"
+    )
+
+
+# ----------------------------------------------------------------------------- interleaved
+
+
+def check_interleaved_sizes(num_stages: int, num_microbatches: int, num_chunks: int) -> None:
+    """Interleaving moves micro-batches through each chunk in groups of p: m must divide by p."""
+    check_sizes(num_stages, num_microbatches, num_chunks)
+    if num_microbatches % num_stages:
+        multiple = num_stages * max(1, round(num_microbatches / num_stages))
+        raise ValueError(
+            f"interleaved 1F1B needs the number of micro-batches to be a multiple of the number "
+            f"of stages, got m={num_microbatches} for p={num_stages}: use m={multiple}, or the "
+            "gpipe or 1f1b schedule"
+        )
+
+
+def interleaved_rank_actions(
+    rank: int, num_stages: int, num_microbatches: int, num_chunks: int
+) -> list[Action]:
+    """Rank ``rank``'s interleaved 1F1B actions over its ``num_chunks`` model chunks.
+
+    Megatron-LM's ``forward_backward_pipelining_with_interleaving``: the k-th forward of a rank
+    (k = 0 .. m·v - 1) runs chunk (k mod p·v) // p on micro-batch (k // p·v)·p + k mod p,
+    that is p micro-batches through chunk 0, the same p through chunk 1, ..., then the next p.
+    The k-th backward does the same with the chunks in reverse order. Rank r warms up with
+    2(p - r - 1) + (v - 1)·p forwards (capped at m·v), then alternates, then drains.
+    """
+    check_interleaved_sizes(num_stages, num_microbatches, num_chunks)
+    p, v = num_stages, num_chunks
+    total = num_microbatches * v
+
+    def nth(k: int, kind: ActionKind) -> Action:
+        position = k % (p * v)
+        chunk = position // p if kind == FORWARD else v - 1 - position // p
+        return Action(kind, (k // (p * v)) * p + position % p, chunk)
+
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    actions = [nth(k, FORWARD) for k in range(warmup)]
+    for steady in range(total - warmup):
+        actions += [nth(warmup + steady, FORWARD), nth(steady, BACKWARD)]
+    actions += [nth(k, BACKWARD) for k in range(total - warmup, total)]
+    return actions
+
+
+# ----------------------------------------------------------------------------- whole schedules
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe's actions for every rank: ``schedule[rank]``."""
+    return [gpipe_rank_actions(r, num_stages, num_microbatches) for r in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B's actions for every rank: ``schedule[rank]``."""
+    return [one_f_one_b_rank_actions(r, num_stages, num_microbatches) for r in range(num_stages)]
+
+
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
+    """Interleaved 1F1B's actions for every rank; ValueError unless m is a multiple of p."""
+    check_interleaved_sizes(num_stages, num_microbatches, num_chunks)
+    return [
+        interleaved_rank_actions(r, num_stages, num_microbatches, num_chunks)
+        for r in range(num_stages)
+    ]
+
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+_BUILDERS: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": lambda p, m, v: gpipe(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved": interleaved_one_f_one_b,
+}
+
+
+def chunks_per_rank(name: str, num_chunks: int = 2) -> int:
+    """How many model chunks each rank holds under schedule ``name`` (1 unless interleaved)."""
+    return num_chunks if name == "interleaved" else 1
+
+
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int = 2
+) -> Schedule:
+    """The schedule called ``name`` (gpipe, 1f1b or interleaved); ``num_chunks`` is v and only
+    matters for interleaved. Raises ValueError for an unknown name or sizes it cannot run."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+    return _BUILDERS[name](num_stages, num_microbatches, chunks_per_rank(name, num_chunks))
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """The most micro-batch activations one rank holds at once: forwards not yet backwarded."""
+    held = peak = 0
+    for action in actions:
+        held += 1 if action.kind == FORWARD else -1
+        peak = max(peak, held)
+    return peak
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """One line per rank, actions in order: ``rank 0: F0 F1 B0 F2 B1 ...``."""
+    return "\n".join(
+        f"rank {rank}: " + " ".join(str(a) for a in actions)
+        for rank, actions in enumerate(schedule)
+    )

@@ -1,0 +1,139 @@
+"""Run a pipeline schedule on paper: unit costs, real dependencies, per-stage timelines.
+
+``simulate`` plays every rank's action list in order, starting each action as soon as the rank
+is free and what it needs is done:
+
+* forward of micro-batch i on virtual stage s needs the forward of i on stage s - 1;
+* backward of i on stage s needs the forward of i on s (its stashed activations) and the
+  backward of i on stage s + 1 (the gradient of its output).
+
+Messages are free and a forward and a backward cost fixed amounts, so the timelines show what a
+schedule *can* achieve; the executor's recorded events show what a machine did. The idle share of
+each stage's timeline is its bubble. With forward cost F and backward cost B, GPipe and 1F1B take
+(m + p - 1)·(F + B) for m·(F + B) of work per stage, a bubble of (p - 1)/(m + p - 1) whatever F
+and B are (Huang et al. 2019; Narayanan et al. 2021). Interleaving v chunks per rank cuts the
+fill and drain to (p - 1)·(F + B)/v, a bubble of (p - 1)/(v·m + p - 1): Megatron-LM's
+(1/v)·(p - 1)/m measured against the ideal time m·(F + B) instead of the whole step.
+
+A schedule that can never finish (an action waits for one that comes later on its own rank, or
+for one no rank runs) raises :class:`ScheduleDeadlock` naming where each rank is stuck: it would
+hang a real run the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from solutions.phase2_advanced.pipeline_schedules import FORWARD, Action, virtual_stage
+
+_Key = tuple[str, int, int]  # (kind, virtual stage, micro-batch)
+
+
+class ScheduleDeadlock(ValueError):
+    """The schedule cannot finish: every unfinished rank waits for something that never ends."""
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """An action placed on the time axis by :func:`simulate`."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Per-rank timelines; ``timelines[rank]`` is in the order the rank ran its actions."""
+
+    timelines: list[list[TimedAction]]
+
+    @property
+    def makespan(self) -> float:
+        """When the last action of any rank ends (everything starts at 0)."""
+        return max((t.end for line in self.timelines for t in line), default=0.0)
+
+    def bubble_fraction(self, rank: int) -> float:
+        """Share of the makespan that ``rank`` spends idle."""
+        busy = sum(t.end - t.start for t in self.timelines[rank])
+        return 1.0 - busy / self.makespan
+
+    def bubble_fractions(self) -> list[float]:
+        return [self.bubble_fraction(rank) for rank in range(len(self.timelines))]
+
+
+def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
+    """(p - 1)/(m + p - 1): the idle share of every stage under GPipe and 1F1B."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def interleaved_bubble(num_stages: int, num_microbatches: int, num_chunks: int) -> float:
+    """(p - 1)/(v·m + p - 1): Megatron-LM's (1/v)·(p - 1)/m bubble as a share of the step."""
+    return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
+
+
+def _needs(action: Action, stage: int, last_stage: int) -> list[_Key]:
+    if action.kind == FORWARD:
+        return [(FORWARD, stage - 1, action.microbatch)] if stage > 0 else []
+    needs: list[_Key] = [(FORWARD, stage, action.microbatch)]
+    if stage < last_stage:
+        needs.append((action.kind, stage + 1, action.microbatch))
+    return needs
+
+
+def simulate(
+    schedule: Sequence[Sequence[Action]], forward_cost: float = 1.0, backward_cost: float = 2.0
+) -> Simulation:
+    """Place every action of ``schedule`` (``schedule[rank]``) on a time axis; see the module doc.
+
+    ``forward_cost`` and ``backward_cost`` are per action, so per model chunk in an interleaved
+    schedule. Raises :class:`ScheduleDeadlock` if some actions can never run.
+    """
+    p = len(schedule)
+    chunks = 1 + max((a.chunk for actions in schedule for a in actions), default=0)
+    last_stage = p * chunks - 1
+    finished: dict[_Key, float] = {}
+    timelines: list[list[TimedAction]] = [[] for _ in range(p)]
+    next_index = [0] * p
+    free_at = [0.0] * p
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(schedule):
+            while next_index[rank] < len(actions):
+                action = actions[next_index[rank]]
+                stage = virtual_stage(rank, action.chunk, p)
+                needs = _needs(action, stage, last_stage)
+                if any(key not in finished for key in needs):
+                    break
+                start = max([free_at[rank], *(finished[key] for key in needs)])
+                cost = forward_cost if action.kind == FORWARD else backward_cost
+                free_at[rank] = start + cost
+                finished[(action.kind, stage, action.microbatch)] = free_at[rank]
+                timelines[rank].append(TimedAction(action, start, free_at[rank]))
+                next_index[rank] += 1
+                progress = True
+    stuck = [rank for rank in range(p) if next_index[rank] < len(schedule[rank])]
+    if stuck:
+        waits = "; ".join(f"rank {r} waits at {schedule[r][next_index[r]]}" for r in stuck)
+        raise ScheduleDeadlock(f"the schedule cannot finish: {waits}")
+    return Simulation(timelines)
+
+
+def format_timeline(simulation: Simulation, cell: int = 3) -> str:
+    """ASCII timeline: one row per rank, ``cell`` characters per unit of time, ``.`` when idle.
+
+    An action is its label followed by ``=`` up to its length: with F=1 and B=2, ``F0 `` is a
+    forward of micro-batch 0 and ``B0====`` its backward. Meant for unit-cost simulations.
+    """
+    width = round(simulation.makespan) * cell
+    rows = []
+    for rank, line in enumerate(simulation.timelines):
+        cells = ["."] * width
+        for timed in line:
+            first, last = round(timed.start) * cell, round(timed.end) * cell
+            label = (str(timed.action) + " ").ljust(last - first, "=")[: last - first]
+            cells[first:last] = list(label)
+        rows.append(f"rank {rank} |" + "".join(cells) + "|")
+    return "\n".join(rows)
