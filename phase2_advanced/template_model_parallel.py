@@ -27,23 +27,22 @@ Run it (instructor command; at most as many processes as the model has layers):
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from solutions.common.cli import parse_config, refuse_before_start
 from solutions.common.comm_counter import CommCounter
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
 from solutions.common.distributed import (
     cleanup_distributed,
     current_info,
-    env_int,
     setup_distributed,
 )
 from solutions.common.models import MLP, BabyCNN
@@ -408,23 +407,10 @@ def run_demo(config: DemoConfig) -> list[StepReport]:
     return reports
 
 
-def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
-    defaults = DemoConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=type(value), default=value, help=f"default: {value}")
-    return DemoConfig(**vars(parser.parse_args(argv)))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
-    try:
-        validate_config(config, env_int("WORLD_SIZE", 1))
-    except ValueError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = parse_config(DemoConfig, argv, __doc__)
+    if (code := refuse_before_start(lambda world: validate_config(config, world))) is not None:
+        return code
     setup_distributed()
     try:
         run_demo(config)

@@ -8,7 +8,6 @@ and one line per epoch on rank 0.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,8 +18,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from solutions.common.cli import refuse_before_start
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import DistInfo, env_int
+from solutions.common.distributed import DistInfo
 from solutions.common.rank_logging import log0
 
 StepFn = Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor], float]
@@ -78,15 +78,9 @@ def check_global_batch(global_batch_size: int, world_size: int, multiple_of: int
 
 
 def global_batch_error(global_batch_size: int) -> int | None:
-    """Before joining the process group: 2 (an exit code) if the batch cannot be split evenly
-    over torchrun's WORLD_SIZE, after printing why on rank 0; None if it can."""
-    try:
-        check_global_batch(global_batch_size, env_int("WORLD_SIZE", 1))
-    except ValueError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: --global-batch-size: {err}", file=sys.stderr)
-        return 2
-    return None
+    """Before joining the process group: exit code 2 (after saying why on rank 0) if the batch
+    cannot be split evenly over torchrun's WORLD_SIZE; None if it can."""
+    return refuse_before_start(lambda world: check_global_batch(global_batch_size, world))
 
 
 def train_data_parallel(

@@ -17,12 +17,11 @@ Run it (instructor command; any world size that divides the global batch):
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,12 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from solutions.common.cli import parse_config, refuse_before_start
 from solutions.common.comm_counter import CommCounter
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
 from solutions.common.distributed import (
     cleanup_distributed,
     current_info,
-    env_int,
     setup_distributed,
 )
 from solutions.common.models import MLP, BabyCNN
@@ -382,23 +381,10 @@ def train(config: TrainConfig) -> TrainResult:
     return result
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    defaults = TrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=type(value), default=value, help=f"default: {value}")
-    return TrainConfig(**vars(parser.parse_args(argv)))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
-    try:
-        validate_config(config, env_int("WORLD_SIZE", 1))
-    except ValueError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = parse_config(TrainConfig, argv, __doc__)
+    if (code := refuse_before_start(lambda world: validate_config(config, world))) is not None:
+        return code
     setup_distributed()
     try:
         train(config)

@@ -24,11 +24,10 @@ ranks the stages also wait for a core, which the timelines count as work.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from solutions.common.cli import parse_config, refuse_before_start
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
 from solutions.common.distributed import (
     cleanup_distributed,
@@ -304,27 +304,11 @@ def report(config: PipelineConfig, run: PipelineRun) -> None:
         )
 
 
-def parse_args(argv: Sequence[str] | None = None) -> PipelineConfig:
-    defaults = PipelineConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parser.add_argument(flag, action="store_true", help="off by default")
-        else:
-            parser.add_argument(flag, type=type(value), default=value, help=f"default: {value}")
-    return PipelineConfig(**vars(parser.parse_args(argv)))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
+    config = parse_config(PipelineConfig, argv, __doc__)
+    if (code := refuse_before_start(lambda world: validate_config(config, world))) is not None:
+        return code
     world = env_int("WORLD_SIZE", 1)
-    try:
-        validate_config(config, world)
-    except ValueError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
     setup_distributed()
     try:
         v = chunks_per_rank(config.schedule, config.chunks)

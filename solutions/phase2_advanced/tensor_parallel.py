@@ -25,12 +25,11 @@ Run it (instructor command; the sizes must divide by the number of processes):
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,11 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from solutions.common.cli import parse_config, refuse_before_start
 from solutions.common.comm_counter import CommCounter
 from solutions.common.distributed import (
     cleanup_distributed,
     current_info,
-    env_int,
     setup_distributed,
 )
 from solutions.common.rank_logging import log0
@@ -439,23 +438,10 @@ def run_demo(config: DemoConfig) -> dict[str, Comparison]:
     return results
 
 
-def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
-    defaults = DemoConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=type(value), default=value, help=f"default: {value}")
-    return DemoConfig(**vars(parser.parse_args(argv)))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
-    try:
-        validate_config(config, env_int("WORLD_SIZE", 1))
-    except ValueError as err:
-        if env_int("RANK", 0) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = parse_config(DemoConfig, argv, __doc__)
+    if (code := refuse_before_start(lambda world: validate_config(config, world))) is not None:
+        return code
     setup_distributed()
     try:
         run_demo(config)
