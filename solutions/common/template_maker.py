@@ -19,6 +19,7 @@ learner's trainer runs on the learner's own sampler and all-reduce.
     uv run python -m solutions.common.template_maker --check   # exit 1 if a template drifted
     uv run python -m solutions.common.template_maker --write   # regenerate (maintainers only:
                                                                # it overwrites learners' work)
+    uv run python -m solutions.common.template_maker --complete  # CI, in a throwaway copy
 """
 
 from __future__ import annotations
@@ -132,17 +133,32 @@ def make_template(solution: Path) -> str:
             continue
         if stripped == SOLUTION_END:
             raise TemplateError(f"{rel}:{i + 1}: '{SOLUTION_END}' without '{SOLUTION_START}'")
-        match = SIBLING_IMPORT.match(line)
-        if match:
-            sibling = ROOT / "solutions" / match["phase"] / f"{match['mod']}.py"
-            if sibling.exists() and has_todos(sibling):
-                line = line.replace(
-                    f"from solutions.{match['phase']}.{match['mod']} import",
-                    f"from {match['phase']}.template_{match['mod']} import",
-                )
-        out.append(line)
+        out.append(_point_at_templates(line))
         i += 1
     return "\n".join(out) + "\n"
+
+
+def _point_at_templates(line: str) -> str:
+    """``from solutions.phaseN_x.mod import ...`` -> ``from phaseN_x.template_mod import ...``
+    when ``mod`` has a template, so a learner's module uses the learner's other modules."""
+    match = SIBLING_IMPORT.match(line)
+    if match:
+        sibling = ROOT / "solutions" / match["phase"] / f"{match['mod']}.py"
+        if sibling.exists() and has_todos(sibling):
+            line = line.replace(
+                f"from solutions.{match['phase']}.{match['mod']} import",
+                f"from {match['phase']}.template_{match['mod']} import",
+            )
+    return line
+
+
+def make_completed_template(solution: Path) -> str:
+    """The template as a learner who got every TODO right would leave it: the solution's code
+    in place of each raise, imports still pointing at the other templates. CI grades these with
+    ``--impl templates`` to prove the learner's path (graders, cross-template imports) works."""
+    lines = solution.read_text().splitlines()
+    kept = [line for line in lines if line.strip() not in (SOLUTION_START, SOLUTION_END)]
+    return "\n".join(_point_at_templates(line) for line in kept) + "\n"
 
 
 def todos(solution: Path) -> list[Todo]:
@@ -161,7 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 if a template differs")
     mode.add_argument("--write", action="store_true", help="overwrite the templates")
+    mode.add_argument(
+        "--complete",
+        action="store_true",
+        help="overwrite the templates with completed ones (CI, in a throwaway copy only)",
+    )
     args = parser.parse_args(argv)
+    if args.complete:
+        for solution in solution_files():
+            template_path(solution).write_text(make_completed_template(solution))
+        print(f"completed {len(solution_files())} templates")
+        return 0
     drifted = 0
     for solution in solution_files():
         target = template_path(solution)
