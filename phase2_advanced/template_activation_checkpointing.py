@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import cleanup_distributed, setup_distributed
+from solutions.common.distributed import distributed_session
 from solutions.common.memory import SavedTensorMeter
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
@@ -239,8 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (error := global_batch_error(args.global_batch_size)) is not None:
         return error
-    info = setup_distributed()
-    try:
+    with distributed_session() as info:
         seed_everything(0)
         spec = PatternSpec()
         layers = deep_mlp(args.depth, args.width, spec.image_size**2, spec.num_classes)
@@ -273,8 +272,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             train_samples=args.train_samples,
         )
         train_data_parallel(model, step, config, info)
-    finally:
-        cleanup_distributed()
     return 0
 
 

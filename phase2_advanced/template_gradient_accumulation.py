@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from solutions.common.distributed import cleanup_distributed, env_int, setup_distributed
+from solutions.common.distributed import distributed_session, env_int
 from solutions.common.models import BabyCNN
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
@@ -177,8 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (error := global_batch_error(args.global_batch_size)) is not None:
         return error
     per_rank = check_global_batch(args.global_batch_size, env_int("WORLD_SIZE", 1))
-    info = setup_distributed()
-    try:
+    with distributed_session() as info:
         seed_everything(0)
         counter = AllReduceCount()
         steps = 0
@@ -212,8 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"DDP bucket all-reduces: {counter.calls} over {steps} optimizer steps "
             f"({counter.calls / max(steps, 1):.1f} per step; {micro} micro-batches per step)"
         )
-    finally:
-        cleanup_distributed()
     return 0
 
 

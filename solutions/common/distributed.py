@@ -9,6 +9,8 @@ https://pytorch.org/docs/stable/elastic/run.html.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -141,6 +143,22 @@ def current_info() -> DistInfo:
         backend,
         device_for(backend, local_rank),
     )
+
+
+@contextmanager
+def distributed_session(backend: str | None = None) -> Iterator[DistInfo]:
+    """``with distributed_session() as info:`` joins the group, and leaves it together.
+
+    On success every rank meets at a barrier before tearing the group down, so no rank closes
+    its connections while a peer is still sending to it (gloo can abort the process then). On
+    an exception it leaves at once: a barrier would wait forever for the rank that failed.
+    """
+    info = setup_distributed(backend)
+    try:
+        yield info
+        dist.barrier()
+    finally:
+        cleanup_distributed()
 
 
 def cleanup_distributed() -> None:

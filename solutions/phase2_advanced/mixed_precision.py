@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.distributed import cleanup_distributed, setup_distributed
+from solutions.common.distributed import distributed_session
 from solutions.common.models import BabyCNN
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
@@ -275,8 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (error := global_batch_error(args.global_batch_size)) is not None:
         return error
-    info = setup_distributed()
-    try:
+    with distributed_session() as info:
         seed_everything(0)
         dtype = PRECISIONS[args.precision]
         # fp16 needs loss scaling; bf16 has fp32's range and does not
@@ -311,8 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         train_data_parallel(BabyCNN(), step, config, info)
         log0(f"final loss scale {scaler.get_scale():g}, skipped steps {skipped}")
-    finally:
-        cleanup_distributed()
     return 0
 
 

@@ -38,10 +38,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from solutions.common.cli import parse_config, refuse_before_start
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
 from solutions.common.distributed import (
-    cleanup_distributed,
     current_info,
+    distributed_session,
     env_int,
-    setup_distributed,
 )
 from solutions.common.events import Event, idle_fraction
 from solutions.common.models import MLP
@@ -309,8 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (code := refuse_before_start(lambda world: validate_config(config, world))) is not None:
         return code
     world = env_int("WORLD_SIZE", 1)
-    setup_distributed()
-    try:
+    with distributed_session():
         v = chunks_per_rank(config.schedule, config.chunks)
         log0(
             f"pipeline: {world} ranks x {v} chunk(s), schedule {config.schedule}, engine "
@@ -319,8 +317,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         run = run_pipeline(config)
         report(config, run)
-    finally:
-        cleanup_distributed()
     return 0
 
 

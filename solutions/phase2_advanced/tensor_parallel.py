@@ -42,9 +42,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from solutions.common.cli import parse_config, refuse_before_start
 from solutions.common.comm_counter import CommCounter
 from solutions.common.distributed import (
-    cleanup_distributed,
     current_info,
-    setup_distributed,
+    distributed_session,
 )
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
@@ -442,11 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(DemoConfig, argv, __doc__)
     if (code := refuse_before_start(lambda world: validate_config(config, world))) is not None:
         return code
-    setup_distributed()
-    try:
+    with distributed_session():
         run_demo(config)
-    finally:
-        cleanup_distributed()
     return 0
 
 
