@@ -75,7 +75,7 @@ def test_a_raising_rank_fails_the_world_with_its_message(tmp_path: Path) -> None
 
 def test_a_skipped_collective_is_reported_as_a_hang_with_the_stuck_line(tmp_path: Path) -> None:
     with pytest.raises(WorldHung) as info:
-        run_world(rank_one_skips_the_all_reduce, 2, (str(tmp_path),), timeout=3)
+        run_world(rank_one_skips_the_all_reduce, 2, (str(tmp_path),), timeout=6)
     err = info.value
     assert sorted(err.hung) == [0], f"expected only rank 0 to hang, got {sorted(err.hung)}"
     assert err.finished == [1]
