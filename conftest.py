@@ -1,7 +1,9 @@
 """Root conftest: declares ``--impl`` so pytest knows it however it is started.
 
 Options must be known before pytest collects anything; a conftest inside tests/ is read too late
-when pytest runs with no path arguments. The grading machinery is in tests/conftest.py.
+when pytest runs with no path arguments. The grading machinery is in tests/conftest.py; the
+plugin that expands ``tests/test_phaseN.py`` into the phase's per-exercise graders is
+tests/phase_collection.py (plugins can only be declared here, at the root).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+pytest_plugins = ["phase_collection"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,26 +1,66 @@
-"""Command lines of the instructor commands: flags from a config dataclass, errors before start.
+"""Command lines of every program in the course: flags from a config dataclass, errors once.
 
-Every demo is run as ``torchrun ... -m solutions.<phase>.<module> --flag value``. Two things are
-the same everywhere, so they live here once:
+Every demo, benchmark and trainer is run as ``torchrun ... -m solutions.<phase>.<module> --flag
+value`` (or plain ``python -m``). What is the same everywhere lives here once:
 
-* a ``--flag`` for each field of the module's config dataclass (``snake_case`` ->
-  ``--kebab-case``, booleans become on/off switches);
-* bad arguments are refused *before* the process group exists: each rank checks them against
-  torchrun's WORLD_SIZE, rank 0 prints why, and every rank exits with status 2. Failing later,
-  inside a collective, would leave the other ranks waiting.
+* :func:`parse_config`: a ``--flag`` for each field of the program's config dataclass
+  (``snake_case`` -> ``--kebab-case``; booleans become ``--x/--no-x`` switches; a field's
+  ``metadata`` may give ``choices`` and ``help``). Under torchrun every rank parses the same
+  argv, so a usage error is printed by rank 0 only, and every rank exits with status 2.
+* :func:`refuse_before_start`: bad values are refused *before* the process group exists: each
+  rank checks them against torchrun's WORLD_SIZE, rank 0 prints why, every rank exits with 2.
+  Failing later, inside a collective, would leave the other ranks waiting.
+* :func:`run_main`: the entry point. A template whose TODO is still ``raise
+  NotImplementedError("TODO x.y: ...")`` prints one line on rank 0 ("TODO 2.5 not written: ...
+  at phase2_advanced/template_pipeline_executor.py:120 in PipelineExecutor.step") instead of one
+  traceback per rank followed by torchrun's ChildFailedError report.
+
+Example::
+
+    @dataclass
+    class DemoConfig:
+        steps: int = 10
+        impl: str = field(default="solutions", metadata={"choices": IMPLS, "help": "..."})
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        config = parse_config(DemoConfig, argv, __doc__)
+        ...
+
+    if __name__ == "__main__":
+        run_main(main)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 from solutions.common.distributed import env_int
 
 ConfigT = TypeVar("ConfigT")
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+class _RankZeroParser(argparse.ArgumentParser):
+    """An ArgumentParser whose messages (usage errors, --help) appear once, on rank 0."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if _is_rank_zero():
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_config(
@@ -28,15 +68,25 @@ def parse_config(
 ) -> ConfigT:
     """Parse ``argv`` into ``config_class``, a dataclass whose defaults are the flags' defaults."""
     summary = (description or "").strip().split("\n\n")[0]
-    parser = argparse.ArgumentParser(description=summary)
+    parser = _RankZeroParser(description=summary)
     defaults: Any = config_class()
     for field in dataclasses.fields(defaults):
         value = getattr(defaults, field.name)
         flag = "--" + field.name.replace("_", "-")
+        help_text = field.metadata.get("help", "")
+        shown = f"{help_text} (default: {value})" if help_text else f"default: {value}"
         if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=value, help=help_text or None
+            )
         else:
-            parser.add_argument(flag, type=type(value), default=value, help=f"default: {value}")
+            parser.add_argument(
+                flag,
+                type=type(value),
+                default=value,
+                choices=field.metadata.get("choices"),
+                help=shown,
+            )
     return config_class(**vars(parser.parse_args(argv)))
 
 
@@ -48,7 +98,44 @@ def refuse_before_start(validate: Callable[[int], object]) -> int | None:
     try:
         validate(env_int("WORLD_SIZE", 1))
     except ValueError as err:
-        if env_int("RANK", 0) == 0:
+        if _is_rank_zero():
             print(f"error: {err}", file=sys.stderr)
         return 2
     return None
+
+
+def _learner_frame(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame inside the project (not torch's)."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if PROJECT_ROOT in path.parents and ".venv" not in path.parts:
+            return f"{path.relative_to(PROJECT_ROOT)}:{frame.lineno} in {frame.name}"
+    return ""
+
+
+def todo_line(exc: NotImplementedError) -> str:
+    """One line for an unwritten TODO: what to write and where."""
+    message = str(exc) or "a function still raises NotImplementedError"
+    if message.startswith("TODO "):
+        exercise, _, rest = message.partition(":")
+        message = f"{exercise} not written:{rest}"
+    where = _learner_frame(exc)
+    return message + (f"\n  at {where}" if where else "")
+
+
+def run_main(
+    main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None
+) -> NoReturn:
+    """Run ``main(argv)`` and exit with its status; an unwritten TODO is one line, not a crash.
+
+    Under torchrun the exit status is 0 after an unwritten TODO: the line above says what
+    happened, and a non-zero status would make torchrun add its ChildFailedError report (tens of
+    lines per rank) under it. Started without torchrun, the status is 1.
+    """
+    try:
+        code = main(argv)
+    except NotImplementedError as exc:
+        if _is_rank_zero():
+            print(todo_line(exc), file=sys.stderr, flush=True)
+        code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else 1
+    sys.exit(code)

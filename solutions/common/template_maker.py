@@ -5,13 +5,15 @@ A solution marks every piece a learner writes with a comment block and a fenced 
     # TODO 1.2: average the gradients across ranks, in place.
     # Invariant: ...
     # Hint 1: ...      (a nudge)
-    # Hint 2: ...      (the shape of the solution)
+    # Hint 2: ...      (the shape of the solution, never its code)
     # See guidelines.md#12-broadcast-and-gradient-averaging
     # >>> solution
     ...the reference code...
     # <<< solution
 
-The template keeps the comment block and replaces the fenced region with
+The template keeps the goal, the invariant and Hint 1, replaces the later hints with one line
+saying how to read them when the learner chooses to (``uv run python -m tests.hint 1.2``, see
+tests/hint.py), and replaces the fenced region with
 ``raise NotImplementedError("TODO 1.2: <goal> (see <phase>/guidelines.md#<anchor>)")``.
 Imports of sibling solution modules that have templates are pointed at those templates, so a
 learner's trainer runs on the learner's own sampler and all-reduce.
@@ -37,6 +39,7 @@ SOLUTION_START = "# >>> solution"
 SOLUTION_END = "# <<< solution"
 TODO_LINE = re.compile(r"#\s*TODO (?P<id>\d+\.\d+)\s*:\s*(?P<goal>.+?)\s*$")
 SEE_LINE = re.compile(r"#\s*See (?P<ref>guidelines\.md#[a-z0-9-]+)")
+LATER_HINT = re.compile(r"#\s*Hint (?:[2-9]|\d\d+)\s*:")
 SIBLING_IMPORT = re.compile(
     r"^(?P<indent>\s*)from solutions\.(?P<phase>phase\d+_\w+)\.(?P<mod>\w+) import"
 )
@@ -111,6 +114,7 @@ def make_template(solution: Path) -> str:
         "# one say what to build. Grade yourself: "
         f"uv run pytest tests/test_{phase.split('_')[0]}.py",
     ]
+    lines = _hide_later_hints(lines, rel)
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -136,6 +140,60 @@ def make_template(solution: Path) -> str:
         out.append(_point_at_templates(line))
         i += 1
     return "\n".join(out) + "\n"
+
+
+def _hide_later_hints(lines: list[str], rel: Path) -> list[str]:
+    """Replace ``# Hint 2:`` and later hints (up to the ``# See`` line) of every TODO block with
+    one line that says how to read them, so a learner reads Hint 1 alone first."""
+    hidden: set[int] = set()
+    pointer: dict[int, str] = {}
+    for start, line in enumerate(lines):
+        if line.strip() != SOLUTION_START:
+            continue
+        first = start
+        while first > 0 and lines[first - 1].lstrip().startswith("#"):
+            first -= 1
+        block = range(first, start)
+        later = next((j for j in block if LATER_HINT.match(lines[j].strip())), None)
+        if later is None:
+            continue
+        todo = _parse_todo([lines[j].strip() for j in block], f"{rel}:{start + 1}")
+        end = next(j for j in block if SEE_LINE.match(lines[j].strip()))
+        if end < later:
+            raise TemplateError(f"{rel}:{later + 1}: hints must come before the '# See' line")
+        indent = lines[later][: len(lines[later]) - len(lines[later].lstrip())]
+        hidden.update(range(later, end))
+        pointer[later] = f"{indent}# More hints: uv run python -m tests.hint {todo.exercise}"
+    out: list[str] = []
+    for j, line in enumerate(lines):
+        if j in pointer:
+            out.append(pointer[j])
+        elif j not in hidden:
+            out.append(line)
+    return out
+
+
+def later_hints(solution: Path) -> list[tuple[Todo, list[str]]]:
+    """Each TODO of a solution with its hints after Hint 1 (comment markers stripped)."""
+    lines = solution.read_text().splitlines()
+    found = []
+    for todo in todos(solution):
+        start = todo.line - 1
+        first = start
+        while first > 0 and lines[first - 1].lstrip().startswith("#"):
+            first -= 1
+        hints: list[str] = []
+        inside = False
+        for j in range(first, start):
+            text = lines[j].strip()
+            if LATER_HINT.match(text):
+                inside = True
+            elif SEE_LINE.match(text):
+                inside = False
+            if inside:
+                hints.append(text.removeprefix("#").strip())
+        found.append((todo, hints))
+    return found
 
 
 def _point_at_templates(line: str) -> str:
@@ -176,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Generate or check the exercise templates.")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 if a template differs")
-    mode.add_argument("--write", action="store_true", help="overwrite the templates")
+    mode.add_argument(
+        "--write",
+        action="store_true",
+        help="maintainers only: overwrite every phase*/template_*.py with what the solutions "
+        "make (a learner's work in them is lost)",
+    )
     mode.add_argument(
         "--complete",
         action="store_true",
