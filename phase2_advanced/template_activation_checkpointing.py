@@ -24,27 +24,19 @@ zero-size tensor that requires grad is passed in, so the output requires grad ev
 input does (the reentrant version silently drops the parameters' gradients in that case).
 PyTorch now recommends its non-reentrant variant, built on ``saved_tensors_hooks``.
 
-    uv run torchrun --standalone --nproc_per_node=2 \
-        -m solutions.phase2_advanced.activation_checkpointing
+Checkpointing has no communication of its own: a checkpointed model trains under DDP unchanged.
+The demo (memory measured, then data-parallel training) is checkpointing_demo.py:
+
+    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.checkpointing_demo
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import distributed_session
-from solutions.common.memory import SavedTensorMeter
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, global_batch_error, train_data_parallel
 
 
 def _autocast_states() -> list[tuple[str, bool, torch.dtype]]:
@@ -84,11 +76,7 @@ class CheckpointFunction(torch.autograd.Function):
         #   device among the inputs) on ctx when preserve_rng_state; keep the tensor inputs with
         #   ctx.save_for_backward and the rest (positions, non-tensors) as ctx attributes;
         #   compute under torch.no_grad().
-        # Hint 2: ctx.cpu_rng = torch.get_rng_state(); ctx.cuda_devices = _cuda_devices(args);
-        #   ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices];
-        #   ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)];
-        #   ctx.non_tensor_args = list(args) with None at tensor positions;
-        #   ctx.save_for_backward(*tensors); with torch.no_grad(): return run_function(*args)
+        # More hints: uv run python -m tests.hint 2.3
         # See guidelines.md#23-activation-checkpointing
         raise NotImplementedError(
             "TODO 2.3: remember what the recomputation needs, then run the forward without a graph "
@@ -106,8 +94,7 @@ class CheckpointFunction(torch.autograd.Function):
         #   saved states, re-enter autocast (torch.autocast(device_type, enabled=, dtype=) for
         #   each entry of ctx.autocast_states) and torch.enable_grad(), call run_function; then
         #   torch.autograd.backward on the outputs that require grad with their grad_outputs.
-        # Hint 2: return (None, None, None, *grads) where grads[i] is the recomputation input's
-        #   .grad for tensor arguments and None for the others (one entry per forward input).
+        # More hints: uv run python -m tests.hint 2.3
         # See guidelines.md#23-activation-checkpointing
         raise NotImplementedError(
             "TODO 2.3: recompute the forward with a graph, then backpropagate through it "
@@ -167,9 +154,7 @@ def checkpoint_sequential(
     # Hint 1: segment_size = n // segments; segments start at 0, size, 2*size, ... and the
     #   last one runs from (segments - 1) * size to the end. _run_layers(functions, a, b) makes
     #   a function running layers a..b inclusive.
-    # Hint 2: for start in range(0, size * (segments - 1), size): input = checkpoint(
-    #   _run_layers(functions, start, start + size - 1), input, preserve_rng_state=...);
-    #   return _run_layers(functions, size * (segments - 1), n - 1)(input)
+    # More hints: uv run python -m tests.hint 2.3
     # See guidelines.md#23-activation-checkpointing
     raise NotImplementedError(
         "TODO 2.3: checkpoint every segment but the last, which runs normally "
@@ -193,87 +178,3 @@ class CheckpointedSequential(nn.Module):
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return self.layers(x)
         return checkpoint_sequential(self.layers, self.segments, x)
-
-
-def deep_mlp(
-    depth: int,
-    width: int,
-    in_features: int | None = None,
-    num_classes: int | None = None,
-    dropout: float = 0.0,
-) -> nn.Sequential:
-    """Linear -> ReLU (-> Dropout) blocks, ``depth`` of them: deep enough for checkpointing to
-    matter. ``in_features`` adds a Flatten + input projection, ``num_classes`` a classifier."""
-    layers: list[nn.Module] = []
-    if in_features is not None:
-        layers += [nn.Flatten(), nn.Linear(in_features, width)]
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-        if dropout:
-            layers.append(nn.Dropout(dropout))
-    if num_classes is not None:
-        layers.append(nn.Linear(width, num_classes))
-    for layer in layers:  # He initialisation keeps a deep ReLU stack trainable (He et al. 2015)
-        if isinstance(layer, nn.Linear):
-            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
-            nn.init.zeros_(layer.bias)
-    return nn.Sequential(*layers)
-
-
-def peak_saved_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    """Peak bytes autograd holds for backward during one forward + backward of ``model``."""
-    with SavedTensorMeter(exclude=model.parameters()) as meter:
-        nn.functional.cross_entropy(model(inputs), targets).backward()
-    model.zero_grad(set_to_none=True)
-    return meter.peak_bytes
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="data-parallel training with checkpointing")
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--segments", type=int, default=0, help="default: about sqrt(depth)")
-    parser.add_argument("--global-batch-size", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--train-samples", type=int, default=4096)
-    args = parser.parse_args(argv)
-    if (error := global_batch_error(args.global_batch_size)) is not None:
-        return error
-    with distributed_session() as info:
-        seed_everything(0)
-        spec = PatternSpec()
-        layers = deep_mlp(args.depth, args.width, spec.image_size**2, spec.num_classes)
-        # a Linear+ReLU block keeps one activation: sqrt of the block count minimises memory
-        segments = args.segments or max(2, math.isqrt(args.depth))
-        model = CheckpointedSequential(layers, segments).to(info.device)
-        sample = make_pattern_dataset(64, spec, split_seed=2)
-        x, y = (t.to(info.device) for t in sample.tensors)
-        plain, checkpointed = peak_saved_bytes(layers, x, y), peak_saved_bytes(model, x, y)
-        log0(
-            f"checkpointing: {len(layers)} layers in {segments} segments, world "
-            f"{info.world_size}; peak saved for backward per 64 samples: plain "
-            f"{plain / 2**20:.2f} MiB, checkpointed {checkpointed / 2**20:.2f} MiB "
-            f"({checkpointed / plain:.2f}x)"
-        )
-
-        def step(
-            ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-        ) -> float:
-            optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
-            optimizer.step()
-            return loss.item()
-
-        config = LoopConfig(
-            epochs=args.epochs,
-            global_batch_size=args.global_batch_size,
-            lr=0.01,
-            train_samples=args.train_samples,
-        )
-        train_data_parallel(model, step, config, info)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,10 @@ the sum is replicated, and its gradient already is too.
 
 Writing them as ``torch.autograd.Function`` lets autograd call the right collective in backward;
 the collectives are plain ``dist.all_reduce`` / ``dist.all_gather`` calls, so tests can count them.
-Megatron's own versions live in megatron/core/tensor_parallel/mappings.py.
+Each takes the tensor-parallel ``group`` (None: the whole world) and communicates inside it only:
+ranks and sizes are ``dist.get_rank(group)`` and ``dist.get_world_size(group)``, and every
+collective gets ``group=``. Megatron's own versions live in
+megatron/core/tensor_parallel/mappings.py.
 """
 
 from __future__ import annotations
@@ -62,8 +65,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         # TODO 2.6: f's forward: pass the replicated activation through unchanged.
         # Invariant: the output has the input's values; no communication in forward.
         # Hint 1: every rank already holds the whole activation.
-        # Hint 2: return tensor.view_as(tensor) (a new tensor object autograd can attach
-        #   this Function to, sharing the input's memory).
+        # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
             "TODO 2.6: f's forward: pass the replicated activation through unchanged "
@@ -78,8 +80,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         # Hint 1: all-reduce works in place; grad_output may be shared with autograd or not
         #   contiguous, so reduce a contiguous copy. Return one gradient per forward input
         #   (None for the group).
-        # Hint 2: grad = grad_output.contiguous().clone(); dist.all_reduce(grad,
-        #   group=ctx.group); return grad, None
+        # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
             "TODO 2.6: f's backward: sum the gradient over the tensor-parallel group "
@@ -96,8 +97,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: every rank returns the same tensor, the sum of all ranks' inputs; the
         #   input itself is not modified; one all-reduce.
         # Hint 1: all-reduce in place on a copy, so the caller's tensor stays intact.
-        # Hint 2: total = tensor.contiguous().clone(); dist.all_reduce(total, group=group);
-        #   return total
+        # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
             "TODO 2.6: g's forward: sum the partial results of all ranks "
@@ -110,7 +110,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: no communication; each partial input gets the full output gradient,
         #   since d(sum_r p_r)/d p_r = 1.
         # Hint 1: nothing to reduce: every rank already holds dL/dy.
-        # Hint 2: return grad_output, None
+        # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
             "TODO 2.6: g's backward: the gradient of a replicated sum is the same on every rank "
@@ -128,9 +128,7 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: every rank returns the same tensor, whose last dimension is world_size
         #   times the input's; rank r's input lands at positions [r*w, (r+1)*w).
         # Hint 1: dist.all_gather fills a list of equally shaped buffers, one per rank.
-        # Hint 2: _, n = tp_rank_and_size(group); parts = [torch.empty_like(t) for _ in
-        #   range(n)] with t = tensor.contiguous(); dist.all_gather(parts, t, group=group);
-        #   return torch.cat(parts, dim=-1)
+        # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
             "TODO 2.6: concatenate every rank's slice along the last dimension, in rank order "
@@ -143,8 +141,7 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: no communication; the result has the input's shape.
         # Hint 1: every rank holds the full dL/dy (the output was replicated); only the part
         #   that came from this rank's input belongs to it.
-        # Hint 2: rank, n = tp_rank_and_size(ctx.group);
-        #   return last_dim_slice(grad_output, rank, n).contiguous(), None
+        # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
             "TODO 2.6: the gradient of this rank's input is its own slice of the output gradient "

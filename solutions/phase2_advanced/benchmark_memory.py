@@ -4,7 +4,7 @@ One deep MLP, one batch, one optimizer step per repetition. For each way of runn
 table shows the peak bytes autograd held for backward (``SavedTensorMeter``: works on CPU and
 GPU) and the median step time, both as ratios to the plain fp32 step. On a GPU it adds
 ``torch.cuda.max_memory_allocated`` for the step (weights, gradients and optimizer state
-included).
+included). ``--impl templates`` measures your own checkpointing (2.3) and accumulation (2.1).
 
     uv run python -m solutions.phase2_advanced.benchmark_memory
     uv run python -m solutions.phase2_advanced.benchmark_memory --depth 32 --width 1024 --batch 256
@@ -12,23 +12,22 @@ included).
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from solutions.common.cli import parse_config, run_main
+from solutions.common.impl import IMPLS, load_impl
 from solutions.common.memory import SavedTensorMeter
-from solutions.phase2_advanced.activation_checkpointing import checkpoint_sequential, deep_mlp
-from solutions.phase2_advanced.gradient_accumulation import (
-    accumulate_gradients,
-    split_micro_batches,
-)
+from solutions.phase2_advanced.checkpointing_demo import deep_mlp
+
+PHASE = "phase2_advanced"
 
 StepFn = Callable[[nn.Sequential, torch.Tensor, torch.Tensor], None]
 
@@ -45,17 +44,23 @@ def plain(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
     nn.functional.cross_entropy(model(x), y).backward()
 
 
-def checkpointed(segments: int) -> StepFn:
+def checkpointed(segments: int, checkpointing: ModuleType) -> StepFn:
+    """A step through ``checkpointing.checkpoint_sequential`` (the module chosen by --impl)."""
+
     def step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
-        nn.functional.cross_entropy(checkpoint_sequential(model, segments, x), y).backward()
+        out = checkpointing.checkpoint_sequential(model, segments, x)
+        nn.functional.cross_entropy(out, y).backward()
 
     return step
 
 
-def accumulated(micro_batches: int) -> StepFn:
+def accumulated(micro_batches: int, accumulation: ModuleType) -> StepFn:
+    """A step through ``accumulation.accumulate_gradients`` (the module chosen by --impl)."""
+
     def step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> None:
         size = math.ceil(len(x) / micro_batches)
-        accumulate_gradients(model, nn.functional.cross_entropy, split_micro_batches(x, y, size))
+        micro = accumulation.split_micro_batches(x, y, size)
+        accumulation.accumulate_gradients(model, nn.functional.cross_entropy, micro)
 
     return step
 
@@ -116,7 +121,17 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def run(depth: int, width: int, batch: int, repeats: int, device: torch.device) -> list[Row]:
+def run(
+    depth: int,
+    width: int,
+    batch: int,
+    repeats: int,
+    device: torch.device,
+    impl: str = "solutions",
+) -> list[Row]:
+    """One row per way of running the same step, the plain fp32 step first."""
+    checkpointing = load_impl(PHASE, "activation_checkpointing", impl)
+    accumulation = load_impl(PHASE, "gradient_accumulation", impl)
     torch.manual_seed(0)
     model = deep_mlp(depth, width, num_classes=10).to(device)
     x = torch.randn(batch, width, device=device)
@@ -125,29 +140,63 @@ def run(depth: int, width: int, batch: int, repeats: int, device: torch.device) 
     # one block per segment (depth segments) keeps as much as no checkpointing at all
     runs: list[tuple[str, StepFn]] = [("plain fp32", plain)]
     for segments in sorted({2, max(2, math.isqrt(depth)), depth}):
-        runs.append((f"checkpoint, {segments} segments", checkpointed(segments)))
-    runs += [("accumulation, 4 micro-batches", accumulated(4)), ("bf16 autocast", bf16_autocast)]
+        runs.append((f"checkpoint, {segments} segments", checkpointed(segments, checkpointing)))
+    runs += [
+        ("accumulation, 4 micro-batches", accumulated(4, accumulation)),
+        ("bf16 autocast", bf16_autocast),
+    ]
     return [measure(name, step, model, x, y, repeats) for name, step in runs]
 
 
+@dataclass
+class BenchmarkConfig:
+    """Flags of the benchmark."""
+
+    depth: int = field(default=16, metadata={"help": "Linear+ReLU blocks"})
+    width: int = 512
+    batch: int = 1024
+    repeats: int = field(default=5, metadata={"help": "timed steps after one warm-up"})
+    device: str = field(
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        metadata={"help": "cpu, cuda or cuda:N"},
+    )
+    impl: str = field(
+        default="solutions",
+        metadata={"choices": IMPLS, "help": "measure the reference or your templates"},
+    )
+
+
+def validate(config: BenchmarkConfig) -> None:
+    """Every bad flag at once, naming each."""
+    problems = [
+        f"--{name} {getattr(config, name)} must be >= {low}"
+        for name, low in (("depth", 2), ("width", 1), ("batch", 4), ("repeats", 1))
+        if getattr(config, name) < low
+    ]
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"--device {config.device}: CUDA is not available here (use cpu)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="memory vs compute of phase 2 techniques")
-    parser.add_argument("--depth", type=int, default=16, help="Linear+ReLU blocks")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    if args.device == "cpu":
+    config = parse_config(BenchmarkConfig, argv, __doc__)
+    try:
+        validate(config)
+    except ValueError as err:
+        print(f"error: {err}")
+        return 2
+    if config.device == "cpu":
         torch.set_num_threads(1)
-    rows = run(args.depth, args.width, args.batch, args.repeats, torch.device(args.device))
+    device = torch.device(config.device)
+    rows = run(config.depth, config.width, config.batch, config.repeats, device, config.impl)
     print(
-        f"deep MLP: {args.depth} x (Linear {args.width} + ReLU) + classifier, batch {args.batch}, "
-        f"{args.device}, torch {torch.__version__}"
+        f"deep MLP: {config.depth} x (Linear {config.width} + ReLU) + classifier, batch "
+        f"{config.batch}, {config.device}, torch {torch.__version__}, {config.impl}"
     )
     print(format_table(rows))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -16,31 +16,25 @@ small gradients underflow to zero. The recipe of Micikevicius et al., "Mixed Pre
 bf16 has fp32's exponent range, so it needs no loss scaling; fp16 does. Every rank must make
 the same skip decision: with data parallelism averaging spreads an inf to every rank anyway, but
 with model-parallel shards (or ZeRO) each rank sees different gradients, so the overflow flag is
-all-reduced (MAX) across ranks before deciding.
+all-reduced (MAX) over the scaler's ``group`` (the ranks that step together; the whole world by
+default) before deciding.
+
+The demo (data-parallel training in fp32, bf16 or fp16) is mixed_precision_demo.py:
 
     uv run torchrun --standalone --nproc_per_node=2 \
-        -m solutions.phase2_advanced.mixed_precision --precision bf16
+        -m solutions.phase2_advanced.mixed_precision_demo --precision fp16
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.distributed import distributed_session
-from solutions.common.models import BabyCNN
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, global_batch_error, train_data_parallel
-
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -61,6 +55,10 @@ class DynamicLossScaler:
         clip_grad_norm_(...)
         scaler.step(optimizer)          # skipped if any rank saw inf/NaN
         scaler.update()
+
+    ``group`` is the process group whose ranks must agree on skipping a step (all ranks that
+    hold a part of the same model); None is the whole world. Without a process group the
+    scaler works on this process alone.
     """
 
     def __init__(
@@ -70,6 +68,8 @@ class DynamicLossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor={growth_factor}: it must be > 1")
@@ -81,6 +81,7 @@ class DynamicLossScaler:
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
+        self.group = group
         # float32 like GradScaler, so the two produce the same numbers
         self._scale = torch.tensor(init_scale, dtype=torch.float32)
         self._growth_tracker = 0
@@ -106,16 +107,18 @@ class DynamicLossScaler:
         if not self.enabled or self._unscaled:
             return
         grads = _grads(_optimizer_params(optimizer))
-        # TODO 2.2: unscale every gradient in place and decide, with all ranks, if any overflowed.
-        # Invariant: afterwards grads hold their true (unscaled) values, and self._found_inf is
-        #   the SAME bool on every rank: True if any gradient on any rank has an inf or NaN.
-        # Hint 1: multiply by the reciprocal computed in float64 then cast to float32 (what
-        #   GradScaler does, so results match bit for bit); torch.isfinite tells overflow; an
-        #   all-reduce with MAX of a 0/1 flag makes all ranks agree (when dist.is_initialized()).
-        # Hint 2: inv = self._scale.double().reciprocal().float(); flag = torch.zeros((),
-        #   device=...); for g in grads: g.mul_(inv.to(g.device)); flag = max(flag,
-        #   (~torch.isfinite(g)).any()); dist.all_reduce(flag, op=MAX); self._found_inf =
-        #   bool(flag); self._unscaled = True.
+        # TODO 2.2: unscale every gradient in place and decide, with the group, if any overflowed.
+        # Invariant: afterwards grads equal GradScaler's unscaled grads bit for bit, and
+        #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient
+        #   on any of its ranks has an inf or NaN. Every rank calls the collective, every time.
+        # Hint 1: GradScaler multiplies every gradient by ONE float32 number, 1/scale computed
+        #   in float64 and rounded to float32; dividing each gradient by the scale rounds
+        #   differently. torch.isfinite tells overflow; an all-reduce with MAX of a 0/1 flag over
+        #   self.group makes the ranks agree (when dist.is_initialized()).
+        # Hint 2: three parts: the inverse scale, computed once; a loop that multiplies each
+        #   gradient in place and folds "this gradient has a non-finite value" into a 0/1 float
+        #   flag; one all-reduce of the flag (MAX, group=self.group), even with no gradients.
+        #   Record the flag as a bool in self._found_inf and set self._unscaled.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         device = grads[0].device if grads else torch.device("cpu")
@@ -125,7 +128,7 @@ class DynamicLossScaler:
             grad.mul_(inv_scale.to(grad.device))
             found = torch.maximum(found, (~torch.isfinite(grad)).any().float().to(device))
         if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         self._found_inf = bool(found.item())
         self._unscaled = True
         # <<< solution
@@ -148,21 +151,28 @@ class DynamicLossScaler:
         if self._found_inf is None:
             raise RuntimeError("update() without unscale_()/step() this iteration")
         # TODO 2.2: the loss scale's state machine.
-        # Invariant: same scale sequence as torch.amp.GradScaler on the same overflow pattern.
+        # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same
+        #   overflow pattern, for any growth and backoff factor (1.3 and 0.7 too).
         # Hint 1: overflow: scale *= backoff_factor and the clean-step count restarts at 0.
         #   No overflow: count one more clean step; at growth_interval, scale *= growth_factor
-        #   (only if the result is finite) and the count restarts at 0.
-        # Hint 2: work on self._scale in place (self._scale.mul_(...)) and self._growth_tracker;
-        #   finally clear the per-iteration state: self._found_inf = None; self._unscaled = False.
+        #   (only if the result is finite in float32) and the count restarts at 0. GradScaler's
+        #   kernel multiplies the float32 scale by the factor in float64 and rounds the product
+        #   to float32 once; a float32 tensor times a Python float rounds the factor first.
+        # Hint 2: the product as a Python float (float64) from float(self._scale) and the factor,
+        #   rounded to float32 by storing it in a float32 tensor; the finiteness check on that
+        #   rounded value; self._scale and self._growth_tracker updated; then the per-iteration
+        #   state cleared (self._found_inf back to None, self._unscaled back to False).
         # See guidelines.md#22-mixed-precision
         # >>> solution
+        # aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp: float scale * double factor,
+        # assigned back to the float scale (one rounding)
         if self._found_inf:
-            self._scale.mul_(self.backoff_factor)
+            self._scale.fill_(float(self._scale) * self.backoff_factor)
             self._growth_tracker = 0
         else:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
-                grown = self._scale * self.growth_factor
+                grown = torch.tensor(float(self._scale) * self.growth_factor, dtype=torch.float32)
                 if torch.isfinite(grown):
                     self._scale.copy_(grown)
                 self._growth_tracker = 0
@@ -197,10 +207,10 @@ def mixed_precision_step(
     #   neither the weights nor the optimizer state, and the scaler updates once per step.
     # Hint 1: torch.autocast(device_type=inputs.device.type, dtype=..., enabled=...) around
     #   the forward and loss only (backward runs outside it); clip between unscale_ and step.
-    # Hint 2: zero_grad; with autocast: loss = loss_fn(model(inputs), targets);
-    #   scaler.scale(loss).backward(); scaler.unscale_(optimizer); if max_grad_norm:
-    #   nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm); stepped =
-    #   scaler.step(optimizer); scaler.update(); return loss.item(), stepped.
+    # Hint 2: the order is: clear the gradients; forward and loss under autocast; backward of
+    #   the scaled loss; unscale; clip (only when max_grad_norm is given); the scaler's step;
+    #   the scaler's update, every iteration, also after a skipped step. Return the loss as a
+    #   float and what the scaler's step returned.
     # See guidelines.md#22-mixed-precision
     # >>> solution
     optimizer.zero_grad(set_to_none=True)
@@ -245,9 +255,10 @@ class MasterWeights:
         #   after a skipped step nothing changes.
         # Hint 1: a master's grad is the model grad cast to float32 (None stays None); with a
         #   scaler, scaler.step(self.optimizer) unscales the masters' grads and may skip.
-        # Hint 2: for p, m in zip(model_params, master_params): m.grad = None if p.grad is None
-        #   else p.grad.float(); stepped = scaler.step(opt) if scaler else (opt.step(), True)[1];
-        #   if stepped: with torch.no_grad(): p.copy_(m) for each pair. Return stepped.
+        # Hint 2: three pieces of work: each master's grad from its model parameter's grad;
+        #   one step of self.optimizer, through the scaler when there is one (its step says
+        #   whether it stepped); and only if it stepped, each model parameter overwritten in
+        #   place from its master, under torch.no_grad().
         # See guidelines.md#22-mixed-precision
         # >>> solution
         for param, master in zip(self.model_params, self.master_params, strict=True):
@@ -263,55 +274,3 @@ class MasterWeights:
                     param.copy_(master)
         return stepped
         # <<< solution
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="data-parallel mixed-precision training")
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--global-batch-size", type=int, default=128)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--train-samples", type=int, default=4096)
-    args = parser.parse_args(argv)
-    if (error := global_batch_error(args.global_batch_size)) is not None:
-        return error
-    with distributed_session() as info:
-        seed_everything(0)
-        dtype = PRECISIONS[args.precision]
-        # fp16 needs loss scaling; bf16 has fp32's range and does not
-        scaler = DynamicLossScaler(growth_interval=50, enabled=dtype is torch.float16)
-        skipped = 0
-
-        def step(
-            model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-        ) -> float:
-            nonlocal skipped
-            loss, stepped = mixed_precision_step(
-                model,
-                optimizer,
-                nn.functional.cross_entropy,
-                x,
-                y,
-                scaler,
-                dtype,
-                args.max_grad_norm,
-            )
-            skipped += not stepped
-            return loss
-
-        log0(
-            f"mixed precision: {args.precision} autocast on {info.device.type}, loss scaling "
-            f"{'on' if scaler.enabled else 'off'}, world {info.world_size}"
-        )
-        config = LoopConfig(
-            epochs=args.epochs,
-            global_batch_size=args.global_batch_size,
-            train_samples=args.train_samples,
-        )
-        train_data_parallel(BabyCNN(), step, config, info)
-        log0(f"final loss scale {scaler.get_scale():g}, skipped steps {skipped}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

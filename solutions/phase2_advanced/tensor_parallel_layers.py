@@ -19,8 +19,10 @@ right but only rank 0's copy of the bias receives a gradient. guidelines.md#26-t
 works through both.
 
 Both layers are built from a dense ``nn.Linear`` (``from_dense``) so that tests and the demo can
-compare them with it. PyTorch's counterparts are ``ColwiseParallel`` / ``RowwiseParallel`` in
-``torch.distributed.tensor.parallel`` (see tensor_parallel.py's ``library_parallel_mlp``).
+compare them with it. Every layer works on its tensor-parallel ``group`` (None: the whole world):
+the shard it holds is picked by ``dist.get_rank(group)``, and its collectives stay in the group.
+PyTorch's counterparts are ``ColwiseParallel`` / ``RowwiseParallel`` in
+``torch.distributed.tensor.parallel`` (see tensor_parallel_library.py).
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ def column_shard(
     # Invariant: result.shape[0] == weight.shape[0] // world_size; with fused_parts == 1 it
     #   is rows [rank*w, (rank+1)*w); with parts, it is those rows of every part, in order.
     # Hint 1: torch.chunk(weight, fused_parts) gives the blocks; slice each, then concatenate.
-    # Hint 2: w = weight.shape[0] // fused_parts // world_size; return torch.cat([block[rank
-    #   * w:(rank + 1) * w] for block in weight.chunk(fused_parts)]).clone()
+    # Hint 2: the width of one rank's slice of one block; from each block, the rows of this
+    #   rank; the pieces concatenated in block order, as a copy (not a view of weight).
     # See guidelines.md#26-tensor-parallelism
     # >>> solution
     width = weight.shape[0] // fused_parts // world_size
@@ -90,7 +92,8 @@ def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     # TODO 2.6: take this rank's equal slice of the weight's input dimension (dim 1).
     # Invariant: result.shape == (out, in // world_size): columns [rank*w, (rank+1)*w).
     # Hint 1: the input features of a row-parallel layer are split, and W is [out, in].
-    # Hint 2: w = weight.shape[1] // world_size; return weight[:, rank*w:(rank+1)*w].clone()
+    # Hint 2: the same cut as column_shard's with one block, on the second dimension: all
+    #   rows, this rank's columns, as a copy.
     # See guidelines.md#26-tensor-parallelism
     # >>> solution
     width = weight.shape[1] // world_size
@@ -189,9 +192,8 @@ class ColumnParallelLinear(nn.Module):
         #   with gather_output); in backward, dL/dx is summed over ranks (f does it).
         # Hint 1: copy_to_tensor_parallel_region is f; F.linear(x, weight, bias) is the local
         #   product with this rank's bias slice; gather_from_tensor_parallel_region gathers.
-        # Hint 2: y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight,
-        #   self.bias); return gather_from_tensor_parallel_region(y, self.group) if
-        #   self.gather_output else y
+        # Hint 2: three stages, each given self.group: f on the input, the local linear with
+        #   this rank's weight and bias, and the gather only when self.gather_output.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         local_output = F.linear(
@@ -288,9 +290,9 @@ class RowParallelLinear(nn.Module):
         #   the bias gives this rank's partial sum; reduce_from_tensor_parallel_region is g.
         #   Adding the bias before g would add it once per rank (or, on one rank only, leave
         #   the other ranks' bias copies without a gradient).
-        # Hint 2: if not self.input_is_parallel: x = scatter_to_tensor_parallel_region(x, g);
-        #   y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group);
-        #   return y + self.bias if self.bias is not None else y
+        # Hint 2: four stages, each given self.group where it communicates: the scatter only
+        #   when the input is not already split; the local linear WITHOUT bias; g; then the
+        #   whole bias (when there is one) added to g's output.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         if not self.input_is_parallel:

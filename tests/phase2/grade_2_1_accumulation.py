@@ -1,0 +1,286 @@
+"""Grader of exercise 2.1, gradient accumulation: ``uv run pytest tests/test_phase2.py -m ex2_1``.
+
+Every check compares with one process taking one step on the whole batch (float64, to 1e-12),
+and looks at the shape of the work: the model must run once per micro-batch, on that micro-batch
+only (a forward hook records the batch sizes it sees), and the gradients must be all-reduced once
+per optimizer step, on the data-parallel group only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise
+from phase2_group_helpers import (
+    SUBGROUP_SIZE,
+    SUBGROUP_WORLD,
+    crossing_message,
+    demo_module,
+    fail,
+    fail_on_crossing,
+    impl_flag,
+    module,
+    small_world,
+)
+from subgroups import split_into_groups
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from solutions.common.comm_counter import CommCounter
+
+TOLERANCE = 1e-12
+
+
+def accumulation_module() -> Any:
+    return module("gradient_accumulation")
+
+
+def small_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def batch(samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, 6, generator=g, dtype=torch.float64), torch.randint(
+        3, (samples,), generator=g
+    )
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def record_batch_sizes(model: nn.Module) -> list[int]:
+    """Append the batch size of every forward of ``model``'s first layer to the returned list."""
+    sizes: list[int] = []
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    first.register_forward_hook(lambda _module, inputs, _output: sizes.append(len(inputs[0])))
+    return sizes
+
+
+def expected_sizes(samples: int, micro: int) -> list[int]:
+    return [min(micro, samples - start) for start in range(0, samples, micro)]
+
+
+def full_batch_reference(samples: int, steps: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(samples, seed=step + seed_offset)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return params_of(model)
+
+
+def check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    for name, ref in want.items():
+        diff = (got[name] - ref).abs().max().item()
+        if diff > TOLERANCE:
+            fail(
+                f"{what}: {name} differs from one process stepping on the whole batch by "
+                f"{diff:.3e}; weight each micro-batch's mean loss by its share of the samples"
+            )
+
+
+def check_sizes(got: list[int], want: list[int], what: str) -> None:
+    if got != want:
+        fail(
+            f"{what}: the model ran forward on batches of {got}; expected {want}, one forward "
+            "and backward per micro-batch, on that micro-batch only (that is what keeps one "
+            "micro-batch's activations alive instead of the whole batch's)"
+        )
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+@exercise("2.1")
+@pytest.mark.parametrize("micro_batch_size", [1, 4, 10, 12])
+def test_accumulated_gradient_equals_one_big_batch(micro_batch_size: int) -> None:
+    accumulation = accumulation_module()
+    x, y = batch(10)  # micro-batches of 4 leave a short last one of 2
+    model, reference = small_mlp(), small_mlp()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    micro_batches = accumulation.split_micro_batches(x, y, micro_batch_size)
+    sizes = record_batch_sizes(model)
+    loss = accumulation.accumulate_gradients(model, nn.functional.cross_entropy, micro_batches)
+    where = f"2.1 accumulate_gradients, micro-batches of {micro_batch_size} from 10 samples"
+    check_sizes(sizes, expected_sizes(10, micro_batch_size), where)
+    want = nn.functional.cross_entropy(reference(x), y).item()
+    if loss != pytest.approx(want, rel=1e-12):
+        fail(f"{where}: returned loss {loss}, the batch's mean loss is {want}")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if p.grad is None:
+            fail(f"{where}: {name} has no gradient after accumulation")
+        assert q.grad is not None
+        diff = (p.grad - q.grad).abs().max().item()
+        if diff > TOLERANCE:
+            fail(
+                f"{where}: {name}.grad differs from one backward on all 10 samples by "
+                f"{diff:.2e}; weight each micro-batch's mean loss by its samples / 10 (dividing "
+                "by the number of micro-batches over-weights the short last one)"
+            )
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        accumulation.split_micro_batches(x, y, 0)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def accumulation_dp_worker(
+    steps: int, global_batch: int, micro: int, group_size: int = 0
+) -> dict[str, Any]:
+    """Train with accumulation_step(data_parallel=True) on the world or on a subgroup."""
+    accumulation = accumulation_module()
+    info = split_into_groups(group_size) if group_size else None
+    group = info.group if info else None
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    seed_offset = 100 * info.index if info else 0  # each group trains on its own data
+    model = small_mlp()
+    sizes = record_batch_sizes(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per_rank = global_batch // size
+    with CommCounter() as comm:
+        for step in range(steps):
+            x, y = batch(global_batch, seed=step + seed_offset)
+            shard = slice(rank * per_rank, (rank + 1) * per_rank)
+            kwargs = {"group": group} if info else {}
+            accumulation.accumulation_step(
+                model,
+                optimizer,
+                nn.functional.cross_entropy,
+                x[shard],
+                y[shard],
+                micro,
+                data_parallel=True,
+                **kwargs,
+            )
+    return {
+        "params": params_of(model),
+        "all_reduces": comm.count("all_reduce"),
+        "sizes": sizes,
+        "crossing": crossing_message(comm, info) if info else None,
+        "index": info.index if info else 0,
+    }
+
+
+def check_data_parallel(results: list[dict[str, Any]], steps: int, label: str) -> None:
+    for rank, result in enumerate(results):
+        check_sizes(result["sizes"], [4, 2] * steps, f"{label}, rank {rank}")
+        want = full_batch_reference(12, steps, 100 * result["index"])
+        check_params(result["params"], want, f"{label}, rank {rank}, 2 ranks x (4 + 2 samples)")
+        if result["all_reduces"] != steps:
+            fail(
+                f"{label}: {steps} optimizer steps of 2 micro-batches made "
+                f"{result['all_reduces']} all-reduces on rank {rank}; expected {steps}: average "
+                "once per step, after the last micro-batch, not once per micro-batch"
+            )
+
+
+@exercise("2.1")
+def test_data_parallel_accumulation_all_reduces_once_per_step() -> None:
+    steps = 3
+    results = small_world(accumulation_dp_worker, 2, steps, 12, 4)
+    check_data_parallel(results, steps, "2.1 accumulation_step(data_parallel=True)")
+
+
+@exercise("2.1")
+def test_data_parallel_accumulation_stays_inside_its_group() -> None:
+    steps = 3
+    results = small_world(accumulation_dp_worker, SUBGROUP_WORLD, steps, 12, 4, SUBGROUP_SIZE)
+    label = "2.1 accumulation_step(data_parallel=True, group=...) on two groups of 2"
+    fail_on_crossing(label, results)
+    check_data_parallel(results, steps, label)
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+def ddp_accumulation_worker(steps: int, global_batch: int, micro: int) -> dict[str, Any]:
+    accumulation = accumulation_module()
+    demo = demo_module("accumulation_demo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_rank = global_batch // world_size
+    # a tiny bucket cap gives several buckets, so "once per bucket" is visible
+    ddp = DistributedDataParallel(small_mlp(), bucket_cap_mb=0.0005)
+    count = demo.AllReduceCount()
+    ddp.register_comm_hook(count, demo.counting_allreduce_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    # DDP's first iteration uses one provisional bucket and rebuilds them afterwards: warm up
+    # with a backward that does not step, so every counted step sees the final buckets
+    x, y = batch(global_batch, seed=99)
+    nn.functional.cross_entropy(ddp(x[:per_rank]), y[:per_rank]).backward()
+    optimizer.zero_grad()
+    sizes = record_batch_sizes(ddp.module)
+    calls_per_step = []
+    for step in range(steps):
+        x, y = batch(global_batch, seed=step)
+        shard = slice(rank * per_rank, (rank + 1) * per_rank)
+        before = count.calls
+        accumulation.ddp_accumulation_step(
+            ddp, optimizer, nn.functional.cross_entropy, x[shard], y[shard], micro
+        )
+        calls_per_step.append(count.calls - before)
+    counted_sizes = list(sizes)
+    # one plain step (no accumulation) shows how many buckets DDP has
+    before = count.calls
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(ddp(x[shard]), y[shard]).backward()
+    buckets = count.calls - before
+    return {
+        "params": params_of(ddp.module),
+        "calls": calls_per_step,
+        "buckets": buckets,
+        "sizes": counted_sizes,
+    }
+
+
+@exercise("2.1")
+def test_ddp_no_sync_accumulation_equals_one_big_batch() -> None:
+    steps = 3
+    want = full_batch_reference(10, steps)
+    label = "2.1 ddp_accumulation_step, 2 ranks x 5 samples in micro-batches of 2 + 2 + 1"
+    for rank, result in enumerate(small_world(ddp_accumulation_worker, 2, steps, 10, 2)):
+        check_sizes(result["sizes"], [2, 2, 1] * steps, f"{label}, rank {rank}")
+        check_params(result["params"], want, f"{label}, rank {rank}")
+        buckets = result["buckets"]
+        assert buckets > 1, "test setup: expected several DDP buckets"
+        if result["calls"] != [buckets] * steps:
+            fail(
+                f"{label}: DDP launched {result['calls']} bucket all-reduces per optimizer step "
+                f"on rank {rank}; expected {buckets} (one per bucket): run every micro-batch "
+                "but the last, forward and backward, inside no_sync()"
+            )
+
+
+# ----------------------------------------------------------------------------- the demo
+
+
+def accumulation_demo_worker(impl_args: list[str]) -> int:
+    demo = demo_module("accumulation_demo")
+    args = ["--epochs", "1", "--train-samples", "512", "--global-batch-size", "128"]
+    return int(demo.main([*args, *impl_args]))
+
+
+@exercise("2.1")
+def test_accumulation_demo_runs_on_two_ranks() -> None:
+    codes = small_world(accumulation_demo_worker, 2, impl_flag())
+    if codes != [0, 0]:
+        fail(f"2.1: accumulation_demo exited with {codes} on 2 ranks; expected [0, 0]")
+
+
+@exercise("2.1")
+@pytest.mark.reference
+def test_accumulation_demo_refuses_bad_flags_all_at_once() -> None:
+    demo = demo_module("accumulation_demo")
+    config = demo.AccumulationConfig(global_batch_size=100, micro_batch_size=0)
+    with pytest.raises(ValueError) as caught:
+        demo.validate(config, 3)
+    message = str(caught.value)
+    for word in ("--micro-batch-size 0", "--global-batch-size", "100"):
+        assert word in message, f"the refusal should name {word!r}: {message}"

@@ -1,0 +1,357 @@
+"""Grader of exercise 2.2, mixed precision: ``uv run pytest tests/test_phase2.py -m ex2_2``.
+
+The hand-made loss scaler is compared with ``torch.amp.GradScaler`` bit for bit: the scale
+sequence (also for growth and backoff factors that are not powers of two, over long runs), the
+skipped steps, the unscaled gradients and the weights. In a process group every rank of the
+scaler's group must make the same skip decision, and the flag must not leave the group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise
+from phase2_group_helpers import (
+    SUBGROUP_SIZE,
+    SUBGROUP_WORLD,
+    crossing_message,
+    demo_module,
+    fail,
+    fail_on_crossing,
+    impl_flag,
+    module,
+    small_world,
+)
+from subgroups import split_into_groups
+from torch import nn
+
+from solutions.common.comm_counter import CommCounter
+from solutions.common.distributed import current_info
+from solutions.common.training import LoopConfig, train_data_parallel
+
+
+def precision_module() -> Any:
+    return module("mixed_precision")
+
+
+def small_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, 6, generator=g), torch.randint(3, (samples,), generator=g)
+
+
+# ----------------------------------------------------------------------------- against GradScaler
+
+OVERFLOW_STEPS = {2, 3, 9, 16}
+
+
+def run_scaler_stream(
+    scaler: Any, steps: int, overflows: set[int]
+) -> tuple[list[float], list[bool], torch.Tensor]:
+    """Feed a scaler a gradient stream with overflows; return scales, step decisions, weights."""
+    param = nn.Parameter(torch.linspace(-1, 1, 5))
+    optimizer = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+    scales, stepped = [], []
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        optimizer.zero_grad()
+        direction = torch.randn(5, generator=g)
+        if step in overflows:
+            direction[step % 5] = float("inf") if step % 2 else float("nan")
+        scaler.scale((param * direction).sum()).backward()
+        before = param.detach().clone()
+        scaler.step(optimizer)
+        stepped.append(not torch.equal(before, param.detach()))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, stepped, param.detach()
+
+
+def compare_streams(kwargs: dict[str, Any], steps: int, overflows: set[int], label: str) -> None:
+    precision = precision_module()
+    ours = run_scaler_stream(precision.DynamicLossScaler(**kwargs), steps, overflows)
+    theirs = run_scaler_stream(torch.amp.GradScaler("cpu", **kwargs), steps, overflows)
+    for step, (got, want) in enumerate(zip(ours[0], theirs[0], strict=True)):
+        if got != want:
+            event = "an overflow" if step in overflows else "a clean step"
+            fail(
+                f"2.2 {label}: after step {step} ({event}) the scale is {got!r}; GradScaler's "
+                f"is {want!r} (scales before: {theirs[0][max(0, step - 3) : step]}). "
+                + (
+                    "GradScaler multiplies the float32 scale by the factor in float64 and rounds "
+                    "the product to float32 once"
+                    if abs(got - want) <= 1e-6 * abs(want)
+                    else "Check the state machine: back off on an overflow, grow after "
+                    "growth_interval clean steps in a row, restart the count after either"
+                )
+            )
+    skipped_ours = [i for i, s in enumerate(ours[1]) if not s]
+    skipped_theirs = [i for i, s in enumerate(theirs[1]) if not s]
+    if skipped_ours != skipped_theirs:
+        fail(f"2.2 {label}: skipped steps {skipped_ours}, GradScaler skipped {skipped_theirs}")
+    if not torch.equal(ours[2], theirs[2]):
+        fail(
+            f"2.2 {label}: the weights after the stream differ from GradScaler's by "
+            f"{(ours[2] - theirs[2]).abs().max():.2e}: multiply each gradient by one float32 "
+            "inverse scale (1/scale computed in float64), as GradScaler does"
+        )
+
+
+@exercise("2.2")
+def test_loss_scaler_follows_grad_scaler() -> None:
+    kwargs = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.25}
+    compare_streams(
+        {**kwargs, "growth_interval": 3},
+        24,
+        OVERFLOW_STEPS,
+        f"scaler (growth 2, backoff 0.25, interval 3, overflows at {sorted(OVERFLOW_STEPS)})",
+    )
+
+
+@exercise("2.2")
+@pytest.mark.parametrize(("growth", "backoff"), [(1.3, 0.7), (1.001, 0.9)])
+def test_loss_scaler_equals_grad_scaler_for_any_factor(growth: float, backoff: float) -> None:
+    g = torch.Generator().manual_seed(5)
+    steps = 400
+    overflows = {i for i in range(steps) if torch.rand((), generator=g).item() < 0.2}
+    kwargs = {
+        "init_scale": 1000.0,
+        "growth_factor": growth,
+        "backoff_factor": backoff,
+        "growth_interval": 2,
+    }
+    compare_streams(
+        kwargs, steps, overflows, f"scaler (growth {growth}, backoff {backoff}, 400 steps)"
+    )
+
+
+@exercise("2.2")
+def test_unscaled_gradients_equal_grad_scalers_bitwise() -> None:
+    """With a scale that is not a power of two, 1/scale is not exact: every way of unscaling but
+    GradScaler's (one float32 inverse computed in float64, multiplied in) rounds differently."""
+    precision = precision_module()
+    grads: dict[str, torch.Tensor] = {}
+    for name, scaler in (
+        ("ours", precision.DynamicLossScaler(init_scale=1000.0 * 1.3**7)),
+        ("theirs", torch.amp.GradScaler("cpu", init_scale=1000.0 * 1.3**7)),
+    ):
+        param = nn.Parameter(torch.zeros(4096))
+        optimizer = torch.optim.SGD([param], lr=0.1)
+        direction = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+        scaler.scale((param * direction).sum()).backward()
+        scaler.unscale_(optimizer)
+        assert param.grad is not None
+        grads[name] = param.grad.clone()
+        scaler.step(optimizer)  # after unscale_, step must not unscale again
+        assert param.grad is not None
+        grads[name + " after step"] = param.grad.clone()
+    ours, theirs = grads["ours"], grads["theirs"]
+    if not torch.equal(ours, theirs):
+        wrong = int((ours != theirs).sum())
+        fail(
+            f"2.2 unscale_: {wrong} of 4096 gradients differ from GradScaler's unscaled ones "
+            f"(scale {1000.0 * 1.3**7:.6g}, max difference {(ours - theirs).abs().max():.2e}): "
+            "multiply every gradient by ONE float32 number, 1/scale computed in float64 and "
+            "rounded to float32, instead of dividing by the scale"
+        )
+    if not torch.equal(grads["ours after step"], theirs):
+        fail(
+            "2.2: unscale_ then step: the gradients changed again in step() (unscaled twice?): "
+            "unscale_ must remember that it ran (self._unscaled) until update()"
+        )
+
+
+# ----------------------------------------------------------------------------- across ranks
+
+
+def one_rank_overflows_worker(group_size: int = 0) -> dict[str, Any]:
+    """Rank 1 (of each group: global rank 1 only) overflows at step 1; the rest are clean."""
+    precision = precision_module()
+    info = split_into_groups(group_size) if group_size else None
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # model-parallel style: each rank owns different parameters
+    param = nn.Parameter(torch.randn(4))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    kwargs = {"group": info.group} if info else {}
+    scaler = precision.DynamicLossScaler(init_scale=256.0, growth_interval=2, **kwargs)
+    history = []
+    with CommCounter() as comm:
+        for step in range(4):
+            optimizer.zero_grad()
+            direction = torch.ones(4)
+            if step == 1 and rank == 1:
+                direction[0] = float("inf")
+            state = {k: v.clone() for k, v in optimizer.state[param].items()}
+            before = param.detach().clone()
+            scaler.scale((param * direction).sum()).backward()
+            stepped = scaler.step(optimizer)
+            unchanged = torch.equal(before, param.detach()) and all(
+                torch.equal(v, optimizer.state[param][k]) for k, v in state.items()
+            )
+            scaler.update()
+            history.append((bool(stepped), unchanged, scaler.get_scale()))
+    return {
+        "history": history,
+        "crossing": crossing_message(comm, info) if info else None,
+        "index": info.index if info else 0,
+    }
+
+
+def check_skips(results: list[dict[str, Any]], label: str) -> None:
+    for rank, result in enumerate(results):
+        overflowed = result["index"] == 0  # rank 1 is in the first group (or the only one)
+        stepped, unchanged, scale = result["history"][1]
+        if overflowed and (stepped or not unchanged):
+            fail(
+                f"{label}: rank 1 overflowed at step 1; rank {rank} "
+                f"{'stepped' if stepped else 'skipped'} and its weights/optimizer state "
+                f"{'stayed' if unchanged else 'changed'}: every rank of the group must agree "
+                "(all-reduce the overflow flag with MAX on the scaler's group) and leave "
+                "everything unchanged"
+            )
+        if not overflowed and not stepped:
+            fail(
+                f"{label}: rank {rank} skipped step 1, but only rank 1, in the OTHER group, "
+                "overflowed: all-reduce the flag on the scaler's group, not on the world"
+            )
+        want_scale = 128.0 if overflowed else 512.0
+        if scale != want_scale:
+            fail(f"{label}: rank {rank}'s scale after step 1 is {scale}, expected {want_scale}")
+        want = [True, False, True, True] if overflowed else [True, True, True, True]
+        got = [h[0] for h in result["history"]]
+        if got != want:
+            fail(f"{label}: rank {rank} stepped {got} over 4 steps; expected {want}")
+
+
+@exercise("2.2")
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
+    check_skips(small_world(one_rank_overflows_worker, 2), "2.2 DynamicLossScaler on 2 ranks")
+
+
+@exercise("2.2")
+def test_the_overflow_flag_stays_inside_the_scalers_group() -> None:
+    results = small_world(one_rank_overflows_worker, SUBGROUP_WORLD, SUBGROUP_SIZE)
+    label = "2.2 DynamicLossScaler(group=...) on two groups of 2"
+    fail_on_crossing(label, results)
+    check_skips(results, label)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+@exercise("2.2")
+def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
+    precision = precision_module()
+    x, y = batch(16)
+    ours_model, ref_model = small_mlp(), small_mlp()
+    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
+    scaler = precision.DynamicLossScaler(init_scale=2.0**12)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for step in range(3):
+        loss, stepped = precision.mixed_precision_step(
+            ours_model, ours_opt, nn.functional.cross_entropy, x, y, scaler, None, 0.05
+        )
+        ref_opt.zero_grad()
+        ref_loss = nn.functional.cross_entropy(ref_model(x), y)
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.unscale_(ref_opt)
+        nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        if not stepped:
+            fail(f"2.2 mixed_precision_step: step {step} has no overflow but reported a skip")
+        if loss != pytest.approx(ref_loss.item(), rel=1e-6):
+            fail(f"2.2 mixed_precision_step: step {step} loss {loss}, expected {ref_loss.item()}")
+    for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
+        diff = (p - q).abs().max().item()
+        if diff > 1e-6:
+            fail(
+                f"2.2 mixed_precision_step: after 3 clipped steps {name} differs from "
+                f"GradScaler's recipe (unscale_, clip, step, update) by {diff:.2e}: clip after "
+                "unscaling, and unscale once"
+            )
+
+
+@exercise("2.2")
+def test_master_weights_keep_updates_too_small_for_bf16() -> None:
+    precision = precision_module()
+    model = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    master = precision.MasterWeights(model, lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    for _ in range(10):
+        master.zero_grad()
+        model(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()  # gradient 1 per weight
+        master.step()
+        if master.master_params[0].dtype != torch.float32:
+            fail("2.2 MasterWeights: the masters must stay float32")
+        if not torch.equal(model.weight, master.master_params[0].to(torch.bfloat16)):
+            fail("2.2 MasterWeights: after a step the bf16 weights must equal the fp32 masters "
+                 "cast to bf16")  # fmt: skip
+    got = master.master_params[0][0, 0].item()
+    if got != pytest.approx(0.99, abs=1e-6):
+        fail(
+            f"2.2 MasterWeights: ten updates of -0.001 on 1.0 should leave the master at 0.99, "
+            f"got {got} (bf16 alone rounds each update away: its neighbours of 1.0 are "
+            "0.99609375 and 1.0078125)"
+        )
+    if model.weight[0, 0].item() != 0.98828125:
+        fail("2.2 MasterWeights: the bf16 copy of 0.99 is 0.98828125")
+
+
+def precision_training_worker(dtype_name: str) -> dict[str, float]:
+    precision = precision_module()
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[dtype_name]
+    scaler = precision.DynamicLossScaler(enabled=False)
+
+    def step(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss, _ = precision.mixed_precision_step(
+            model, optimizer, nn.functional.cross_entropy, x, y, scaler, dtype, 1.0
+        )
+        return float(loss)
+
+    torch.manual_seed(0)
+    from solutions.common.models import MLP
+
+    config = LoopConfig(epochs=2, global_batch_size=64, train_samples=1536, test_samples=512)
+    summaries = train_data_parallel(MLP(256), step, config, current_info())
+    return {"loss": summaries[-1].loss, "accuracy": summaries[-1].test_accuracy}
+
+
+@exercise("2.2")
+def test_bf16_training_ends_close_to_fp32() -> None:
+    fp32 = small_world(precision_training_worker, 2, "fp32")[0]
+    bf16 = small_world(precision_training_worker, 2, "bf16")[0]
+    if bf16["accuracy"] <= 0.3:
+        fail(f"2.2: bf16 training reached only {bf16['accuracy']:.2f} test accuracy")
+    if abs(bf16["accuracy"] - fp32["accuracy"]) > 0.05:
+        fail(
+            f"2.2: bf16 test accuracy {bf16['accuracy']:.3f} vs fp32 {fp32['accuracy']:.3f}: "
+            "the stated tolerance is 5 points"
+        )
+    if bf16["loss"] != pytest.approx(fp32["loss"], rel=0.1):
+        fail(f"2.2: bf16 final loss {bf16['loss']:.4f} vs fp32 {fp32['loss']:.4f} (tolerance 10%)")
+
+
+# ----------------------------------------------------------------------------- the demo
+
+
+def precision_demo_worker(impl_args: list[str]) -> int:
+    demo = demo_module("mixed_precision_demo")
+    args = ["--epochs", "1", "--train-samples", "256", "--global-batch-size", "64"]
+    return int(demo.main([*args, "--precision", "fp16", *impl_args]))
+
+
+@exercise("2.2")
+def test_mixed_precision_demo_runs_in_fp16_on_two_ranks() -> None:
+    codes = small_world(precision_demo_worker, 2, impl_flag())
+    if codes != [0, 0]:
+        fail(f"2.2: mixed_precision_demo --precision fp16 exited with {codes}; expected [0, 0]")

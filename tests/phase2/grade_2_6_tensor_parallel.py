@@ -1,0 +1,760 @@
+"""Grader of exercise 2.6, tensor parallelism: ``uv run pytest tests/test_phase2.py -m ex2_6``.
+
+Each parallel piece is compared, in float64 and in real worlds of 2-4 processes, with the dense
+module it splits: outputs, input gradients and every weight shard's gradient (against the
+matching slice of the dense gradient). Beyond values, the tests check the shape of the
+communication: exactly one all-reduce in forward and one in backward per parallel MLP or
+attention block, none where Megatron has none, and, with ``group=`` a subgroup of the world,
+not a single message outside it. Expected values are computed here, on one process, with
+slicing written independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise, impl
+from phase2_group_helpers import (
+    SUBGROUP_SIZE,
+    SUBGROUP_WORLD,
+    crossing_message,
+    demo_module,
+    describe,
+    fail,
+    fail_on_crossing,
+    max_diff,
+    module,
+    small_world,
+)
+from subgroups import split_into_groups
+from torch import nn
+
+from solutions.common.comm_counter import CommCounter
+
+F64 = torch.float64
+ATOL = 1e-10  # float64: the parallel code sums in a different order than the dense one
+
+
+def tp_ops_module() -> ModuleType:
+    return module("tensor_parallel_ops")
+
+
+def tp_layers_module() -> ModuleType:
+    return module("tensor_parallel_layers")
+
+
+def tp_module() -> ModuleType:
+    return module("tensor_parallel")
+
+
+def close(got: torch.Tensor | None, want: torch.Tensor, atol: float = ATOL) -> bool:
+    return max_diff(got, want) <= atol
+
+
+def expect_close(
+    got: torch.Tensor | None, want: torch.Tensor, message: str, atol: float = ATOL
+) -> None:
+    """Fail with ``message`` and how far off ``got`` is, unless it matches ``want``."""
+    if not close(got, want, atol):
+        fail(f"{message}: {describe(got, want)}")
+
+
+# ============================================================================ 2.6 tensor parallel
+
+
+def rows(tensor: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rank's equal slice of dim 0 (column-parallel weight rows, bias entries)."""
+    width = tensor.shape[0] // n
+    return tensor[rank * width : (rank + 1) * width]
+
+
+def cols(tensor: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rank's equal slice of the last dim (row-parallel weight columns, sliced activations)."""
+    width = tensor.shape[-1] // n
+    return tensor[..., rank * width : (rank + 1) * width]
+
+
+def qkv_rows(tensor: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rank's rows of each of q, k and v in a fused [q; k; v] projection (its heads only)."""
+    return torch.cat([rows(part, rank, n) for part in tensor.chunk(3, dim=0)])
+
+
+def seeded(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def make_linear(in_features: int, out_features: int) -> nn.Linear:
+    torch.manual_seed(11)
+    linear = nn.Linear(in_features, out_features).to(F64)
+    with torch.no_grad():
+        linear.bias.uniform_(0.5, 1.5)  # clearly non-zero: a bias added n times shows
+    return linear
+
+
+def loss_weights(shape: tuple[int, ...]) -> torch.Tensor:
+    """Fixed weights for the loss sum(output * w), so every output element gets its own gradient."""
+    count = 1
+    for size in shape:
+        count *= size
+    return torch.linspace(-1.0, 1.0, count, dtype=F64).view(shape)
+
+
+def dense_run(
+    module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and input gradient of a dense module under the loss sum(out * w)."""
+    x = x.clone().requires_grad_()
+    out = module(x)
+    (out * loss_weights(tuple(out.shape))).sum().backward()
+    assert x.grad is not None
+    return out.detach(), x.grad
+
+
+# ---------------------------------------------------------------------------- f and g
+
+
+def operators_worker() -> list[str]:
+    return operator_problems(None, 0)
+
+
+def operator_problems(group: dist.ProcessGroup | None, offset: int) -> list[str]:
+    """Check f, g, gather and scatter on ``group``; inputs depend on ``offset`` (per group)."""
+    ops = tp_ops_module()
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    problems: list[str] = []
+
+    def per_rank(seed: int, r: int) -> torch.Tensor:
+        return seeded(100 * seed + r + offset, 3, 4)
+
+    # f: identity forward, all-reduce backward
+    x = per_rank(1, rank).requires_grad_()
+    with CommCounter() as forward:
+        y = ops.copy_to_tensor_parallel_region(x, group=group)
+    upstream = per_rank(2, rank)
+    with CommCounter() as backward:
+        y.backward(upstream)
+    if not torch.equal(y.detach(), x.detach()):
+        problems.append("f (copy_to_tensor_parallel_region) forward must return its input")
+    if forward.records:
+        problems.append(f"f forward must not communicate; it called {dict(forward.calls)}")
+    want = torch.stack([per_rank(2, r) for r in range(n)]).sum(dim=0)
+    if not close(x.grad, want):
+        problems.append(
+            f"f backward must return the sum of every rank's gradient: {describe(x.grad, want)}"
+        )
+    if backward.count("all_reduce") != 1 or len(backward.records) != 1:
+        problems.append(f"f backward must be one all-reduce; it called {dict(backward.calls)}")
+
+    # g: all-reduce forward, identity backward
+    x = per_rank(3, rank).requires_grad_()
+    before = x.detach().clone()
+    with CommCounter() as forward:
+        y = ops.reduce_from_tensor_parallel_region(x, group=group)
+    upstream = per_rank(4, rank)
+    with CommCounter() as backward:
+        y.backward(upstream)
+    want = torch.stack([per_rank(3, r) for r in range(n)]).sum(dim=0)
+    if not close(y.detach(), want):
+        problems.append(
+            f"g (reduce_from_tensor_parallel_region) forward must return the sum over ranks: "
+            f"{describe(y.detach(), want)}"
+        )
+    if not torch.equal(x.detach(), before):
+        problems.append("g forward must not modify its input (all-reduce a copy)")
+    if forward.count("all_reduce") != 1 or len(forward.records) != 1:
+        problems.append(f"g forward must be one all-reduce; it called {dict(forward.calls)}")
+    if not close(x.grad, upstream):
+        problems.append(f"g backward must be the identity: {describe(x.grad, upstream)}")
+    if backward.records:
+        problems.append(f"g backward must not communicate; it called {dict(backward.calls)}")
+
+    # gather: all-gather forward, own slice backward
+    x = per_rank(5, rank).requires_grad_()
+    y = ops.gather_from_tensor_parallel_region(x, group=group)
+    want = torch.cat([per_rank(5, r) for r in range(n)], dim=-1)
+    if not close(y.detach(), want):
+        problems.append(
+            "gather_from_tensor_parallel_region forward must concatenate every rank's tensor "
+            f"along the last dim, in rank order: {describe(y.detach(), want)}"
+        )
+    upstream = seeded(6 + offset, 3, 4 * n)  # the same on every rank of the group
+    try:
+        y.backward(upstream)
+    except RuntimeError as err:
+        hint = " (is the slice picked by the rank in the group, dist.get_rank(group)?)"
+        return [f"rank {dist.get_rank()}: gather backward raised {err}" + (hint if group else "")]
+    want = cols(upstream, rank, n)
+    if not close(x.grad, want):
+        problems.append(
+            f"gather backward must keep this rank's slice of the gradient: {describe(x.grad, want)}"
+        )
+
+    # scatter: own slice forward, all-gather backward
+    full = seeded(7 + offset, 3, 4 * n).requires_grad_()
+    y = ops.scatter_to_tensor_parallel_region(full, group=group)
+    y.backward(per_rank(8, rank))
+    want = torch.cat([per_rank(8, r) for r in range(n)], dim=-1)
+    if not close(full.grad, want):
+        problems.append(
+            "scatter_to_tensor_parallel_region backward must gather every rank's gradient: "
+            f"{describe(full.grad, want)}"
+        )
+    return [f"rank {dist.get_rank()}: {p}" for p in problems]
+
+
+@exercise("2.6")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_megatron_f_and_g_operators(world_size: int) -> None:
+    problems = [
+        p for rank_problems in small_world(operators_worker, world_size) for p in rank_problems
+    ]
+    if problems:
+        fail(f"2.6 operators on {world_size} ranks:\n  " + "\n  ".join(problems[:8]))
+
+
+# ---------------------------------------------------------------------------- linear layers
+
+IN, OUT, BATCH, SEQ = 8, 12, 2, 3
+
+
+def column_worker() -> dict[bool, dict[str, torch.Tensor | None]]:
+    layers = tp_layers_module()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dense = make_linear(IN, OUT)
+    results = {}
+    for gather_output in (False, True):
+        layer = layers.ColumnParallelLinear.from_dense(dense, gather_output=gather_output)
+        x = seeded(1, BATCH, SEQ, IN).requires_grad_()
+        out = layer(x)
+        weights = loss_weights((BATCH, SEQ, OUT))
+        (out * (weights if gather_output else cols(weights, rank, n))).sum().backward()
+        results[gather_output] = {
+            "out": out.detach(),
+            "x_grad": x.grad,
+            "weight": layer.weight.detach(),
+            "weight_grad": layer.weight.grad,
+            "bias_grad": layer.bias.grad,
+        }
+    return results
+
+
+@exercise("2.6")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_column_parallel_linear_equals_the_dense_layer(world_size: int) -> None:
+    dense = make_linear(IN, OUT)
+    out, x_grad = dense_run(dense, seeded(1, BATCH, SEQ, IN))
+    assert dense.bias.grad is not None and dense.weight.grad is not None
+    for rank, results in enumerate(small_world(column_worker, world_size)):
+        for gather_output, got in results.items():
+            where = f"2.6 ColumnParallelLinear(gather_output={gather_output}), rank {rank} of "
+            where += f"{world_size}"
+            checks = [
+                ("its weight shard (rows of the dense weight)", got["weight"],
+                 rows(dense.weight.detach(), rank, world_size)),
+                ("its output", got["out"], out if gather_output else cols(out, rank, world_size)),
+                ("the input's gradient (f sums it over ranks)", got["x_grad"], x_grad),
+                ("its weight shard's gradient", got["weight_grad"],
+                 rows(dense.weight.grad, rank, world_size)),
+                ("its bias shard's gradient", got["bias_grad"],
+                 rows(dense.bias.grad, rank, world_size)),
+            ]  # fmt: skip
+            for what, value, want in checks:
+                expect_close(
+                    value,
+                    want,
+                    f"{where}: {what} should equal the dense layer's matching slice",
+                )
+
+
+def row_worker() -> dict[bool, dict[str, torch.Tensor | None]]:
+    layers = tp_layers_module()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dense = make_linear(OUT, IN)
+    results = {}
+    for input_is_parallel in (False, True):
+        layer = layers.RowParallelLinear.from_dense(dense, input_is_parallel=input_is_parallel)
+        full = seeded(2, BATCH, SEQ, OUT)
+        x = (cols(full, rank, n).clone() if input_is_parallel else full).requires_grad_()
+        out = layer(x)
+        (out * loss_weights((BATCH, SEQ, IN))).sum().backward()
+        results[input_is_parallel] = {
+            "out": out.detach(),
+            "x_grad": x.grad,
+            "weight": layer.weight.detach(),
+            "weight_grad": layer.weight.grad,
+            "bias_grad": layer.bias.grad,
+        }
+    return results
+
+
+@exercise("2.6")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_row_parallel_linear_equals_the_dense_layer(world_size: int) -> None:
+    dense = make_linear(OUT, IN)
+    out, x_grad = dense_run(dense, seeded(2, BATCH, SEQ, OUT))
+    assert dense.bias.grad is not None and dense.weight.grad is not None
+    for rank, results in enumerate(small_world(row_worker, world_size)):
+        for input_is_parallel, got in results.items():
+            where = f"2.6 RowParallelLinear(input_is_parallel={input_is_parallel}), rank {rank} "
+            where += f"of {world_size}"
+            want_x_grad = cols(x_grad, rank, world_size) if input_is_parallel else x_grad
+            if close(got["out"], out + (world_size - 1) * dense.bias.detach()):
+                fail(
+                    f"{where}: the output holds the bias {world_size} times: each rank added it "
+                    "to its partial sum before the all-reduce. Add it once, after the reduction"
+                )
+            checks = [
+                ("its weight shard (columns of the dense weight)", got["weight"],
+                 cols(dense.weight.detach(), rank, world_size)),
+                ("its output (the whole output, on every rank)", got["out"], out),
+                ("the input's gradient", got["x_grad"], want_x_grad),
+                ("its weight shard's gradient", got["weight_grad"],
+                 cols(dense.weight.grad, rank, world_size)),
+                ("its (replicated) bias's gradient", got["bias_grad"], dense.bias.grad),
+            ]  # fmt: skip
+            for what, value, want in checks:
+                expect_close(
+                    value,
+                    want,
+                    f"{where}: {what} should equal the dense layer's",
+                )
+
+
+def bias_worker() -> dict[str, torch.Tensor | None]:
+    layers = tp_layers_module()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    layer = layers.RowParallelLinear.from_dense(make_linear(OUT, IN), input_is_parallel=True)
+    x = cols(seeded(2, BATCH, SEQ, OUT), rank, n).clone()
+    out = layer(x)
+    (out * loss_weights((BATCH, SEQ, IN))).sum().backward()
+    return {"out": out.detach(), "bias_grad": layer.bias.grad}
+
+
+@exercise("2.6")
+def test_row_parallel_bias_is_added_once_and_every_copy_learns() -> None:
+    world_size = 4
+    dense = make_linear(OUT, IN)
+    out, _ = dense_run(dense, seeded(2, BATCH, SEQ, OUT))
+    bias = dense.bias.detach()
+    bias_grad = dense.bias.grad
+    assert bias_grad is not None
+    for rank, got in enumerate(small_world(bias_worker, world_size)):
+        if close(got["out"], out + (world_size - 1) * bias):
+            pytest.fail(
+                f"2.6: rank {rank}'s output holds the bias {world_size} times: each rank added "
+                "it to its partial sum before the all-reduce. Add it once, after the reduction",
+                pytrace=False,
+            )
+        expect_close(
+            got["out"],
+            out,
+            f"2.6: RowParallelLinear output on rank {rank} should equal the dense layer's",
+        )
+        if got["bias_grad"] is None:
+            pytest.fail(
+                f"2.6: rank {rank}'s bias got no gradient: the bias was added on some ranks only "
+                "(before the all-reduce), so the other copies never learn and drift apart. "
+                "Add it after the reduction, on every rank",
+                pytrace=False,
+            )
+        if close(got["bias_grad"], bias_grad / world_size):
+            pytest.fail(
+                f"2.6: rank {rank}'s bias got 1/{world_size} of its gradient (bias / n added "
+                "before the all-reduce?): every copy of the replicated bias needs the full "
+                "gradient, which adding it after the reduction gives",
+                pytrace=False,
+            )
+        expect_close(
+            got["bias_grad"],
+            bias_grad,
+            f"2.6: rank {rank}'s bias gradient should equal the dense layer's",
+        )
+
+
+# ---------------------------------------------------------------------------- MLP and attention
+
+HIDDEN, FFN, HEADS, EMBED = 8, 16, 4, 16
+
+
+def make_dense_mlp() -> nn.Module:
+    torch.manual_seed(21)
+    return tp_module().DenseMLP(HIDDEN, FFN).to(F64)
+
+
+def make_attention() -> nn.MultiheadAttention:
+    torch.manual_seed(22)
+    return nn.MultiheadAttention(EMBED, HEADS, batch_first=True).to(F64)
+
+
+def run_counted(module: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """Forward and backward of a parallel block, each inside its own CommCounter."""
+    x = x.clone().requires_grad_()
+    with CommCounter() as forward:
+        out = module(x)
+    with CommCounter() as backward:
+        (out * loss_weights(tuple(out.shape))).sum().backward()
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "grads": {n: p.grad for n, p in module.named_parameters()},
+        "forward": [(r.op, r.nbytes) for r in forward.records],
+        "backward": [(r.op, r.nbytes) for r in backward.records],
+    }
+
+
+def mlp_worker() -> dict[str, Any]:
+    tp = tp_module()
+    return run_counted(tp.ParallelMLP.from_dense(make_dense_mlp()), seeded(3, BATCH, SEQ, HIDDEN))
+
+
+def check_block(
+    label: str,
+    world_size: int,
+    results: list[dict[str, Any]],
+    out: torch.Tensor,
+    x_grad: torch.Tensor,
+    expected_grads: Callable[[int], dict[str, torch.Tensor]],
+) -> None:
+    """Outputs, gradients and communication of a parallel block on every rank."""
+    activation_bytes = out.numel() * out.element_size()
+    for rank, got in enumerate(results):
+        where = f"2.6 {label}, rank {rank} of {world_size}"
+        expect_close(
+            got["out"],
+            out,
+            f"{where}: output should equal the dense block's",
+        )
+        expect_close(
+            got["x_grad"],
+            x_grad,
+            f"{where}: the input's gradient should equal the dense block's",
+        )
+        for name, want in expected_grads(rank).items():
+            value = got["grads"].get(name)
+            expect_close(
+                value,
+                want,
+                f"{where}: {name}'s gradient should equal this rank's slice of the dense gradient",
+            )
+        for phase in ("forward", "backward"):
+            calls = got[phase]
+            if [op for op, _ in calls] != ["all_reduce"]:
+                fail(
+                    f"{where}: {phase} should communicate exactly once, one all-reduce of the "
+                    f"[batch, seq, hidden] activation (Megatron's "
+                    f"{'g' if phase == 'forward' else 'f'}); it called {[op for op, _ in calls]}"
+                )
+            if calls[0][1] != activation_bytes:
+                fail(
+                    f"{where}: the {phase} all-reduce should carry the [batch, seq, hidden] "
+                    f"activation, {activation_bytes} bytes; it carried {calls[0][1]}"
+                )
+
+
+@exercise("2.6")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallel_mlp_equals_dense_with_one_all_reduce_each_way(world_size: int) -> None:
+    dense = make_dense_mlp()
+    out, x_grad = dense_run(dense, seeded(3, BATCH, SEQ, HIDDEN))
+    grads = {n: p.grad for n, p in dense.named_parameters() if p.grad is not None}
+
+    def expected(rank: int) -> dict[str, torch.Tensor]:
+        return {
+            "fc1.weight": rows(grads["fc1.weight"], rank, world_size),
+            "fc1.bias": rows(grads["fc1.bias"], rank, world_size),
+            "fc2.weight": cols(grads["fc2.weight"], rank, world_size),
+            "fc2.bias": grads["fc2.bias"],
+        }
+
+    check_block(
+        "ParallelMLP", world_size, small_world(mlp_worker, world_size), out, x_grad, expected
+    )
+
+
+def attention_worker() -> dict[bool, dict[str, Any]]:
+    tp = tp_module()
+    results = {}
+    for causal in (False, True):
+        attention = tp.ParallelSelfAttention.from_dense(make_attention(), causal=causal)
+        results[causal] = run_counted(attention, seeded(4, BATCH, 5, EMBED))
+    return results
+
+
+def dense_attention_forward(
+    attention: nn.MultiheadAttention, causal: bool, x: torch.Tensor
+) -> torch.Tensor:
+    """PyTorch's own multi-head self-attention, the reference the parallel one must match."""
+    mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=F64) if causal else None
+    out, _ = attention(x, x, x, attn_mask=mask, is_causal=causal, need_weights=False)
+    return out
+
+
+def attention_grad_slices(
+    attention: nn.MultiheadAttention, rank: int, n: int
+) -> dict[str, torch.Tensor]:
+    """The slices of the dense attention's gradients that rank's heads should hold."""
+    grads = {name: p.grad for name, p in attention.named_parameters() if p.grad is not None}
+    return {
+        "qkv.weight": qkv_rows(grads["in_proj_weight"], rank, n),
+        "qkv.bias": qkv_rows(grads["in_proj_bias"], rank, n),
+        "out_proj.weight": cols(grads["out_proj.weight"], rank, n),
+        "out_proj.bias": grads["out_proj.bias"],
+    }
+
+
+@exercise("2.6")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallel_attention_splits_heads_and_equals_dense(world_size: int) -> None:
+    results = small_world(attention_worker, world_size)
+    for causal in (False, True):
+        attention = make_attention()
+        forward = functools.partial(dense_attention_forward, attention, causal)
+        out, x_grad = dense_run(forward, seeded(4, BATCH, 5, EMBED))
+        expected = functools.partial(attention_grad_slices, attention, n=world_size)
+        label = f"ParallelSelfAttention(causal={causal}), {HEADS // world_size} of {HEADS} heads"
+        per_rank = [result[causal] for result in results]
+        check_block(label, world_size, per_rank, out, x_grad, expected)
+
+
+# ---------------------------------------------------------------------------- on subgroups
+
+
+def subgroup_worker() -> dict[str, Any]:
+    """Operators, MLP and attention on the groups (0, 1) and (2, 3), each on its own input."""
+    info = split_into_groups(SUBGROUP_SIZE)
+    tp = tp_module()
+    offset = 10 * info.index
+    with CommCounter() as comm:
+        problems = operator_problems(info.group, 1000 * info.index)
+        mlp = tp.ParallelMLP.from_dense(make_dense_mlp(), info.group)
+        mlp_result = run_counted(mlp, seeded(3 + offset, BATCH, SEQ, HIDDEN))
+        attention = tp.ParallelSelfAttention.from_dense(make_attention(), info.group, causal=True)
+        attention_result = run_counted(attention, seeded(4 + offset, BATCH, 5, EMBED))
+    return {
+        "problems": problems,
+        "mlp": mlp_result,
+        "attention": attention_result,
+        "index": info.index,
+        "crossing": crossing_message(comm, info),
+    }
+
+
+def mlp_grad_slices(dense: nn.Module, rank: int, n: int) -> dict[str, torch.Tensor]:
+    """The slices of the dense MLP's gradients that rank's shards should hold."""
+    grads = {name: p.grad for name, p in dense.named_parameters() if p.grad is not None}
+    return {
+        "fc1.weight": rows(grads["fc1.weight"], rank, n),
+        "fc1.bias": rows(grads["fc1.bias"], rank, n),
+        "fc2.weight": cols(grads["fc2.weight"], rank, n),
+        "fc2.bias": grads["fc2.bias"],
+    }
+
+
+@exercise("2.6")
+def test_tensor_parallel_blocks_work_inside_a_group_and_stay_there() -> None:
+    results = small_world(subgroup_worker, SUBGROUP_WORLD)
+    label = "2.6 on two tensor-parallel groups of 2 (ranks 0-1 and 2-3)"
+    fail_on_crossing(label, results)
+    problems = [p for result in results for p in result["problems"]]
+    if problems:
+        fail(f"{label}, operators with group=:\n  " + "\n  ".join(problems[:8]))
+    for index in range(SUBGROUP_WORLD // SUBGROUP_SIZE):
+        members = [result for result in results if result["index"] == index]
+        ranks = f"ranks {index * SUBGROUP_SIZE}-{(index + 1) * SUBGROUP_SIZE - 1}"
+        dense = make_dense_mlp()
+        out, x_grad = dense_run(dense, seeded(3 + 10 * index, BATCH, SEQ, HIDDEN))
+        check_block(
+            f"ParallelMLP(group=...) in the group of {ranks} (rank within the group)",
+            SUBGROUP_SIZE,
+            [member["mlp"] for member in members],
+            out,
+            x_grad,
+            functools.partial(mlp_grad_slices, dense, n=SUBGROUP_SIZE),
+        )
+        attention = make_attention()
+        forward = functools.partial(dense_attention_forward, attention, True)
+        out, x_grad = dense_run(forward, seeded(4 + 10 * index, BATCH, 5, EMBED))
+        check_block(
+            f"ParallelSelfAttention(group=..., causal=True) in the group of {ranks} (rank "
+            "within the group)",
+            SUBGROUP_SIZE,
+            [member["attention"] for member in members],
+            out,
+            x_grad,
+            functools.partial(attention_grad_slices, attention, n=SUBGROUP_SIZE),
+        )
+
+
+def library_subgroup_worker() -> dict[str, Any]:
+    library = demo_module("tensor_parallel_library")
+    info = split_into_groups(SUBGROUP_SIZE)
+    model = library.library_parallel_mlp(make_dense_mlp(), group=info.group)
+    out = model(seeded(3 + 10 * info.index, BATCH, SEQ, HIDDEN))
+    return {"out": torch.Tensor(out.detach()).clone(), "index": info.index}
+
+
+@exercise("2.6")
+@pytest.mark.reference
+def test_library_tensor_parallel_mlp_on_a_subgroup() -> None:
+    for rank, got in enumerate(small_world(library_subgroup_worker, SUBGROUP_WORLD)):
+        out, _ = dense_run(make_dense_mlp(), seeded(3 + 10 * got["index"], BATCH, SEQ, HIDDEN))
+        expect_close(
+            got["out"],
+            out,
+            f"2.6 library_parallel_mlp(group=...), rank {rank} of two groups of 2: the output "
+            "should equal the dense MLP's on its group's input",
+        )
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def indivisible_worker() -> list[tuple[str, str | None, int]]:
+    layers, tp = tp_layers_module(), tp_module()
+    torch.manual_seed(0)
+    cases: list[tuple[str, Callable[[], object]]] = [
+        ("ParallelMLP with MLP hidden size 10", lambda: tp.ParallelMLP.from_dense(
+            tp.DenseMLP(8, 10))),
+        ("ParallelSelfAttention with 6 heads", lambda: tp.ParallelSelfAttention.from_dense(
+            nn.MultiheadAttention(12, 6, batch_first=True))),
+        ("ColumnParallelLinear with 10 outputs", lambda: layers.ColumnParallelLinear.from_dense(
+            nn.Linear(8, 10))),
+        ("RowParallelLinear with 10 inputs", lambda: layers.RowParallelLinear.from_dense(
+            nn.Linear(10, 8))),
+    ]  # fmt: skip
+    outcomes: list[tuple[str, str | None, int]] = []
+    for label, build in cases:
+        with CommCounter() as comm:
+            try:
+                build()
+                message = None
+            except ValueError as err:
+                message = str(err)
+        outcomes.append((label, message, len(comm.records)))
+    return outcomes
+
+
+@exercise("2.6")
+def test_sizes_that_do_not_divide_are_refused_before_any_communication() -> None:
+    for label, message, communicated in small_world(indivisible_worker, 4)[0]:
+        size = label.split()[-2]
+        if message is None:
+            fail(f"2.6: {label} on 4 ranks should raise ValueError; it did not")
+        for word in (size, "not divisible", "tensor-parallel size 4"):
+            if word not in message:
+                fail(
+                    f"2.6: the error for {label} on 4 ranks should say '{size} is not divisible "
+                    f"by the tensor-parallel size 4' and how to fix it; it says: {message!r}"
+                )
+        if communicated:
+            fail(
+                f"2.6: {label}: the ValueError must come before any communication; "
+                f"{communicated} calls to torch.distributed came first"
+            )
+
+
+# ---------------------------------------------------------------------------- the library way
+
+
+def library_worker() -> dict[str, Any]:
+    library = demo_module("tensor_parallel_library")
+    model = library.library_parallel_mlp(make_dense_mlp())
+    x = seeded(3, BATCH, SEQ, HIDDEN).requires_grad_()
+    out = model(x)
+    (out * loss_weights(tuple(out.shape))).sum().backward()
+    return {
+        "out": torch.Tensor(out.detach()).clone(),
+        "x_grad": x.grad,
+        "shards": {n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()},
+    }
+
+
+@exercise("2.6")
+@pytest.mark.reference
+def test_library_tensor_parallel_mlp_equals_dense() -> None:
+    world_size = 2
+    dense = make_dense_mlp()
+    out, x_grad = dense_run(dense, seeded(3, BATCH, SEQ, HIDDEN))
+    params = dict(dense.named_parameters())
+    for rank, got in enumerate(small_world(library_worker, world_size)):
+        where = f"2.6 library_parallel_mlp (parallelize_module), rank {rank} of {world_size}"
+        expect_close(
+            got["out"],
+            out,
+            f"{where}: the output should equal the dense MLP's",
+        )
+        expect_close(
+            got["x_grad"],
+            x_grad,
+            f"{where}: the input's gradient should equal the dense MLP's",
+        )
+        slicing = {"fc1.weight": rows, "fc1.bias": rows, "fc2.weight": cols}
+        for name, param in params.items():
+            assert param.grad is not None
+            cut = slicing.get(name)
+            want_shard = cut(param.detach(), rank, world_size) if cut else param.detach()
+            want_grad = cut(param.grad, rank, world_size) if cut else param.grad
+            expect_close(
+                got["shards"][name],
+                want_shard,
+                f"{where}: {name}'s local shard should be the slice ParallelMLP holds",
+            )
+            expect_close(
+                got["grads"][name],
+                want_grad,
+                f"{where}: {name}'s local gradient should be that slice of the dense gradient",
+            )
+
+
+def tp_demo_worker(impl_name: str, world_size: int, tp_size: int) -> dict[str, Any]:
+    demo = demo_module("tensor_parallel_demo")
+    config = demo.DemoConfig(
+        hidden=16, ffn_hidden=32, heads=4, batch_size=2, seq_len=4, tp_size=tp_size, impl=impl_name
+    )
+    return demo.run_demo(config)
+
+
+@exercise("2.6")
+@pytest.mark.parametrize(("world_size", "tp_size"), [(2, 0), (4, 2)])
+def test_instructor_demo_reports_dense_equality_and_one_all_reduce_each_way(
+    world_size: int, tp_size: int
+) -> None:
+    results = small_world(tp_demo_worker, world_size, impl(), world_size, tp_size)[0]
+    label = f"2.6 tensor_parallel_demo on {world_size} ranks, --tp-size {tp_size}"
+    for name in ("mlp", "attention", "library_mlp"):
+        result = results[name]
+        worst = max(result.output_diff, result.input_grad_diff, result.weight_grad_diff)
+        if worst > ATOL:
+            fail(f"{label}: the {name} differs from dense by {worst:.2e}")
+    for name in ("mlp", "attention"):
+        counts = (results[name].forward_all_reduces, results[name].backward_all_reduces)
+        if counts != (1, 1):
+            fail(
+                f"{label}: the {name} made {counts[0]} all-reduces in forward and {counts[1]} "
+                "in backward; expected 1 and 1"
+            )
+
+
+@exercise("2.6")
+@pytest.mark.reference
+def test_demo_refuses_every_size_that_does_not_divide_at_once() -> None:
+    demo = demo_module("tensor_parallel_demo")
+    config = demo.DemoConfig(hidden=60, ffn_hidden=256, heads=8)
+    with pytest.raises(ValueError) as caught:
+        demo.validate_config(config, 3)
+    message = str(caught.value)
+    for part in (
+        "--hidden 60 is not divisible by --heads 8",
+        "--ffn-hidden 256 is not divisible by the tensor-parallel size 3",
+        "--heads 8 is not divisible by the tensor-parallel size 3",
+    ):
+        assert part in message, f"the refusal should say {part!r}: {message}"
+    with pytest.raises(ValueError, match="--tp-size 3 does not divide the world size 4"):
+        demo.validate_config(demo.DemoConfig(tp_size=3), 4)
