@@ -6,13 +6,17 @@
   ("blocked by TODO 1.1"), so each open exercise shows up once. Rank failures and hangs from
   :func:`solutions.common.world.run_world` are shown as their own short message, not as harness
   tracebacks.
-* At the end, a scoreboard per phase: which exercises pass, and the next TODO to open.
+* After a world of an exercise hangs, the exercise's later worlds are skipped before they start
+  ("blocked by the hang above (test_x)"): a hung exercise costs one timeout, not one per test.
+* At the end, a scoreboard per phase: which exercises pass, and the next TODO to open: the TODO
+  a failure actually stopped at, even when a test of 2.5 reached an unwritten 2.3 through a helper.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +24,9 @@ from typing import Any
 
 import pytest
 from exercises import BY_ID, EXERCISES, PHASE_TITLES, Exercise
-from grading import IMPL_ENV, LoadError
+from grading import IMPL_ENV, LoadError, block_worlds
 
-from solutions.common.world import RankFailed, WorldError
+from solutions.common.world import RankFailed, WorldError, WorldHung
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +37,8 @@ class Tally:
     failed: int = 0
     skipped: int = 0
     todo: str | None = None  # the first unwritten-TODO message seen for this exercise
+    blocked_by: str | None = None  # the exercise whose TODO that message names, when another
+    hang: str | None = None  # the first test of this exercise whose world hung
     nodes: list[str] = field(default_factory=list)
 
 
@@ -44,6 +50,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[IMPL_ENV] = config.getoption("--impl")
     config.addinivalue_line("markers", "exercise(id): the exercise a test grades")
     config.addinivalue_line("markers", "harness: tests of the grading harness itself")
+    config.addinivalue_line(
+        "markers",
+        "torchrun: starts real torchrun agents in subprocesses (slow; deselect with "
+        "-m 'not torchrun')",
+    )
     config.addinivalue_line(
         "markers",
         "reference: checks the reference or library way beside an exercise (runs with the "
@@ -74,6 +85,26 @@ def _todo_text(exc: BaseException) -> str | None:
     return None
 
 
+_TODO_ID = re.compile(r"TODO (\d+\.\d+):")
+
+
+def _todo_exercise(todo: str) -> str | None:
+    """The exercise a TODO message names (``"TODO 2.3: ..."`` -> ``"2.3"``), if it is known."""
+    match = _TODO_ID.match(todo)
+    return match[1] if match and match[1] in BY_ID else None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    ex = _exercise_of(item)
+    tally = TALLY.get(ex.id) if ex else None
+    hang = tally.hang if tally else None
+    block_worlds(f"blocked by the hang above ({hang})" if hang else None)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    block_worlds(None)
+
+
 def _where(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     """``file:line in Class.method`` of the innermost frame in the project."""
     for entry in reversed(excinfo.traceback):
@@ -96,8 +127,14 @@ def pytest_runtest_makereport(
     ex = _exercise_of(item)
     label = f"{ex.id} {ex.title}" if ex else item.name
     todo = _todo_text(exc)
+    if isinstance(exc, WorldHung) and ex is not None:
+        tally = TALLY.setdefault(ex.id, Tally())
+        tally.hang = tally.hang or item.name
     if todo is not None and ex is not None:
         tally = TALLY.setdefault(ex.id, Tally())
+        other = _todo_exercise(todo)
+        if other is not None and other != ex.id and tally.blocked_by is None:
+            tally.blocked_by = other
         if tally.todo is not None:
             report.outcome = "skipped"
             report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: blocked by {todo}")
@@ -171,18 +208,22 @@ def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str]]:
 
 
 def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
-    guide = f"{ex.phase}/guidelines.md#{ex.anchor}"
+    """Where to go next: the TODO the failures stopped at, which may belong to another exercise
+    (a 2.5 test that runs 2.3's checkpointing stops at TODO 2.3)."""
+    target = BY_ID.get(tally.blocked_by or "", ex)
+    needed = f", which {ex.id}'s tests need" if target is not ex else ""
+    guide = f"{target.phase}/guidelines.md#{target.anchor}"
     if impl == "templates":
-        for module in ex.modules:
-            path = ROOT / ex.phase / f"template_{module}.py"
-            sites = _raise_sites(path, ex.id)
+        for module in target.modules:
+            path = ROOT / target.phase / f"template_{module}.py"
+            sites = _raise_sites(path, target.id)
             if sites:
                 line, where = sites[0]
                 rel = path.relative_to(ROOT)
-                return f"open {rel}:{line}, {where} (TODO {ex.id}; read {guide})"
+                return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {guide})"
     test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
     rerun = f"uv run pytest {test_file} -m {ex.marker}"
-    return f"fix {ex.id}: see its first failure above; rerun with `{rerun}`"
+    return f"fix {target.id}{needed}: see its first failure above; rerun with `{rerun}`"
 
 
 def pytest_terminal_summary(
@@ -203,8 +244,17 @@ def pytest_terminal_summary(
             tally = TALLY[ex.id]
             total = tally.passed + tally.failed + tally.skipped
             status = _status(tally)
-            write(f"  [{status:^7}] {ex.id:<5} {ex.title:<42} {tally.passed}/{total} tests pass")
+            needs = f" (needs TODO {tally.blocked_by})" if tally.blocked_by else ""
+            write(
+                f"  [{status:^7}] {ex.id:<5} {ex.title:<42} "
+                f"{tally.passed}/{total} tests pass{needs}"
+            )
             if status != "pass" and next_step is None:
                 next_step = _next_step(ex, tally, impl)
     write("")
-    write(f"Next: {next_step}" if next_step else "Every graded exercise passes.")
+    if next_step:
+        write(f"Next: {next_step}")
+    elif all(ex.id in TALLY for ex in EXERCISES):
+        write("Every graded exercise passes.")
+    else:
+        write("Every selected exercise passes.")

@@ -21,6 +21,18 @@ from solutions.common.world import run_world
 IMPL_ENV = "DTFS_IMPL"
 IMPLS = ("templates", "solutions")
 
+_blocked_reason: str | None = None  # set by conftest.py while a test of a hung exercise runs
+
+
+def block_worlds(reason: str | None) -> None:
+    """Make :func:`world` skip with ``reason`` instead of starting ranks (None: start them).
+
+    conftest.py calls this before each test: once a world of an exercise has hung, the exercise's
+    other worlds would most likely hang on the same line, each costing a full timeout.
+    """
+    global _blocked_reason
+    _blocked_reason = reason
+
 
 class LoadError(Exception):
     """The module under test could not be imported (a syntax error in a template, say)."""
@@ -66,12 +78,19 @@ def world(
     *args: Any,
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
+    nodes: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with the same ``--impl`` as the tests."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with the same ``--impl`` as the tests.
+
+    ``timeout`` defaults to :func:`solutions.common.world.world_timeout`; ``nodes`` lays the ranks
+    out as simulated nodes (see :func:`solutions.common.world.run_world`). Skips, before any rank
+    starts, when an earlier world of the same exercise hung (see :func:`block_worlds`).
+    """
+    if _blocked_reason is not None:
+        pytest.skip(_blocked_reason)
     merged = {IMPL_ENV: impl(), **(env or {})}
-    extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    return run_world(fn, world_size, args, kwargs, env=merged, **extra)
+    return run_world(fn, world_size, args, kwargs, env=merged, timeout=timeout, nodes=nodes)
 
 
 def ranks_agree(values: Sequence[Any]) -> bool:

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from solutions.common.world import RankDied, RankFailed, WorldHung, run_world
+from solutions.common.world import (
+    RankDied,
+    RankFailed,
+    WorldHung,
+    run_world,
+    world_timeout,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.harness
 
@@ -96,3 +108,210 @@ def test_a_rank_that_dies_without_reporting_is_named() -> None:
 def test_world_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="world_size=0"):
         run_world(rank_and_sum, 0)
+
+
+# ----------------------------------------------------------------------------- simulated nodes
+
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "DTFS_DEVICE_INDEX",
+)
+
+
+def torchrun_environment() -> dict[str, str]:
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the simulated nodes are one process group
+    assert t.item() == dist.get_world_size()
+    return {name: os.environ.get(name, "<unset>") for name in TORCHRUN_VARS}
+
+
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 1), (2, 2), (3, 2)])
+def test_simulated_nodes_see_torchruns_environment(nodes: int, per_node: int) -> None:
+    world_size = nodes * per_node
+    seen = run_world(torchrun_environment, world_size, nodes=nodes)
+    for rank, env in enumerate(seen):
+        assert env == {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(rank // per_node),
+            "GROUP_WORLD_SIZE": str(nodes),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "DTFS_DEVICE_INDEX": str(rank),  # simulated nodes never share a GPU
+        }, f"rank {rank}"
+
+
+def test_one_node_is_the_default() -> None:
+    seen = run_world(torchrun_environment, 2)
+    assert [env["GROUP_RANK"] for env in seen] == ["0", "0"]
+    assert [env["LOCAL_RANK"] for env in seen] == ["0", "1"]
+
+
+def test_a_world_that_does_not_fill_the_nodes_is_refused_before_forking() -> None:
+    with pytest.raises(ValueError, match=r"world_size=5 .* nodes=2 .*multiple of the node count"):
+        run_world(torchrun_environment, 5, nodes=2)
+
+
+# ----------------------------------------------------------------------------- fast hang reports
+
+BIG = 64 * 1024 // 4  # float32 elements in 64 KiB: more than gloo hands over without a receiver
+
+
+def blocking_send_all_reduce(numel: int) -> torch.Tensor:
+    """The classic deadlock: every rank sends to its right neighbour, then receives."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    total = torch.full((numel,), float(rank))
+    incoming = torch.empty(numel)
+    for _ in range(world_size - 1):
+        dist.send(total, (rank + 1) % world_size)  # nobody has posted a receive yet
+        dist.recv(incoming, (rank - 1) % world_size)
+        total += incoming
+    return total
+
+
+def _wait_for(works: list[Any]) -> None:
+    """Stands for given code (an executor's helper) that waits on the learner's messages."""
+    for work in works:
+        work.wait()
+
+
+def isend_then_wait_in_a_helper(numel: int) -> None:
+    rank = dist.get_rank()
+    out = torch.zeros(numel)
+    work = dist.isend(out, 1 - rank, tag=3)  # the learner's line that posted the message
+    _wait_for([work])
+
+
+def recv_that_is_never_sent() -> None:
+    if dist.get_rank() == 0:
+        dist.recv(torch.empty(3), 1, tag=7)
+
+
+def batched_ring_exchange() -> list[float]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = torch.full((2,), float(rank))
+    incoming = torch.empty(2)
+    ops = [
+        dist.P2POp(dist.isend, out, (rank + 1) % world_size),
+        dist.P2POp(dist.irecv, incoming, (rank - 1) % world_size),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return incoming.tolist()
+
+
+def test_the_default_deadline_is_twenty_seconds_and_can_be_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("DTFS_WORLD_TIMEOUT", raising=False)
+    assert world_timeout() == 20.0
+    monkeypatch.setenv("DTFS_WORLD_TIMEOUT", "45")
+    assert world_timeout() == 45.0
+    monkeypatch.setenv("DTFS_WORLD_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="DTFS_WORLD_TIMEOUT='soon'"):
+        world_timeout()
+
+
+def test_a_blocking_send_deadlock_is_reported_within_the_deadline_with_the_pitfall() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldHung) as info:
+        run_world(blocking_send_all_reduce, 2, (BIG,))  # the default deadline, as tests use it
+    elapsed = time.monotonic() - start
+    err, text = info.value, str(info.value)
+    assert elapsed < world_timeout() + 8, f"the hang took {elapsed:.1f} s to report"
+    assert err.blocked_in_send, text
+    assert "every hung rank is blocked in a send" in text
+    assert "post the irecv first" in text.lower()
+    assert "guidelines.md#13-all-reduce-from-send-and-recv" in text
+    assert "skipped or reordered a collective" not in text
+    for rank in (0, 1):
+        assert (
+            f"rank {rank} posted send to {1 - rank} tag 0 float32[{BIG}] at tests/test_harness.py:"
+            in text
+        ), text
+    assert text.count("never received") == 2, text
+
+
+def test_a_wait_in_given_code_names_the_line_that_posted_the_message() -> None:
+    with pytest.raises(WorldHung) as info:
+        run_world(isend_then_wait_in_a_helper, 2, (BIG,), timeout=4)
+    text = str(info.value)
+    assert "stuck at tests/test_harness.py" in text and "in _wait_for: work.wait()" in text, text
+    posted = "waiting for its send to 1 tag 3 float32[16384] posted at tests/test_harness.py:"
+    assert posted in text and "in isend_then_wait_in_a_helper" in text, text
+    assert info.value.blocked_in_send
+
+
+def test_a_receive_nobody_sends_is_named_and_is_not_called_a_send_deadlock() -> None:
+    with pytest.raises(WorldHung) as info:
+        run_world(recv_that_is_never_sent, 2, timeout=4)
+    text = str(info.value)
+    assert "rank 0 posted recv from 1 tag 7 float32[3] at tests/test_harness.py:" in text, text
+    assert "never sent" in text and not info.value.blocked_in_send
+    assert "blocked in a send" not in text
+
+
+def test_batched_point_to_point_still_works_under_the_ledger() -> None:
+    assert run_world(batched_ring_exchange, 2) == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_the_ledger_costs_microseconds_per_message(tmp_path: Path) -> None:
+    from solutions.common import p2p_ledger
+    from solutions.common.world import _is_project_frame
+
+    ledger = p2p_ledger._Ledger(str(tmp_path / "ledger.json"), 0, _is_project_frame)
+    tensor = torch.zeros(4)
+    rounds = 2000
+    start = time.perf_counter()
+    for _ in range(rounds):
+        ledger.complete(ledger.post("send", tensor, 1, 0, waiting=True))
+    per_message = (time.perf_counter() - start) / rounds
+    assert per_message < 100e-6, f"{per_message * 1e6:.0f} us to record one message"
+
+
+# ----------------------------------------------------------------------------- the scoreboard
+
+
+def _pytest(case_file: str, *args: str, timeout_env: str = "3") -> str:
+    env = {**os.environ, "DTFS_WORLD_TIMEOUT": timeout_env, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", f"tests/workers/{case_file}", "-q", "-rs", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.stdout + done.stderr
+
+
+def test_after_a_hang_the_exercises_other_worlds_are_skipped_before_they_start() -> None:
+    start = time.monotonic()
+    out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_3 or ex1_2")
+    elapsed = time.monotonic() - start
+    assert "1 failed" in out and "2 skipped" in out, out
+    assert "blocked by the hang above (test_hangs_first)" in out, out
+    assert "test_a_pure_test_still_runs" in out or "1 passed" in out, out
+    assert elapsed < 40, f"{elapsed:.0f} s: the blocked worlds ran"
+
+
+def test_next_points_at_the_todo_that_blocks_and_selected_runs_say_selected() -> None:
+    out = _pytest("scoreboard_cases.py", "--impl", "templates", "-m", "ex1_4 or ex1_1")
+    assert "(needs TODO 1.3)" in out, out
+    next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
+    assert "1.3, which 1.4's tests need" in next_line, out  # not "fix 1.4"
+    if "open " in next_line:  # the templates still hold TODO 1.3: its file and line
+        assert "phase1_data_parallel/template_all_reduce.py:" in next_line, out
+    passing = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_1")
+    assert "Every selected exercise passes." in passing, passing

@@ -4,6 +4,9 @@ torchrun (``torch.distributed.run``) exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL
 MASTER_ADDR and MASTER_PORT to every process it starts; ``init_process_group`` with the default
 ``env://`` method reads them. See torch/distributed/run.py and
 https://pytorch.org/docs/stable/elastic/run.html.
+
+Under torchrun every restart attempt joins through its own store prefix (see
+:func:`_attempt_store`), so ``--max-restarts`` recovers instead of reconnecting to a dead rank.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_SECONDS = float(os.environ.get("DTFS_PG_TIMEOUT", "300"))
+DEVICE_INDEX_ENV = "DTFS_DEVICE_INDEX"  # set by run_world when simulated nodes share one host
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,13 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def device_index(local_rank: int) -> int:
+    """The GPU index a rank owns: LOCAL_RANK, unless :func:`run_world` simulates several nodes on
+    one host and exported ``DTFS_DEVICE_INDEX`` (the global rank) so two "nodes" never share one.
+    """
+    return env_int(DEVICE_INDEX_ENV, local_rank)
 
 
 def env_int(name: str, default: int | None = None) -> int:
@@ -102,6 +113,26 @@ def _become_world_of_one() -> None:
     )
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, a store private to this restart attempt; None elsewhere (use ``env://``).
+
+    torchrun's agent hosts the rendezvous TCPStore and shares it with its workers
+    (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, ``TORCH_DISABLE_SHARE_RDZV_TCP_
+    STORE``). After a restart the new workers meet in that same store, where the previous
+    attempt's keys are still set: gloo then reads the dead rank's old address and tries to
+    connect to it (on torch 2.15, 3 restarts of 3 failed so). A ``PrefixStore`` named after
+    TORCHELASTIC_RESTART_COUNT gives every attempt fresh keys, so learners' scripts recover
+    under ``--max-restarts`` without knowing any of this.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"attempt{attempt}", base)
+
+
 def setup_distributed(
     backend: str | None = None, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
 ) -> DistInfo:
@@ -114,16 +145,21 @@ def setup_distributed(
         _become_world_of_one()
     rank, world_size, local_rank, local_world_size = world_from_env()
     backend = backend or choose_backend(local_world_size)
-    device = device_for(backend, local_rank)
+    device = device_for(backend, device_index(local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_seconds)
+        store = _attempt_store(timeout)
         dist.init_process_group(
             backend=backend,
-            timeout=timedelta(seconds=timeout_seconds),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            store=store,
+            rank=rank if store is not None else -1,
+            world_size=world_size if store is not None else -1,
         )
     return DistInfo(rank, world_size, local_rank, local_world_size, backend, device)
 
@@ -141,7 +177,7 @@ def current_info() -> DistInfo:
         local_rank,
         local_world_size,
         backend,
-        device_for(backend, local_rank),
+        device_for(backend, device_index(local_rank)),
     )
 
 

@@ -1,7 +1,7 @@
 """Run one function on a world of N processes joined in a process group, and report like a grader.
 
 Tests, benchmarks and notebooks use :func:`run_world` instead of torchrun when they need a small
-world inside one Python program. Three properties matter more than anything else:
+world inside one Python program. These properties matter more than anything else:
 
 * **Fast start.** Processes come from a ``forkserver`` that imported torch once, so a world costs
   a fork, not a fresh interpreter (``spawn`` re-imports torch: about 2.5 s per world on a small
@@ -9,10 +9,18 @@ world inside one Python program. Three properties matter more than anything else
   so worlds never race for a port.
 * **Failures name their rank.** A rank that raises fails the whole world with that rank's exception
   type, message and the project frames it came from; the other ranks are stopped.
-* **Hangs end.** When ranks are still running at the deadline (say one rank skipped a collective),
-  each is asked for its Python stack (``faulthandler`` on SIGUSR1), and the error names the hung
-  ranks and the line each was stuck on. No process outlives :func:`run_world`: every rank is killed
-  on the way out, and each rank also dies with the fork server (``PR_SET_PDEATHSIG``).
+* **Hangs end, fast.** One deadline for every world, :func:`world_timeout` (20 s, or
+  ``DTFS_WORLD_TIMEOUT``); the process group's own timeout is a little longer, so the harness, not
+  gloo, reports the hang. When ranks are still running at the deadline (say one rank skipped a
+  collective), each is asked for its Python stack (``faulthandler`` on SIGUSR1), and the error
+  names the hung ranks, the line each was stuck on, and the point-to-point messages that were
+  posted and never matched (see :mod:`solutions.common.p2p_ledger`). No process outlives
+  :func:`run_world`: every rank is killed on the way out, and each rank also dies with the fork
+  server (``PR_SET_PDEATHSIG``).
+* **Simulated nodes.** ``nodes=2`` lays the ranks out as two nodes and exports to each rank what
+  torchrun's agent on that node would (:func:`torchrun_env`), so topology code sees two nodes.
+  Under NCCL the GPU is then chosen by the global rank, not LOCAL_RANK: the "nodes" share one
+  host's GPUs, and two ranks on one GPU is what NCCL refuses.
 
 A finished rank does not leave the process group until every rank has finished: leaving early
 would close sockets under peers still inside a collective, and turn a hang ("rank 0 waits for a
@@ -45,12 +53,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.common.distributed import choose_backend, device_for
+from solutions.common import p2p_ledger
+from solutions.common.distributed import DEVICE_INDEX_ENV, choose_backend, device_for
 
-DEFAULT_WORLD_TIMEOUT = float(os.environ.get("DTFS_WORLD_TIMEOUT", "90"))
+DEFAULT_WORLD_TIMEOUT = 20.0
+WORLD_TIMEOUT_ENV = "DTFS_WORLD_TIMEOUT"
+PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's deadline by this much
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _HARNESS_FILE = str(Path(__file__).resolve())
 _EXIT = b"exit"
+
+
+def world_timeout() -> float:
+    """Seconds a world may run before it is reported as hung: ``DTFS_WORLD_TIMEOUT`` or 20.
+
+    Every world test uses this one deadline (a hung exercise then costs 20 s, not minutes);
+    raise it on a slow machine with ``DTFS_WORLD_TIMEOUT=60 uv run pytest ...``.
+    """
+    raw = os.environ.get(WORLD_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_WORLD_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(
+            f"{WORLD_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; "
+            f"set it like {WORLD_TIMEOUT_ENV}=60 or unset it for the default "
+            f"{DEFAULT_WORLD_TIMEOUT:g}"
+        )
+    return value
 
 
 # ----------------------------------------------------------------------------- errors
@@ -94,17 +127,33 @@ class WorldHung(WorldError):
     """Some ranks were still running at the deadline; carries where each one was stuck."""
 
     def __init__(
-        self, timeout: float, hung: dict[int, list[Frame]], finished: Sequence[int]
+        self,
+        timeout: float,
+        hung: dict[int, list[Frame]],
+        finished: Sequence[int],
+        pending: Mapping[int, Sequence[p2p_ledger.PendingP2P]] | None = None,
     ) -> None:
         self.timeout = timeout
         self.hung = hung
         self.finished = list(finished)
+        self.pending = {rank: list(ops) for rank, ops in (pending or {}).items()}
+        self.unmatched = p2p_ledger.unmatched(self.pending)
+        self.blocked_in_send = p2p_ledger.all_blocked_in_send(self.pending, sorted(hung))
         ranks = ", ".join(str(rank) for rank in sorted(hung))
         done = ", ".join(str(rank) for rank in self.finished) or "none"
-        lines = [
-            f"rank(s) {ranks} still running after {timeout:g} s (finished: {done}). "
-            "A rank waiting forever usually means another rank skipped or reordered a collective."
-        ]
+        if self.blocked_in_send:
+            why = "Deadlock: " + p2p_ledger.BLOCKING_SEND_ADVICE + "."
+        elif self.unmatched:
+            why = (
+                "A rank waiting forever usually means another rank skipped or reordered a "
+                "collective, or a message was sent to or expected from the wrong rank or tag."
+            )
+        else:
+            why = (
+                "A rank waiting forever usually means another rank skipped or reordered a "
+                "collective."
+            )
+        lines = [f"rank(s) {ranks} still running after {timeout:g} s (finished: {done}). {why}"]
         for rank in sorted(hung):
             frames = hung[rank]
             if frames:
@@ -112,6 +161,17 @@ class WorldHung(WorldError):
                 lines += [f"      called from {frame}" for frame in reversed(frames[-3:-1])]
             else:
                 lines.append(f"  rank {rank}: no Python stack could be read")
+            current = p2p_ledger.waiting_on(self.pending.get(rank, ()))
+            if current is not None and not (
+                frames
+                and Path(frames[-1].filename).resolve() == Path(current.filename).resolve()
+                and frames[-1].lineno == current.lineno
+            ):
+                site = f"{_relative(current.filename)}:{current.lineno} in {current.function}"
+                lines.append(f"      waiting for its {current.message} posted at {site}")
+        if self.unmatched:
+            lines.append("  point-to-point messages never matched:")
+            lines += [f"    {op.describe(_relative)} — {what}" for op, what in self.unmatched]
         super().__init__("\n".join(lines))
 
 
@@ -146,7 +206,7 @@ _LIBRARY_PREFIXES = tuple(
 
 def _is_project_frame(filename: str) -> bool:
     """Frames worth showing a learner: their code, not torch, the stdlib or this harness."""
-    if filename == _HARNESS_FILE or filename.startswith("<"):
+    if filename in (_HARNESS_FILE, p2p_ledger.LEDGER_FILE) or filename.startswith("<"):
         return False
     resolved = Path(filename).resolve()
     if "site-packages" in resolved.parts:
@@ -199,9 +259,36 @@ def _describe(exc: BaseException) -> tuple[str, str, list[Frame]]:
     return type(exc).__name__, message, _project_frames(frames)
 
 
+def torchrun_env(rank: int, world_size: int, nodes: int, store_port: int) -> dict[str, str]:
+    """The variables torchrun's agent exports to ``rank`` when ranks fill ``nodes`` nodes in order.
+
+    As torch/distributed/elastic/agent/server/api.py (``_assign_worker_ranks``) and
+    local_elastic_agent.py (``_start_workers``) set them: GROUP_RANK is the node's index in the
+    rendezvous, LOCAL_RANK the rank's index on its node, ROLE_* the same as the global ones
+    since every worker has the default role.
+    """
+    per_node = world_size // nodes
+    return dict(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(rank // per_node),
+        GROUP_WORLD_SIZE=str(nodes),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(world_size),
+        ROLE_NAME="default",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+    )
+
+
 def _rank_main(
     rank: int,
     world_size: int,
+    nodes: int,
     store_port: int,
     backend: str,
     pg_timeout: float,
@@ -213,14 +300,11 @@ def _rank_main(
     kwargs: Mapping[str, Any],
 ) -> None:
     _die_with_parent()
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store_port),
-    )
+    os.environ.update(torchrun_env(rank, world_size, nodes, store_port))
+    # Simulated nodes share one host: under NCCL each rank needs its own GPU, so the GPU is
+    # chosen by the global rank, not LOCAL_RANK (two "nodes" would both pick cuda:0 otherwise).
+    # setup_distributed() and current_info() read this too.
+    os.environ[DEVICE_INDEX_ENV] = str(rank)  # equal to LOCAL_RANK when nodes == 1
     os.environ.update(env)
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -228,7 +312,8 @@ def _rank_main(
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=False)
     torch.set_num_threads(1)
     try:
-        device = device_for(backend, int(os.environ["LOCAL_RANK"]))
+        p2p_ledger.install(f"{stack_file}.p2p.json", rank, _is_project_frame)
+        device = device_for(backend, int(os.environ[DEVICE_INDEX_ENV]))
         if device.type == "cuda":
             torch.cuda.set_device(device)
         store = dist.TCPStore(
@@ -283,6 +368,14 @@ class _Rank:
     done: bool = False
 
 
+def _read_ledgers(members: list[_Rank]) -> dict[int, list[p2p_ledger.PendingP2P]]:
+    """Every rank's unfinished point-to-point messages, as its ledger file last listed them."""
+    return {
+        member.rank: p2p_ledger.read_pending(Path(f"{member.stack_file}.p2p.json"))
+        for member in members
+    }
+
+
 def _read_stacks(pending: list[_Rank]) -> dict[int, list[Frame]]:
     """Ask each hung rank for its stack (SIGUSR1 -> faulthandler) and parse what it writes."""
     for member in pending:
@@ -324,22 +417,32 @@ def run_world(
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
-    timeout: float = DEFAULT_WORLD_TIMEOUT,
+    timeout: float | None = None,
     backend: str | None = None,
     env: Mapping[str, str] | None = None,
+    nodes: int = 1,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` processes in one process group.
 
     ``fn`` must be importable (defined at module level), since each rank unpickles it. Inside it,
-    ``dist.get_rank()`` and ``dist.get_world_size()`` say who it is; RANK, WORLD_SIZE, LOCAL_RANK
-    and LOCAL_WORLD_SIZE are set as torchrun would set them (``env`` may override or add to them).
+    ``dist.get_rank()`` and ``dist.get_world_size()`` say who it is; the environment is what
+    torchrun would export (:func:`torchrun_env`; ``env`` may override or add to it). With
+    ``nodes=N`` the ranks are laid out as N simulated nodes of ``world_size // N`` ranks each, in
+    rank order: rank r has LOCAL_RANK ``r % per_node`` and GROUP_RANK ``r // per_node``.
 
-    Returns the ranks' return values in rank order. Raises :class:`RankFailed` when a rank raises,
-    :class:`WorldHung` when ranks are still running after ``timeout`` seconds, and
-    :class:`RankDied` when a rank's process ends without reporting.
+    ``timeout`` defaults to :func:`world_timeout`. Returns the ranks' return values in rank order.
+    Raises :class:`RankFailed` when a rank raises, :class:`WorldHung` when ranks are still running
+    after ``timeout`` seconds, and :class:`RankDied` when a rank's process ends without reporting.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: a world needs at least one process")
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(
+            f"world_size={world_size} cannot be laid out as nodes={nodes} nodes of equal size: "
+            "choose a world size that is a multiple of the node count (torchrun starts the same "
+            "--nproc_per_node on every node)"
+        )
+    timeout = world_timeout() if timeout is None else timeout
     backend = backend or choose_backend(world_size)
     ctx = _forkserver()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -356,9 +459,10 @@ def run_world(
                 args=(
                     rank,
                     world_size,
+                    nodes,
                     store.port,
                     backend,
-                    timeout + 60.0,
+                    timeout + PG_TIMEOUT_MARGIN,
                     child_end,
                     str(stack_file),
                     dict(env or {}),
@@ -391,7 +495,8 @@ def _collect(members: list[_Rank], timeout: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             finished = [member.rank for member in members if member.done]
-            raise WorldHung(timeout, _read_stacks(pending), finished)
+            stacks = _read_stacks(pending)
+            raise WorldHung(timeout, stacks, finished, _read_ledgers(members))
         waitables: list[Any] = [member.conn for member in pending]
         waitables += [member.process.sentinel for member in pending]
         for ready in wait(waitables, timeout=remaining):
@@ -408,5 +513,33 @@ def _collect(members: list[_Rank], timeout: float) -> None:
                 raise RankDied(member.rank, member.process.exitcode) from None
             if status == "error":
                 exc_type, message, frames = payload
+                if _PEER_GONE.search(message):
+                    _raise_if_a_peer_died(members, member)
                 raise RankFailed(member.rank, exc_type, message, frames)
             member.result, member.done = payload, True
+
+
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe")
+
+
+def _raise_if_a_peer_died(members: list[_Rank], reporter: _Rank, grace: float = 1.0) -> None:
+    """When a rank fails because a peer's connection dropped, name the peer that died instead.
+
+    The peer's death is the cause and the connection error its echo; which of the two the parent
+    notices first is a race, so wait up to ``grace`` seconds for a dead, silent peer.
+    """
+    deadline = time.monotonic() + grace
+    while True:
+        for other in members:
+            if other is reporter or other.done or other.process.is_alive():
+                continue
+            try:  # a dead rank's pipe polls as readable: at EOF, or holding its last report
+                reported = other.conn.poll() and bool(other.conn.recv_bytes())
+            except (EOFError, OSError):
+                reported = False
+            if not reported:
+                other.process.join(1.0)
+                raise RankDied(other.rank, other.process.exitcode)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)

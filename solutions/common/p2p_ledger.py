@@ -1,0 +1,338 @@
+"""A ledger of the point-to-point messages a rank posted and that have not completed yet.
+
+When ranks of :func:`solutions.common.world.run_world` hang, their Python stacks say *where* each
+one waits, not *for what*: "stuck at ``work.wait()``" does not say which message never arrived.
+Inside each rank this module wraps ``send``/``recv``/``isend``/``irecv`` (the package attributes
+and the ``distributed_c10d`` globals, as :mod:`solutions.common.comm_counter` does, so
+``dist.P2POp(dist.isend, ...)`` and ``batch_isend_irecv`` keep working: ``batch_isend_irecv``
+tests ``op.op is isend`` against the module's own global, see torch/distributed/
+distributed_c10d.py), and ``Work.wait`` (to know which message a rank is blocked on). It keeps,
+for each message still in flight: op, peer, tag, dtype, shape and the innermost project line that
+posted it.
+
+A rank blocked in a C++ wait cannot run a Python signal handler, so the ledger cannot be asked
+for at the deadline: it is kept in memory and a small thread of the rank rewrites a JSON file
+whenever it changed, every 0.1 s (``Work.wait`` releases the GIL, so the thread runs while the
+rank is blocked; it also forgets async messages that completed without anyone waiting on them).
+The parent reads the files of the hung ranks and matches sends with receives. Writing the file on
+every message instead cost 0.75 ms a write on a disk-backed /tmp (6 ms per send/recv pair);
+recording in memory costs about 10 us a message (tests/test_harness.py keeps it under 100 us),
+lost in gloo's 2-4 ms per send/recv pair on a busy 2-core machine (``DTFS_P2P_LEDGER=0`` turns
+the ledger off to compare).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+SENDS = ("send", "isend")
+RECEIVES = ("recv", "irecv")
+LEDGER_FILE = str(Path(__file__).resolve())
+DISABLE_ENV = "DTFS_P2P_LEDGER"  # "0" turns the ledger off (to measure what it costs)
+BLOCKING_SEND_ADVICE = (
+    "every hung rank is blocked in a send: every rank sends before it receives, and with "
+    "messages larger than the transport buffers each send waits for a matching recv. Post the "
+    "irecv first, or alternate by rank parity (even ranks send first, odd ranks receive first); "
+    "see phase1_data_parallel/guidelines.md#13-all-reduce-from-send-and-recv"
+)
+
+
+@dataclass(frozen=True)
+class PendingP2P:
+    """One message a rank posted that had not completed when the ledger was last written."""
+
+    rank: int
+    op: str  # send, isend, recv, irecv
+    peer: int | None  # global rank; None for a receive from any source
+    tag: int
+    dtype: str
+    shape: tuple[int, ...]
+    filename: str  # the innermost project frame that posted it
+    lineno: int
+    function: str
+    waiting: bool  # the rank is blocked waiting for this very message
+
+    @property
+    def is_send(self) -> bool:
+        return self.op in SENDS
+
+    @property
+    def message(self) -> str:
+        """``send to 1 tag 3 float32[4, 8]``."""
+        kind = "send to" if self.is_send else "recv from"
+        peer = "any rank" if self.peer is None else str(self.peer)
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{kind} {peer} tag {self.tag} {self.dtype}[{dims}]"
+
+    def describe(self, relative: Callable[[str], str]) -> str:
+        """``rank 0 posted send to 1 tag 3 float32[4, 8] at file.py:88``."""
+        return f"rank {self.rank} posted {self.message} at {relative(self.filename)}:{self.lineno}"
+
+
+# ----------------------------------------------------------------------------- the rank side
+
+
+class _Ledger:
+    def __init__(self, path: str, rank: int, is_project_frame: Callable[[str], bool]) -> None:
+        self.path = path
+        self.rank = rank
+        self.is_project_frame = functools.lru_cache(maxsize=None)(is_project_frame)
+        self.dirty = True
+        self.lock = threading.RLock()
+        self.entries: dict[int, dict[str, Any]] = {}  # id -> entry
+        self.works: dict[int, tuple[Any, int]] = {}  # id(work) -> (work, entry id)
+        self.next_id = 0
+        self.local = threading.local()
+        self.write()
+
+    # ---- recording
+
+    def _site(self) -> tuple[str, int, str]:
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if filename != LEDGER_FILE and self.is_project_frame(filename):
+                return filename, frame.f_lineno, frame.f_code.co_name
+            frame = frame.f_back  # type: ignore[assignment]
+        return "<unknown>", 0, "?"
+
+    def post(self, op: str, tensor: Any, peer: int | None, tag: int, waiting: bool) -> int:
+        filename, lineno, function = self._site()
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
+        dtype = str(tensor.dtype).removeprefix("torch.") if isinstance(tensor, torch.Tensor) else ""
+        with self.lock:
+            entry_id = self.next_id
+            self.next_id += 1
+            self.entries[entry_id] = dict(
+                rank=self.rank,
+                op=op,
+                peer=peer,
+                tag=tag,
+                dtype=dtype,
+                shape=list(shape),
+                filename=filename,
+                lineno=lineno,
+                function=function,
+                waiting=waiting,
+            )
+            self.dirty = True
+        return entry_id
+
+    def complete(self, entry_id: int) -> None:
+        with self.lock:
+            self.entries.pop(entry_id, None)
+            self.dirty = True
+
+    def track(self, work: Any, entry_id: int) -> None:
+        with self.lock:
+            self.works[id(work)] = (work, entry_id)
+
+    def set_waiting(self, work: Any, waiting: bool) -> int | None:
+        with self.lock:
+            held = self.works.get(id(work))
+            if held is None or held[0] is not work:
+                return None
+            entry = self.entries.get(held[1])
+            if entry is not None:
+                entry["waiting"] = waiting
+                self.dirty = True
+            return held[1]
+
+    def finish_work(self, work: Any) -> None:
+        with self.lock:
+            held = self.works.pop(id(work), None)
+            if held is not None:
+                self.entries.pop(held[1], None)
+                self.dirty = True
+
+    def _sweep(self) -> None:
+        """Forget async messages that completed without anyone waiting on them."""
+        done = []
+        for key, (work, entry_id) in self.works.items():
+            with contextlib.suppress(Exception):
+                if work.is_completed():
+                    done.append((key, entry_id))
+        for key, entry_id in done:
+            self.works.pop(key, None)
+            self.entries.pop(entry_id, None)
+            self.dirty = True
+
+    def flush_forever(self, period: float = 0.1) -> None:
+        """The rank's ledger thread: keep the file as fresh as ``period`` allows."""
+        pause = threading.Event()
+        while not pause.wait(period):
+            with self.lock:
+                self._sweep()
+                dirty = self.dirty
+            if dirty:
+                self.write()
+
+    def write(self) -> None:
+        with self.lock:
+            snapshot = json.dumps(list(self.entries.values()))
+            self.dirty = False
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as out:
+            out.write(snapshot)
+        os.replace(tmp, self.path)  # the parent never reads half a file
+
+
+_ledger: _Ledger | None = None
+
+
+def _global_peer(group: Any, peer: int | None, group_peer: int | None) -> int | None:
+    if peer is not None:
+        return int(peer)
+    if group_peer is None:
+        return None
+    if group is None or group is dist.GroupMember.WORLD:
+        return int(group_peer)
+    with contextlib.suppress(Exception):
+        return int(dist.get_global_rank(group, group_peer))
+    return int(group_peer)
+
+
+def _arguments(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """(tensor, global peer, tag) of a send/recv/isend/irecv call, whatever way it was written."""
+    peer_key, group_key = ("dst", "group_dst") if name in SENDS else ("src", "group_src")
+    tensor = args[0] if args else kwargs.get("tensor")
+    peer = args[1] if len(args) > 1 else kwargs.get(peer_key)
+    group = args[2] if len(args) > 2 else kwargs.get("group")
+    tag = args[3] if len(args) > 3 else kwargs.get("tag", 0)
+    group_peer = args[4] if len(args) > 4 else kwargs.get(group_key)
+    return tensor, _global_peer(group, peer, group_peer), int(tag or 0)
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    blocking = name in ("send", "recv")
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        ledger = _ledger
+        if ledger is None or getattr(ledger.local, "inside", False):
+            return original(*args, **kwargs)  # dist.send calls isend inside: record it once
+        tensor, peer, tag = _arguments(name, args, kwargs)
+        entry_id = ledger.post(name, tensor, peer, tag, waiting=blocking)
+        ledger.local.inside = True
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            ledger.complete(entry_id)
+            raise
+        finally:
+            ledger.local.inside = False
+        if blocking or result is None:  # None: inside a coalescing manager (NCCL batches)
+            ledger.complete(entry_id)
+        else:
+            ledger.track(result, entry_id)
+        return result
+
+    return recorded
+
+
+def _wrap_work_wait(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ledger = _ledger
+        if ledger is None or ledger.set_waiting(self, True) is None:
+            return original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            ledger.set_waiting(self, False)
+            raise
+        ledger.finish_work(self)
+        return result
+
+    return wait
+
+
+def install(path: str, rank: int, is_project_frame: Callable[[str], bool]) -> None:
+    """Record this process's point-to-point messages into ``path`` from now on (ranks only)."""
+    global _ledger
+    if _ledger is not None or os.environ.get(DISABLE_ENV) == "0":
+        return
+    _ledger = _Ledger(path, rank, is_project_frame)
+    for name in SENDS + RECEIVES:
+        wrapper = _wrap(name, getattr(c10d, name))
+        for module in (dist, c10d):
+            setattr(module, name, wrapper)
+    work_type = torch._C._distributed_c10d.Work
+    work_type.wait = _wrap_work_wait(work_type.wait)  # type: ignore[method-assign]
+    threading.Thread(target=_ledger.flush_forever, name="p2p-ledger", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------- the parent side
+
+
+def read_pending(path: Path) -> list[PendingP2P]:
+    """The messages a rank's ledger file lists as not completed (empty when unreadable)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    pending = []
+    for item in raw:
+        with contextlib.suppress(KeyError, TypeError):
+            item["shape"] = tuple(item["shape"])
+            pending.append(PendingP2P(**item))
+    return pending
+
+
+def unmatched(pending: Mapping[int, Sequence[PendingP2P]]) -> list[tuple[PendingP2P, str]]:
+    """Pending messages with no counterpart pending on the peer, and what went wrong with each.
+
+    A send matches a receive on its peer posted from this rank (or from any rank) with the same
+    tag, in the order they were posted, as gloo and NCCL match them.
+    """
+    receives = {
+        rank: [p for p in ops if not p.is_send] for rank, ops in pending.items()
+    }
+    sends = {rank: [p for p in ops if p.is_send] for rank, ops in pending.items()}
+    lonely: list[tuple[PendingP2P, str]] = []
+    for rank in sorted(sends):
+        for send in sends[rank]:
+            candidates = receives.get(send.peer, []) if send.peer is not None else []
+            match = next(
+                (r for r in candidates if r.peer in (rank, None) and r.tag == send.tag), None
+            )
+            if match is not None:
+                candidates.remove(match)
+            else:
+                lonely.append((send, "never received"))
+    for _rank, left in sorted(receives.items()):
+        lonely += [(recv, "never sent") for recv in left]
+    lonely.sort(key=lambda item: item[0].rank)
+    return lonely
+
+
+def waiting_on(ops: Sequence[PendingP2P]) -> PendingP2P | None:
+    """The message a rank is blocked on, if it is blocked in a point-to-point wait."""
+    return next((p for p in ops if p.waiting), None)
+
+
+def all_blocked_in_send(
+    pending: Mapping[int, Sequence[PendingP2P]], hung: Sequence[int]
+) -> bool:
+    """True when every hung rank waits on one of its own sends (the blocking-send pitfall)."""
+    if not hung:
+        return False
+    for rank in hung:
+        current = waiting_on(pending.get(rank, ()))
+        if current is None or not current.is_send:
+            return False
+    return True
+

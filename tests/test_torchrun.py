@@ -1,0 +1,133 @@
+"""Real torchrun agents in subprocesses: restarts, two agents as two nodes, a hard time bound.
+
+These start torchrun's elastic agent (``python -m torch.distributed.run``) through
+:func:`solutions.common.torchrun_runner.run_torchrun`; each scenario takes 8-15 s on a 2-core
+machine. Deselect them with ``-m 'not torchrun'``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from workers.restart_worker import STEPS, uninterrupted
+
+from solutions.common.failure_injection import (
+    FailureSpec,
+    InjectedFailure,
+    failure_from_env,
+    maybe_fail,
+    parse_failure,
+)
+from solutions.common.torchrun_runner import TorchrunRun, alive, run_torchrun
+
+pytestmark = [pytest.mark.harness]
+
+
+def _lines(run: TorchrunRun, prefix: str, agent: int = 0) -> list[dict[str, Any]]:
+    found = []
+    for log in run.last_attempt(agent):
+        found += [
+            json.loads(line.removeprefix(prefix))
+            for line in log.stdout.splitlines()
+            if line.startswith(prefix)
+        ]
+    return found
+
+
+def _no_survivors(run: TorchrunRun) -> None:
+    survivors = [pid for pid in run.pids if alive(pid)]
+    assert not survivors, f"processes outlived the scenario: {survivors}\n{run.describe()}"
+
+
+@pytest.mark.torchrun
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted() -> None:
+    run = run_torchrun(
+        "tests.workers.restart_worker",
+        nproc_per_node=2,
+        max_restarts=1,
+        env={"DTFS_FAIL": "kill:rank=1:step=2"},
+        time_limit=60,
+    )
+    assert run.ok, run.describe()
+    assert run.attempts() == [0, 1], run.describe()
+    first = {log.local_rank: log.stderr for log in run.ranks if log.attempt == 0}
+    assert "injected failure: kill at step 2 (attempt 0)" in first[1], run.describe()
+    results = _lines(run, "RESULT ")
+    assert sorted(r["rank"] for r in results) == [0, 1], run.describe()
+    for result in results:
+        assert result["attempt"] == 1, run.describe()
+        assert result["value"] == uninterrupted(2, STEPS), run.describe()
+    _no_survivors(run)
+
+
+@pytest.mark.torchrun
+def test_two_agents_on_loopback_are_two_nodes_of_one_world() -> None:
+    run = run_torchrun("tests.workers.node_worker", nproc_per_node=1, agents=2, time_limit=60)
+    assert run.ok, run.describe()
+    seen = [line for agent in (0, 1) for line in _lines(run, "NODE ", agent)]
+    assert len(seen) == 2, run.describe()
+    # with c10d the first agent to arrive is group 0, whichever was started first
+    assert sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"], run.describe()
+    assert sorted(s["RANK"] for s in seen) == ["0", "1"], run.describe()
+    for s in seen:
+        assert s["GROUP_RANK"] == s["RANK"], s  # one rank per node
+        assert (s["LOCAL_RANK"], s["LOCAL_WORLD_SIZE"]) == ("0", "1"), s
+        assert (s["WORLD_SIZE"], s["GROUP_WORLD_SIZE"]) == ("2", "2"), s
+        assert s["sum"] == 3.0, s  # 1 + 2: the all-reduce crossed the "nodes"
+    _no_survivors(run)
+
+
+@pytest.mark.torchrun
+def test_a_hanging_scenario_is_killed_at_its_bound_and_leaves_no_process() -> None:
+    run = run_torchrun(
+        "tests.workers.restart_worker",
+        nproc_per_node=2,
+        env={"DTFS_FAIL": "hang:rank=0:step=1"},
+        time_limit=10,
+    )
+    assert run.timed_out and not run.ok, run.describe()
+    assert 10 <= run.elapsed < 20, run.describe()
+    assert all(agent.returncode is None for agent in run.agents)
+    assert len(run.pids) >= 3, f"expected the agent and its 2 workers, saw {run.pids}"
+    _no_survivors(run)
+
+
+# ----------------------------------------------------------------------------- failure specs
+
+
+def test_failure_specs_parse_and_apply_to_one_rank_step_and_attempt() -> None:
+    spec = parse_failure("kill:rank=1:step=3")
+    assert spec == FailureSpec("kill", 1, 3, 0)
+    assert spec.applies(1, 3, 0) and not spec.applies(0, 3, 0) and not spec.applies(1, 3, 1)
+    assert parse_failure("raise:rank=0:step=2", attempt="any").applies(0, 2, 5)
+    assert parse_failure("hang:rank=2:step=0", attempt="1").attempt == 1
+    assert failure_from_env({}) is None
+    assert failure_from_env({"DTFS_FAIL": "raise:rank=0:step=1", "DTFS_FAIL_ATTEMPT": "any"}) == (
+        FailureSpec("raise", 0, 1, None)
+    )
+
+
+@pytest.mark.parametrize(
+    "spec", ["kill", "explode:rank=1:step=2", "kill:rank=1", "kill:rank=x:step=2", "kill:step=2:step=3"]
+)
+def test_a_malformed_failure_spec_names_itself_and_the_accepted_forms(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"DTFS_FAIL=.* is not a failure spec: expected ACTION"):
+        parse_failure(spec)
+
+
+def test_a_malformed_attempt_is_refused() -> None:
+    with pytest.raises(ValueError, match="DTFS_FAIL_ATTEMPT='first'"):
+        parse_failure("kill:rank=0:step=0", attempt="first")
+
+
+def test_raise_fails_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTFS_FAIL", "raise:rank=0:step=2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    maybe_fail(1)
+    with pytest.raises(InjectedFailure, match="rank 0, step 2, attempt 0"):
+        maybe_fail(2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    maybe_fail(2)  # the restarted attempt runs through

@@ -1,0 +1,1 @@
+"""Importable workers and case files for tests of the harness (not collected on their own)."""

@@ -1,0 +1,51 @@
+"""Cases the scoreboard tests in tests/test_harness.py run in a pytest of their own.
+
+Not collected by ``uv run pytest`` (the name does not start with ``test_``): they fail on purpose.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from grading import exercise, world
+
+
+def rank_one_skips_the_barrier() -> None:
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+def all_reduce_one() -> float:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+@exercise("1.3")
+def test_hangs_first() -> None:
+    world(rank_one_skips_the_barrier, 2)
+
+
+@exercise("1.3")
+def test_would_hang_again() -> None:
+    world(rank_one_skips_the_barrier, 2)
+
+
+@exercise("1.3")
+def test_would_hang_a_third_time() -> None:
+    world(all_reduce_one, 2)
+
+
+@exercise("1.2")
+def test_a_pure_test_still_runs() -> None:
+    assert 1 + 1 == 2
+
+
+@exercise("1.4")
+def test_reaches_an_unwritten_all_reduce_through_a_helper() -> None:
+    raise NotImplementedError("TODO 1.3: write all_reduce; see guidelines.md#13")
+
+
+@exercise("1.1")
+def test_passes() -> None:
+    assert True
