@@ -18,6 +18,10 @@ NCCL and gloo use for large tensors. The cost model (alpha-beta, Thakur, Rabense
 
 Both functions reduce contributions in rank order 0, 1, ..., n-1 on every rank, so all ranks end
 with bitwise-identical results even for floating point, where (a + b) + c != a + (b + c).
+
+Both take ``group=``: inside a subgroup they use only its members. Ranks in the arguments of these
+functions (``root``) are ranks *within* the group, 0 .. group size - 1; torch's ``dst=``/``src=``
+want *global* ranks, so every peer is mapped with :func:`global_rank` before a message is sent.
 """
 
 from __future__ import annotations
@@ -62,29 +66,46 @@ def check_all_reduce_args(tensor: torch.Tensor, op: object) -> None:
         raise ValueError(f"op={op} is not supported here: use one of SUM, PRODUCT, MIN, MAX")
 
 
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of the member ``group_rank`` of ``group`` (None: the default group).
+
+    ``dist.send(dst=...)``, ``dist.irecv(src=...)`` and friends take GLOBAL ranks even when
+    ``group=`` is given; a rank inside a subgroup must be mapped first.
+    """
+    size = dist.get_world_size(group)
+    if not 0 <= group_rank < size:
+        raise ValueError(
+            f"rank {group_rank} is not a rank of the group: its ranks are 0..{size - 1}. Inside "
+            "a group, take ranks and sizes from the group: dist.get_rank(group), "
+            "dist.get_world_size(group) (without group= they are the whole world's)"
+        )
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def reduce_broadcast_all_reduce(
-    tensor: torch.Tensor, op: object = ReduceOp.SUM, root: int = 0
+    tensor: torch.Tensor,
+    op: object = ReduceOp.SUM,
+    root: int = 0,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place through one root: gather-and-reduce, then send back.
 
-    Bytes sent: (n-1)·S by the root, S by every other rank (S = tensor bytes).
+    ``root`` is a rank of ``group`` (0 .. group size - 1), not a global rank; ``group=None`` is
+    the default group. Bytes sent: (n-1)·S by the root, S by every other rank (S = tensor bytes).
     """
     check_all_reduce_args(tensor, op)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     if not 0 <= root < world:
-        raise ValueError(f"root={root} is outside [0, {world - 1}]")
+        raise ValueError(f"root={root} is outside [0, {world - 1}] (a rank within the group)")
     if world == 1:
         return tensor
     # TODO 1.3: reduce every rank's tensor on the root, then send the result back to all ranks.
     # Invariant: afterwards every rank's tensor holds the same bits: the reduction of all
-    #   ranks' inputs taken in rank order 0, 1, ..., n-1.
-    # Hint 1: non-roots send their tensor to the root, then receive the result into `tensor`.
-    #   The root posts one irecv per peer (each into its own buffer), waits for them, then
-    #   reduces in rank order with combine_ and isends the result to every peer.
-    # Hint 2: on the root: bufs = {r: torch.empty_like(tensor) for r != root};
-    #   wait_all([dist.irecv(bufs[r], src=r) ...]); result = first contribution.clone();
-    #   combine_(result, next contribution, op) ...; tensor.copy_(result); isend to each peer.
-    #   Elsewhere: dist.send(tensor, dst=root); dist.recv(tensor, src=root).
+    #   ranks' inputs taken in group-rank order 0, 1, ..., n-1; only members of `group` talk.
+    # Hint 1: non-roots send their tensor to the root, then receive the result back into it.
+    #   rank, world and root count within the group; send/recv want global ranks (global_rank).
+    # More hints: uv run python -m tests.hint 1.3
     # See guidelines.md#13-all-reduce-from-send-and-recv
     raise NotImplementedError(
         "TODO 1.3: reduce every rank's tensor on the root, then send the result back to all ranks "
@@ -92,24 +113,24 @@ def reduce_broadcast_all_reduce(
     )
 
 
-def direct_exchange_all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM) -> torch.Tensor:
+def direct_exchange_all_reduce(
+    tensor: torch.Tensor, op: object = ReduceOp.SUM, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """All-reduce ``tensor`` in place by sending it to every other rank and reducing locally.
 
-    Bytes sent: (n-1)·S by every rank. One round of messages, so latency stays low; volume grows
-    with the world, so it suits small tensors only.
+    ``group=None`` is the default group. Bytes sent: (n-1)·S by every rank. One round of
+    messages, so latency stays low; volume grows with the world, so it suits small tensors only.
     """
     check_all_reduce_args(tensor, op)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return tensor
     # TODO 1.3: exchange tensors with every peer at once, then reduce all n contributions.
-    # Invariant: the same bits on every rank, so reduce in rank order 0..n-1 everywhere,
-    #   your own tensor included at its own position.
+    # Invariant: the same bits on every rank, so reduce in group-rank order 0..n-1 everywhere,
+    #   your own tensor included at its own position; only members of `group` talk.
     # Hint 1: blocking send/recv pairs in a loop can deadlock (two ranks both sending first);
     #   post all isends and irecvs, then wait for all of them.
-    # Hint 2: bufs = {p: torch.empty_like(tensor) for p != rank}; works = isend(tensor, dst=p)
-    #   and irecv(bufs[p], src=p) for every peer p; wait_all(works);
-    #   result = clone of contribution 0; combine_ the rest in rank order; tensor.copy_(result).
+    # More hints: uv run python -m tests.hint 1.3
     # See guidelines.md#13-all-reduce-from-send-and-recv
     raise NotImplementedError(
         "TODO 1.3: exchange tensors with every peer at once, then reduce all n contributions "

@@ -11,6 +11,11 @@ step one process would take on B (up to floating-point rounding). This is what
 ``torch.nn.parallel.DistributedDataParallel`` does (Li et al., "PyTorch Distributed: Experiences
 on Accelerating Data Parallel Training", VLDB 2020), minus its bucketing and overlap (phase 3).
 
+Every function takes ``group=`` (None: the default group), so the same code trains inside a
+data-parallel subgroup; ranks given as arguments (``src``) are ranks within that group. The epoch
+loop itself is the course's one loop, ``solutions/common/training.py``; 1.4 plugs phase 1's parts
+into it (:class:`DataParallelLoop`).
+
 Run it (instructor command; any world size that divides the global batch):
 
     uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase1_data_parallel.trainer
@@ -21,7 +26,6 @@ Run it (instructor command; any world size that divides the global batch):
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from solutions.common.cli import parse_config, refuse_before_start
+from solutions.common.cli import parse_config, refuse_before_start, run_main
 from solutions.common.comm_counter import CommCounter
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
 from solutions.common.distributed import (
@@ -42,14 +46,14 @@ from solutions.common.distributed import (
 from solutions.common.models import MLP, BabyCNN
 from solutions.common.rank_logging import log0
 from solutions.common.seeding import seed_everything
-from solutions.common.training import evaluate
+from solutions.common.training import Callback, StepOutput, TrainingLoop, evaluate
 from phase1_data_parallel.template_all_reduce import (
     direct_exchange_all_reduce,
     reduce_broadcast_all_reduce,
 )
 from phase1_data_parallel.template_data_loader import DistributedShardSampler
 
-AllReduceFn = Callable[[torch.Tensor], Any]
+AllReduceFn = Callable[..., Any]  # (tensor, *, group=None) -> Any; sums in place
 
 ALL_REDUCE_STRATEGIES: dict[str, AllReduceFn] = {
     "torch": dist.all_reduce,
@@ -62,19 +66,22 @@ MODELS = ("cnn", "mlp")
 # ----------------------------------------------------------------------------- exercise 1.2
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+def broadcast_parameters(
+    model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None
+) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s, in place.
 
-    Seeding alone is not enough: a different library version, device or initialisation order
-    on one rank would silently train N different models.
+    ``src`` is a rank within ``group`` (None: the default group, where group and global ranks
+    are the same). Seeding alone is not enough: a different library version, device or
+    initialisation order on one rank would silently train N different models.
     """
     # TODO 1.2: copy rank src's parameters AND buffers to every other rank, in place.
-    # Invariant: afterwards all ranks hold bitwise-identical model state; the tensors
-    #   themselves are updated (the optimizer keeps references to them).
+    # Invariant: afterwards all ranks of `group` hold bitwise-identical model state; the tensors
+    #   themselves are updated (the optimizer keeps references to them); no rank outside
+    #   `group` is involved.
     # Hint 1: one collective per tensor does it; buffers (e.g. BatchNorm running stats) are
     #   model state too.
-    # Hint 2: for t in itertools.chain(model.parameters(), model.buffers()):
-    #   dist.broadcast(t.data, src=src)
+    # More hints: uv run python -m tests.hint 1.2
     # See guidelines.md#12-broadcast-and-gradient-averaging
     raise NotImplementedError(
         "TODO 1.2: copy rank src's parameters AND buffers to every other rank, in place "
@@ -82,28 +89,34 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
     )
 
 
-def average_gradients(model: nn.Module, all_reduce_fn: AllReduceFn | None = None) -> int:
-    """Replace every ``.grad`` with its mean over all ranks; return the bytes all-reduced.
+def average_gradients(
+    model: nn.Module,
+    all_reduce_fn: AllReduceFn | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> int:
+    """Replace every ``.grad`` with its mean over the ranks of ``group``; return the bytes
+    all-reduced.
 
-    Parameters without a gradient (frozen, or unused in this forward) are skipped; every rank
-    must agree on which those are. Gradients are packed into one flat buffer per dtype so the
-    step pays one message latency instead of one per parameter.
+    ``all_reduce_fn(tensor, group=group)`` sums in place (default ``dist.all_reduce``). Parameters
+    without a gradient (frozen, or unused in this forward) are skipped; every rank must agree on
+    which those are. Gradients are packed into one flat buffer per dtype so the step pays one
+    message latency instead of one per parameter.
     """
     all_reduce = all_reduce_fn or dist.all_reduce
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0
-    # TODO 1.2: average the gradients across ranks, in place, with all_reduce.
-    # Invariant: afterwards every rank's p.grad is the mean over ranks (sum / world size),
-    #   identical on all ranks; the returned int is the bytes passed to all_reduce.
-    # Hint 1: all-reduce sums; divide by dist.get_world_size(). Flattening all gradients into
-    #   one buffer (torch.cat of g.reshape(-1)) makes one call instead of one per tensor;
+    # TODO 1.2: average the gradients across the group's ranks, in place, with all_reduce.
+    # Invariant: afterwards every rank's p.grad is the mean over the group (sum / group size),
+    #   identical on all its ranks; the returned int is the bytes passed to all_reduce.
+    # Hint 1: all-reduce sums; divide by the group's size, dist.get_world_size(group).
+    #   Flattening all gradients into one buffer makes one call instead of one per tensor;
     #   group by dtype if the model mixes dtypes.
-    # Hint 2: flat = torch.cat([g.reshape(-1) for g in same_dtype]); all_reduce(flat);
-    #   flat.div_(world); then copy slices back with g.copy_(flat[o:o + g.numel()].view_as(g)).
+    # More hints: uv run python -m tests.hint 1.2
     # See guidelines.md#12-broadcast-and-gradient-averaging
     raise NotImplementedError(
-        "TODO 1.2: average the gradients across ranks, in place, with all_reduce "
+        "TODO 1.2: average the gradients across the group's ranks, in place, with all_reduce "
         "(see phase1_data_parallel/guidelines.md#12-broadcast-and-gradient-averaging)"
     )
 
@@ -130,21 +143,25 @@ def data_parallel_step(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     all_reduce_fn: AllReduceFn | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> StepStats:
-    """One synchronous step on this rank's batch: forward, backward, average gradients, update.
+    """One synchronous step on this rank's batch: forward, backward, average gradients over
+    ``group``, update.
 
     Returns this rank's loss and the time spent computing vs communicating. The communication
     time includes waiting for the slowest rank: a straggler shows up here.
     """
     # TODO 1.2: one data-parallel step, timed in two parts.
-    # Invariant: after the step, all ranks hold identical weights equal to one process
-    #   stepping on the union of the batches; gradients from the last step never leak in.
+    # Invariant: after the step, all ranks of `group` hold identical weights equal to one
+    #   process stepping on the union of their batches; gradients from the last step never
+    #   leak in; compute_seconds + communication_seconds is the whole step, and only the
+    #   averaging counts as communication.
     # Hint 1: zero the grads (set_to_none=True keeps "no gradient" distinguishable), forward,
-    #   loss, backward; average_gradients(model, all_reduce_fn); optimizer.step(). Time with
-    #   time.perf_counter(); call _synchronize(inputs.device) before reading the clock on GPUs.
-    # Hint 2: compute = (backward done - start) + (step done - averaging done);
-    #   communication = averaging done - backward done;
-    #   return StepStats(loss.item(), compute, communication, bytes_from_average_gradients).
+    #   loss, backward; average_gradients(model, all_reduce_fn, group=group); optimizer.step().
+    #   Time with time.perf_counter(); call _synchronize(inputs.device) before reading the
+    #   clock on GPUs.
+    # More hints: uv run python -m tests.hint 1.2
     # See guidelines.md#12-broadcast-and-gradient-averaging
     raise NotImplementedError(
         "TODO 1.2: one data-parallel step, timed in two parts "
@@ -172,7 +189,7 @@ class TrainConfig:
 
 @dataclass
 class EpochStats:
-    """One epoch, summed or averaged over all ranks."""
+    """One epoch, summed or averaged over all ranks of the group."""
 
     epoch: int
     loss: float
@@ -182,6 +199,7 @@ class EpochStats:
     communication_seconds: float
     bytes_reduced_per_step: int
     bytes_sent_per_step: float
+    samples: int  # samples trained on by all ranks together (padding repeats included)
 
     @property
     def communication_share(self) -> float:
@@ -205,9 +223,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     #   message that names the bad value and the fix.
     # Hint 1: unequal per-rank batches break the "mean of means = global mean" argument and
     #   give ranks different step counts; ALL_REDUCE_STRATEGIES lists the valid names.
-    # Hint 2: if global_batch_size % world_size (or it is < world_size): raise ValueError(
-    #   f"--global-batch-size {b} is not divisible by the world size {n}: ... use a multiple
-    #   of {n}"); if all_reduce not in ALL_REDUCE_STRATEGIES: raise ValueError naming choices.
+    # More hints: uv run python -m tests.hint 1.4
     # See guidelines.md#14-the-data-parallel-trainer
     raise NotImplementedError(
         "TODO 1.4: refuse a global batch the world cannot split evenly, and an unknown strategy "
@@ -230,78 +246,135 @@ def build_model(config: TrainConfig, spec: PatternSpec) -> nn.Module:
     return MLP(spec.image_size * spec.image_size, hidden=128, num_classes=spec.num_classes)
 
 
-def run_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loader: DataLoader,
-    sampler: DistributedShardSampler,
-    epoch: int,
-    all_reduce_fn: AllReduceFn,
-    device: torch.device,
-) -> dict[str, float]:
-    """Train one epoch on this rank's shard; return totals summed over ALL ranks.
+class DataParallelLoop(TrainingLoop):
+    """The course's training loop (solutions/common/training.py) with phase 1's parts.
 
-    Keys: loss_sum (sum of per-sample losses), samples, steps, compute_seconds and
-    communication_seconds (summed over ranks), bytes_reduced and bytes_sent (summed over ranks).
+    The loop is given: it moves each batch to ``device``, adds up what every step returns, and
+    calls callbacks. This class says how an epoch starts (:meth:`start_epoch`), what one step
+    on this rank does (:meth:`train_step`) and how the ranks of ``group`` agree on the epoch's
+    totals (:meth:`reduce_totals`).
     """
-    loss_fn = nn.CrossEntropyLoss()
-    # TODO 1.4: the epoch loop of the data-parallel trainer.
-    # Invariant: every rank runs the same number of steps; the totals returned are the same on
-    #   every rank (reduced over all ranks), so rank 0 can print them.
-    # Hint 1: reshuffle with sampler.set_epoch(epoch) first (forgetting it repeats epoch 0's
-    #   order forever). For each batch: move it to device, data_parallel_step(...), add
-    #   stats.loss * batch size to the loss sum. Count bytes this rank sends by running the
-    #   loop inside `with CommCounter() as comm:` and reading comm.bytes_sent afterwards.
-    # Hint 2: totals = torch.tensor([loss_sum, samples, steps, compute, comm_s, bytes_reduced,
-    #   bytes_sent], dtype=torch.float64, device=device); dist.all_reduce(totals);
-    #   return dict(zip(keys, totals.tolist())).
-    # See guidelines.md#14-the-data-parallel-trainer
-    raise NotImplementedError(
-        "TODO 1.4: the epoch loop of the data-parallel trainer "
-        "(see phase1_data_parallel/guidelines.md#14-the-data-parallel-trainer)"
-    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: DataLoader,
+        sampler: DistributedShardSampler,
+        *,
+        device: torch.device,
+        all_reduce_fn: AllReduceFn | None = None,
+        group: dist.ProcessGroup | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            loader,
+            device=device,
+            sampler=sampler,
+            group=group,
+            loss_fn=nn.functional.cross_entropy,
+            callbacks=callbacks,
+        )
+        self.all_reduce_fn = all_reduce_fn
+
+    def start_epoch(self, epoch: int, start_index: int = 0) -> None:
+        """Called by the loop on every rank before the epoch's first batch is drawn."""
+        # TODO 1.4: give this epoch its own order of samples, the same on every rank.
+        # Invariant: every epoch reshuffles (epoch e's order depends on e) and a resumed run
+        #   skips the first start_index samples of this rank's shard.
+        # Hint 1: the sampler shuffles with seed + epoch; it only learns the epoch from you.
+        # More hints: uv run python -m tests.hint 1.4
+        # See guidelines.md#14-the-data-parallel-trainer
+        raise NotImplementedError(
+            "TODO 1.4: give this epoch its own order of samples, the same on every rank "
+            "(see phase1_data_parallel/guidelines.md#14-the-data-parallel-trainer)"
+        )
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        """One data-parallel step on this rank's batch; returns its loss and what it cost.
+
+        ``metrics`` keys: compute_seconds, communication_seconds, bytes_reduced (the payload
+        handed to the all-reduce) and bytes_sent (what this rank passed to send/isend).
+        """
+        # TODO 1.4: run one data-parallel step on this rank's batch and report what it cost.
+        # Invariant: each rank steps on its own batch, averaging over `group` with the chosen
+        #   all-reduce; `loss` is the batch's mean loss and `samples` its size, so the loop's
+        #   sum loss x samples over the epoch is exact.
+        # Hint 1: data_parallel_step (1.2) does the work; count this rank's sends by running it
+        #   inside `with CommCounter() as comm:` and reading comm.bytes_sent afterwards.
+        # More hints: uv run python -m tests.hint 1.4
+        # See guidelines.md#14-the-data-parallel-trainer
+        raise NotImplementedError(
+            "TODO 1.4: run one data-parallel step on this rank's batch and report what it cost "
+            "(see phase1_data_parallel/guidelines.md#14-the-data-parallel-trainer)"
+        )
+
+    def reduce_totals(self, totals: dict[str, float]) -> dict[str, float]:
+        """This rank's sums for the epoch -> the sums over every rank of the group."""
+        # TODO 1.4: sum each of this rank's epoch totals over all ranks of the group.
+        # Invariant: every rank returns the same dict, with the same keys, whose values are the
+        #   sums over the group (so rank 0 can print them, and any rank could).
+        # Hint 1: one all-reduce of all the values at once, not one per key; every rank must
+        #   put the keys in the same order.
+        # More hints: uv run python -m tests.hint 1.4
+        # See guidelines.md#14-the-data-parallel-trainer
+        raise NotImplementedError(
+            "TODO 1.4: sum each of this rank's epoch totals over all ranks of the group "
+            "(see phase1_data_parallel/guidelines.md#14-the-data-parallel-trainer)"
+        )
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Train inside an existing process group (torchrun's, or a test world's)."""
+def train(config: TrainConfig, *, group: dist.ProcessGroup | None = None) -> TrainResult:
+    """Train inside an existing process group (torchrun's, or a test world's).
+
+    With ``group``, only its ranks train together (they split the data between them; other
+    groups may train their own copy at the same time).
+    """
     info = current_info()
-    validate_config(config, info.world_size)
+    world = dist.get_world_size(group)
+    validate_config(config, world)
     spec = PatternSpec()
     seed_everything(config.seed)
     model = build_model(config, spec).to(info.device)
-    broadcast_parameters(model, src=0)
+    broadcast_parameters(model, src=0, group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     train_set = make_pattern_dataset(config.train_samples, spec, split_seed=0)
     test_set = make_pattern_dataset(config.test_samples, spec, split_seed=1)
-    sampler = DistributedShardSampler(
-        train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=config.seed
-    )
-    loader = DataLoader(
-        train_set, batch_size=config.global_batch_size // info.world_size, sampler=sampler
-    )
+    sampler = DistributedShardSampler(train_set, shuffle=True, seed=config.seed, group=group)
+    loader = DataLoader(train_set, batch_size=config.global_batch_size // world, sampler=sampler)
     all_reduce_fn = ALL_REDUCE_STRATEGIES[config.all_reduce]
+    loop = DataParallelLoop(
+        model,
+        optimizer,
+        loader,
+        sampler,
+        device=info.device,
+        all_reduce_fn=all_reduce_fn,
+        group=group,
+    )
     result = TrainResult(config=config)
-    world = info.world_size
     log0(
         f"data parallel: world {world}, backend {info.backend}, device {info.device.type}, "
         f"model {config.model}, all-reduce {config.all_reduce}, global batch "
         f"{config.global_batch_size} ({config.global_batch_size // world} per rank)"
     )
     for epoch in range(config.epochs):
-        started = time.perf_counter()
-        totals = run_epoch(model, optimizer, loader, sampler, epoch, all_reduce_fn, info.device)
-        elapsed = time.perf_counter() - started
-        accuracy = evaluate(model, test_set, info.device)
+        epoch_result = loop.run_epoch(epoch)
+        accuracy = evaluate(model, test_set, info.device, group=group)
+        totals = epoch_result.totals
         steps = totals["steps"] / world
         stats = EpochStats(
             epoch=epoch,
             loss=totals["loss_sum"] / totals["samples"],
             test_accuracy=accuracy,
-            samples_per_second=totals["samples"] / elapsed,
+            samples_per_second=totals["samples"] / epoch_result.seconds,
             compute_seconds=totals["compute_seconds"] / world,
             communication_seconds=totals["communication_seconds"] / world,
             bytes_reduced_per_step=round(totals["bytes_reduced"] / world / steps),
             bytes_sent_per_step=totals["bytes_sent"] / world / steps,
+            samples=round(totals["samples"]),
         )
         result.epochs.append(stats)
         sent = (
@@ -329,4 +402,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -25,6 +25,16 @@ class PhaseGraders(pytest.File):
         match = ENTRY.fullmatch(self.path.name)
         assert match is not None
         folder = self.path.parent / f"phase{match['phase']}"
+        # pytest binds conftest hooks (tests/conftest.py: short failures, the scoreboard) to the
+        # directories it collects itself; this folder is reached through the entry file, so
+        # load them for it the way pytest's own Directory collection does (runner.py).
+        config = self.config
+        config.pluginmanager._loadconftestmodules(
+            folder,
+            config.getoption("importmode"),
+            rootpath=config.rootpath,
+            consider_namespace_packages=config.getini("consider_namespace_packages"),
+        )
         for grader in sorted(folder.glob("grade_*.py")):
             yield pytest.Module.from_parent(self, path=grader)
 

@@ -10,21 +10,23 @@ median. Bandwidths use the nccl-tests definitions (nccl-tests, doc/PERFORMANCE.m
 
     uv run python -m solutions.phase1_data_parallel.benchmark_all_reduce
     uv run python -m solutions.phase1_data_parallel.benchmark_all_reduce --worlds 2 --max-mib 4
+    uv run python -m solutions.phase1_data_parallel.benchmark_all_reduce \
+        --strategies dist.all_reduce,direct_exchange
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from solutions.common.cli import parse_config, run_main
 from solutions.common.distributed import current_info
 from solutions.common.world import run_world
 from solutions.phase1_data_parallel.all_reduce import (
@@ -153,19 +155,40 @@ def run_benchmark(
     return measurements
 
 
+@dataclass
+class BenchmarkConfig:
+    """The benchmark's flags (``--worlds``, ``--max-mib``, ``--strategies``)."""
+
+    worlds: str = field(default="2,4", metadata={"help": "world sizes, comma-separated"})
+    max_mib: float = field(default=64.0, metadata={"help": "largest message, MiB"})
+    strategies: str = field(
+        default=",".join(STRATEGIES),
+        metadata={"help": f"comma-separated, from {', '.join(STRATEGIES)}"},
+    )
+
+
+def _split(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="all-reduce benchmark (nccl-tests style)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--max-mib", type=float, default=64, help="largest message, MiB")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
-    args = parser.parse_args(argv)
-    sizes = default_sizes(int(args.max_mib * 2**20))
+    config = parse_config(BenchmarkConfig, argv, __doc__)
+    try:
+        worlds = [int(world) for world in _split(config.worlds)]
+    except ValueError:
+        print(f"error: --worlds {config.worlds!r}: give world sizes like 2,4", file=sys.stderr)
+        return 2
+    sizes = default_sizes(int(config.max_mib * 2**20))
     started = time.perf_counter()
-    table = format_table(run_benchmark(args.worlds, sizes, args.strategies))
-    print(table)
+    try:
+        measurements = run_benchmark(worlds, sizes, _split(config.strategies))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(measurements))
     print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

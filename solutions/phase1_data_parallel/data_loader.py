@@ -30,11 +30,13 @@ class DistributedShardSampler(Sampler[int]):
 
     Args:
         dataset: anything with ``len()``.
-        num_replicas: world size; defaults to the process group's.
-        rank: this process's rank; defaults to the process group's.
+        num_replicas: how many ranks share the data; defaults to the size of ``group``.
+        rank: this process's rank among them; defaults to its rank within ``group``.
         shuffle: shuffle with a generator seeded by ``seed + epoch``.
         seed: must be the same on every rank.
         drop_last: drop the tail so shards divide evenly, instead of padding with repeats.
+        group: the process group whose ranks share the data (None: the default group). Inside a
+            data-parallel subgroup every group sees the whole dataset, split over its members.
     """
 
     num_samples: int  # this rank's samples per epoch (the same on every rank)
@@ -48,11 +50,13 @@ class DistributedShardSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if num_replicas is None:
-            num_replicas = dist.get_world_size() if dist.is_initialized() else 1
+            num_replicas = dist.get_world_size(group) if dist.is_initialized() else 1
         if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank = dist.get_rank(group) if dist.is_initialized() else 0
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas}: it must be at least 1")
         if not 0 <= rank < num_replicas:
@@ -73,8 +77,9 @@ class DistributedShardSampler(Sampler[int]):
         #   (a rank with one batch more would wait forever in its extra all-reduce).
         # Hint 1: padding rounds n up to a multiple of num_replicas; drop_last rounds it down
         #   (only when n does not divide evenly).
-        # Hint 2: num_samples = ceil((n - num_replicas) / num_replicas) with drop_last and a
-        #   remainder, else ceil(n / num_replicas); total_size = num_samples * num_replicas.
+        # Hint 2: two cases. Padding: divide n by num_replicas and round up. drop_last with a
+        #   remainder: take away one full round of num_replicas first, then divide and round up
+        #   (the same as rounding down). Check n = 0, 1 and 10 on 4 ranks against the guide.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.drop_last and n % num_replicas != 0:
@@ -92,9 +97,10 @@ class DistributedShardSampler(Sampler[int]):
         # Hint 1: a fresh torch.Generator seeded with seed + epoch makes the shuffle
         #   reproducible; pad by repeating indices from the front, as many times as needed
         #   (the padding can be longer than the dataset when n < num_replicas).
-        # Hint 2: g = torch.Generator(); g.manual_seed(self.seed + self.epoch);
-        #   indices = torch.randperm(n, generator=g).tolist(); then pad with
-        #   (indices * ceil(pad / n))[:pad], or cut with indices[: self.total_size].
+        # Hint 2: three steps. Order: a permutation from a generator of its own (never the
+        #   global RNG) seeded with seed + epoch, or plain 0..n-1 without shuffle. Cut: with
+        #   drop_last keep the first total_size. Pad: append copies of the list's *start*
+        #   until total_size, repeating the whole list when the gap is longer than it.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.shuffle:
@@ -117,8 +123,9 @@ class DistributedShardSampler(Sampler[int]):
         #   are the whole epoch; every shard has num_samples indices before skipping.
         # Hint 1: rank r takes positions r, r + N, r + 2N, ... (interleaved, not a block), which
         #   is what DistributedSampler does.
-        # Hint 2: shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas];
-        #   return iter(shard[self.start_index :]).
+        # Hint 2: one strided slice of the epoch list (start at rank, step num_replicas) gives
+        #   the shard; skip start_index *after* sharding (it counts this rank's samples, not
+        #   the epoch's), and return an iterator.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas]

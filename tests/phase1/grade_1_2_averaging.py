@@ -1,0 +1,451 @@
+"""Exercise 1.2, broadcast and gradient averaging: N ranks step like one process on the union.
+
+``broadcast_parameters`` copies parameters and buffers in place; ``average_gradients`` leaves the
+mean over ranks; ``data_parallel_step`` matches one process on the whole batch and
+``DistributedDataParallel``, and splits its time correctly: a slow forward or optimizer step lands
+in ``compute_seconds``, a slow all-reduce in ``communication_seconds``. Each also runs inside the
+groups (0, 1) and (2, 3) of a world of 4, at the same time, and must match a world of 2.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise
+from phase1_helpers import (
+    fail,
+    first_problems,
+    only_inside,
+    run_in_subgroups,
+    small_world,
+    trainer_module,
+)
+from subgroups import SubgroupInfo
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class ToyNet(nn.Module):
+    """A float64 MLP with a frozen layer, a parameter no forward uses, and a buffer."""
+
+    scale: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(8, 3)
+        self.unused = nn.Linear(8, 8)  # requires grad, never receives one
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.embed(x))
+        hidden = torch.tanh(self.frozen(hidden)) * self.scale
+        return self.head(hidden)
+
+
+REDUCED = ["embed.weight", "embed.bias", "head.weight", "head.bias"]
+
+
+def make_toy(seed: int) -> ToyNet:
+    torch.manual_seed(seed)
+    return ToyNet().double()
+
+
+def global_batches(
+    steps: int, batch: int, seed: int = 99
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(batch, 6, generator=g, dtype=torch.float64),
+            torch.randint(3, (batch,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+# ============================================================================ broadcast
+
+
+def broadcast_worker() -> dict[str, Any]:
+    trainer = trainer_module()
+    model = make_toy(seed=100 + dist.get_rank())  # deliberately different on each rank
+    model.scale.fill_(float(dist.get_rank() + 2))
+    params_before = list(model.parameters())
+    trainer.broadcast_parameters(model, src=1)
+    in_place = all(a is b for a, b in zip(params_before, model.parameters(), strict=True))
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "in_place": in_place}
+
+
+@exercise("1.2")
+def test_broadcast_parameters_copies_parameters_and_buffers_from_src() -> None:
+    results = small_world(broadcast_worker, 3)
+    expected = make_toy(seed=101).state_dict()
+    expected["scale"] = torch.full((8,), 3.0, dtype=torch.float64)
+    for rank, result in enumerate(results):
+        if not result["in_place"]:
+            fail(
+                f"1.2: broadcast_parameters replaced rank {rank}'s Parameter objects; it must "
+                "update them in place (the optimizer holds references to them)"
+            )
+        for name, value in expected.items():
+            if not torch.equal(result["state"][name], value):
+                what = "buffer" if name == "scale" else "parameter"
+                fail(
+                    f"1.2: after broadcast_parameters(model, src=1) on 3 ranks, rank {rank}'s "
+                    f"{what} {name} should equal rank 1's bitwise; it differs by "
+                    f"{max_diff(result['state'][name], value):.3e} (broadcast parameters AND "
+                    "buffers, from src)"
+                )
+
+
+# ============================================================================ averaging
+
+
+def set_rank_grads(model: ToyNet, value: float) -> None:
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.full_like(p, value)
+    model.unused.weight.grad = None
+    model.unused.bias.grad = None
+
+
+def average_worker() -> tuple[dict[str, torch.Tensor | None], int]:
+    trainer = trainer_module()
+    model = make_toy(seed=0)
+    set_rank_grads(model, float(dist.get_rank() + 1))
+    nbytes = trainer.average_gradients(model)
+    grads = {
+        n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
+    }
+    return grads, nbytes
+
+
+def check_mean(
+    grads: dict[str, torch.Tensor | None], mean: float, where: str, ranks: int, world: int
+) -> list[str]:
+    """Problems with one rank's averaged gradients (the first bad parameter only)."""
+    problems = []
+    for name in REDUCED:
+        grad = grads[name]
+        if grad is None or not torch.allclose(grad, torch.full_like(grad, mean)):
+            got = None if grad is None else grad.flatten()[:3].tolist()
+            why = ""
+            if got and got[0] == pytest.approx(mean * ranks):
+                why = " (the sum: divide by the number of ranks)"
+            elif got and world != ranks and got[0] == pytest.approx(mean * ranks / world):
+                why = (
+                    f" (divided by the world's size {world} instead of the group's {ranks}: "
+                    "dist.get_world_size(group))"
+                )
+            problems.append(
+                f"{where}: {name}.grad should be the mean {mean:g} of the ranks' gradients, "
+                f"got {got}{why}"
+            )
+            break
+    for name in ("frozen.weight", "unused.weight"):
+        if grads[name] is not None:
+            problems.append(f"{where}: {name} had no gradient and must keep none (.grad is None)")
+    return problems
+
+
+@exercise("1.2")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_average_gradients_is_the_mean_over_ranks(world_size: int) -> None:
+    mean = (world_size + 1) / 2  # mean of 1..world_size
+    expected_bytes = sum(make_toy(0).get_parameter(n).numel() for n in REDUCED) * 8
+    problems = []
+    for rank, (grads, nbytes) in enumerate(small_world(average_worker, world_size)):
+        problems += check_mean(grads, mean, f"rank {rank}", world_size, world_size)
+        if nbytes != expected_bytes:
+            problems.append(
+                f"rank {rank}: average_gradients should return {expected_bytes} (the bytes of "
+                f"the float64 gradients that exist, handed to the all-reduce), got {nbytes}"
+            )
+    first_problems(
+        problems, f"1.2 average_gradients on {world_size} ranks, rank r's gradients all r+1:"
+    )
+
+
+# ============================================================================ the DP step
+
+STEPS, GLOBAL_BATCH = 4, 12
+
+
+def dp_step_worker(compare_ddp: bool) -> dict[str, object]:
+    trainer = trainer_module()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world_size
+    model = make_toy(seed=5 + rank)  # rank 0's weights reach everyone through the broadcast
+    trainer.broadcast_parameters(model, src=0)
+    ddp_model = DistributedDataParallel(make_toy(seed=5), find_unused_parameters=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    losses, ddp_losses = [], []
+    for inputs, targets in global_batches(STEPS, GLOBAL_BATCH):
+        shard = slice(rank * per_rank, (rank + 1) * per_rank)
+        stats = trainer.data_parallel_step(model, optimizer, loss_fn, inputs[shard], targets[shard])
+        losses.append(stats.loss)
+        if compare_ddp:
+            ddp_optimizer.zero_grad(set_to_none=True)
+            ddp_loss = loss_fn(ddp_model(inputs[shard]), targets[shard])
+            ddp_loss.backward()
+            ddp_optimizer.step()
+            ddp_losses.append(ddp_loss.item())
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "ddp_params": {n: p.detach().clone() for n, p in ddp_model.module.named_parameters()},
+        "ddp_losses": ddp_losses,
+    }
+
+
+def single_process_reference(
+    seed: int = 5, data_seed: int = 99, batch: int = GLOBAL_BATCH
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = make_toy(seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for inputs, targets in global_batches(STEPS, batch, data_seed):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare_with_reference(
+    results: list[dict[str, Any]],
+    ref_losses: list[float],
+    ref_params: dict[str, torch.Tensor],
+    where: str,
+    ranks: tuple[int, ...] | None = None,
+) -> list[str]:
+    problems = []
+    n = len(results)
+    ranks = ranks or tuple(range(n))
+    for step in range(STEPS):
+        mean_loss = sum(r["losses"][step] for r in results) / n
+        if mean_loss != pytest.approx(ref_losses[step], rel=1e-12):
+            problems.append(
+                f"{where}, step {step}: the mean of the ranks' losses should equal one process's "
+                f"loss on the whole batch, {ref_losses[step]:.12f}; got {mean_loss:.12f}"
+            )
+            break
+    for rank, result in zip(ranks, results, strict=True):
+        for name, ref in ref_params.items():
+            got = result["params"][name]
+            if not torch.allclose(got, ref, rtol=0, atol=1e-12):
+                problems.append(
+                    f"{where}: after {STEPS} steps, rank {rank}'s {name} differs from one process "
+                    f"on the whole batch by {max_diff(got, ref):.3e} (expected <= 1e-12)"
+                )
+                break
+    return problems
+
+
+@exercise("1.2")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dp_step_equals_one_process_on_the_whole_batch(world_size: int) -> None:
+    ref_losses, ref_params = single_process_reference()
+    results = small_world(dp_step_worker, world_size, False)
+    first_problems(
+        compare_with_reference(results, ref_losses, ref_params, f"{world_size} ranks"),
+        f"1.2 data_parallel_step, float64, ranks starting from different weights (so the "
+        f"broadcast matters), global batch {GLOBAL_BATCH} split in contiguous blocks, SGD with "
+        "momentum:",
+    )
+
+
+@exercise("1.2")
+def test_dp_step_equals_distributed_data_parallel() -> None:
+    problems = []
+    for rank, result in enumerate(small_world(dp_step_worker, 2, True)):
+        for name, ddp_param in result["ddp_params"].items():
+            got = result["params"][name]
+            if not torch.allclose(got, ddp_param, rtol=0, atol=1e-12):
+                problems.append(
+                    f"rank {rank}: {name} after {STEPS} steps differs from "
+                    f"DistributedDataParallel's by {max_diff(got, ddp_param):.3e}"
+                )
+        if result["losses"] != pytest.approx(result["ddp_losses"], rel=1e-12):
+            problems.append(
+                f"rank {rank}: losses {result['losses']} differ from DDP's {result['ddp_losses']}"
+            )
+    first_problems(problems, "1.2 data_parallel_step vs DistributedDataParallel on 2 ranks:")
+
+
+# ============================================================================ timing
+
+SLEEP = 0.05  # seconds one part of the step is made to take
+
+
+class SlowForward(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLEEP)
+        return self.inner(x)
+
+
+class SlowSGD(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:
+        time.sleep(SLEEP)
+        return super().step(closure)
+
+
+def slow_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    time.sleep(SLEEP)
+    return dist.all_reduce(tensor, *args, **kwargs)
+
+
+def timing_worker(slow: str) -> list[tuple[float, float, float]]:
+    trainer = trainer_module()
+    model: nn.Module = make_toy(seed=5)
+    if slow == "forward":
+        model = SlowForward(model)
+    optimizer_class = SlowSGD if slow == "optimizer step" else torch.optim.SGD
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
+    all_reduce_fn = slow_all_reduce if slow == "all-reduce" else None
+    rank = dist.get_rank()
+    timings = []
+    for inputs, targets in global_batches(3, 8):
+        shard = slice(4 * rank, 4 * rank + 4)
+        dist.barrier()
+        start = time.perf_counter()
+        stats = trainer.data_parallel_step(
+            model,
+            optimizer,
+            nn.functional.cross_entropy,
+            inputs[shard],
+            targets[shard],
+            all_reduce_fn,
+        )
+        wall = time.perf_counter() - start
+        timings.append((stats.compute_seconds, stats.communication_seconds, wall))
+    return timings
+
+
+@exercise("1.2")
+@pytest.mark.parametrize("slow", ["forward", "optimizer step", "all-reduce"])
+def test_dp_step_times_compute_and_communication_apart(slow: str) -> None:
+    lands_in = "communication_seconds" if slow == "all-reduce" else "compute_seconds"
+    other = "compute_seconds" if slow == "all-reduce" else "communication_seconds"
+    for rank, timings in enumerate(small_world(timing_worker, 2, slow)):
+        for step, (compute, communication, wall) in enumerate(timings[1:], start=1):
+            got = {"compute_seconds": compute, "communication_seconds": communication}
+            measured = f"got compute_seconds {compute:.4f}, communication_seconds {communication:.4f}, the whole call took {wall:.4f} s"
+            if min(compute, communication) < 0:
+                fail(
+                    f"1.2 data_parallel_step timing: rank {rank}, step {step}: negative time; {measured}"
+                )
+            if got[lands_in] < 0.9 * SLEEP or got[other] >= SLEEP:
+                fail(
+                    f"1.2 data_parallel_step timing: on rank {rank}, step {step}, the {slow} was made "
+                    f"to take {1e3 * SLEEP:.0f} ms, so {lands_in} should be at least "
+                    f"{0.9e3 * SLEEP:.0f} ms and {other} below {1e3 * SLEEP:.0f} ms; {measured}. "
+                    "Communication is the averaging alone; forward, backward and the optimizer "
+                    "step are compute."
+                )
+            if compute + communication < 0.8 * wall - 0.002:
+                fail(
+                    f"1.2 data_parallel_step timing: rank {rank}, step {step}: compute + "
+                    f"communication should cover the whole step ({wall:.4f} s); {measured}"
+                )
+
+
+# ============================================================================ subgroups
+
+
+def subgroup_worker(info: SubgroupInfo) -> dict[str, Any]:
+    trainer = trainer_module()
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"group": info.index}
+    # broadcast from the group's rank 1 (global rank 1 or 3): each group gets its own weights
+    model = make_toy(seed=200 + rank)
+    with only_inside(info, "broadcast_parameters(model, src=1, group=group)"):
+        trainer.broadcast_parameters(model, src=1, group=info.group)
+    out["broadcast"] = {k: v.clone() for k, v in model.state_dict().items()}
+    # averaging: rank r's gradients are all r+1, so group (0, 1) averages 1.5, (2, 3) 3.5
+    set_rank_grads(model, float(rank + 1))
+    with only_inside(info, "average_gradients(model, group=group)"):
+        trainer.average_gradients(model, group=info.group)
+    out["grads"] = {
+        n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
+    }
+    # the DP step: each group trains its own model on its own data
+    model = make_toy(seed=5 + info.index + 10 * rank)
+    with only_inside(info, "broadcast_parameters + data_parallel_step(..., group=group)"):
+        trainer.broadcast_parameters(model, src=0, group=info.group)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        per_rank = GLOBAL_BATCH // info.size
+        for inputs, targets in global_batches(STEPS, GLOBAL_BATCH, 99 + info.index):
+            shard = slice(info.group_rank * per_rank, (info.group_rank + 1) * per_rank)
+            stats = trainer.data_parallel_step(
+                model,
+                optimizer,
+                nn.functional.cross_entropy,
+                inputs[shard],
+                targets[shard],
+                group=info.group,
+            )
+            losses.append(stats.loss)
+    out["losses"] = losses
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@exercise("1.2")
+def test_broadcast_averaging_and_step_inside_subgroups() -> None:
+    results = run_in_subgroups("1.2", subgroup_worker)
+    problems = []
+    for index, members in enumerate(((0, 1), (2, 3))):
+        where = f"group {index} (global ranks {members[0]}, {members[1]})"
+        src_state = make_toy(seed=200 + members[1]).state_dict()
+        for rank in members:
+            for name, value in src_state.items():
+                if not torch.equal(results[rank]["broadcast"][name], value):
+                    problems.append(
+                        f"{where}: broadcast_parameters(src=1, group=group) should give rank "
+                        f"{rank} the weights of global rank {members[1]} (the group's rank 1); "
+                        f"its {name} differs (src is a rank within the group)"
+                    )
+                    break
+            problems += check_mean(
+                results[rank]["grads"],
+                sum(members) / 2 + 1,
+                f"{where}, rank {rank}: average_gradients(group=group)",
+                2,
+                4,
+            )
+        ref_losses, ref_params = single_process_reference(
+            seed=5 + index + 10 * members[0], data_seed=99 + index
+        )
+        problems += compare_with_reference(
+            [results[rank] for rank in members],
+            ref_losses,
+            ref_params,
+            f"{where}: data_parallel_step(group=group), compared with one process (what a world "
+            "of 2 gives)",
+            members,
+        )
+    first_problems(
+        problems,
+        "1.2 inside a subgroup: a world of 4 split into the groups (0, 1) and (2, 3), both "
+        "running at once on different data:",
+    )

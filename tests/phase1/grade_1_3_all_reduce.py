@@ -1,0 +1,208 @@
+"""Exercise 1.3, all-reduce from send and recv: the result of ``dist.all_reduce``, the bits of a
+rank-order reduction on every rank, and the bytes each strategy predicts.
+
+Both strategies run on worlds of 2, 3 and 4 with sizes smaller than the world, not divisible by
+it, and large, in float32, float64 and int64, and with MAX, MIN and PRODUCT. Random floats of
+mixed magnitudes check the invariant exactly: every rank must hold the bits of
+``((x0 + x1) + x2) + x3``, which a rank that adds in arrival order, or a root that starts from its
+own tensor, does not. Inside the groups (0, 1) and (2, 3) of a world of 4, with ``root=1``, each
+group must get its own sum and no message may leave its group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise
+from phase1_helpers import (
+    all_reduce_module,
+    fail,
+    first_problems,
+    only_inside,
+    run_in_subgroups,
+    small_world,
+)
+from subgroups import SubgroupInfo
+
+from solutions.common.comm_counter import CommCounter
+
+STRATEGIES = ["reduce_broadcast_all_reduce", "direct_exchange_all_reduce"]
+
+
+def sizes_for(world_size: int) -> list[int]:
+    """1, smaller than the world, not divisible by it, and large."""
+    return sorted({1, max(1, world_size - 1), 3 * world_size + 1, 2**16 + 3})
+
+
+def all_reduce_worker(strategy: str) -> list[str]:
+    fn = getattr(all_reduce_module(), strategy)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    problems = []
+    g = torch.Generator().manual_seed(1000 + rank)
+    for size in sizes_for(world_size):
+        for dtype in (torch.float32, torch.float64, torch.int64):
+            # integer-valued inputs: every summation order gives the same bits
+            data = torch.randint(-1000, 1000, (size,), generator=g).to(dtype)
+            mine, ref = data.clone(), data.clone()
+            out = fn(mine)
+            dist.all_reduce(ref)
+            if not torch.equal(mine, ref):
+                bad = (mine != ref).nonzero().flatten()[:3].tolist()
+                problems.append(
+                    f"rank {rank}: size {size}, {dtype}: differs from dist.all_reduce at indices "
+                    f"{bad}: expected {ref[bad].tolist()}, got {mine[bad].tolist()}"
+                )
+            if out is None or out.data_ptr() != mine.data_ptr():
+                problems.append(
+                    f"rank {rank}: size {size}: must reduce in place and return the input tensor"
+                )
+    for op_name in ("MAX", "MIN", "PRODUCT"):
+        op = getattr(dist.ReduceOp, op_name)
+        data = torch.randint(1, 4, (9,), generator=g).double()
+        mine, ref = data.clone(), data.clone()
+        fn(mine, op=op)
+        dist.all_reduce(ref, op=op)
+        if not torch.equal(mine, ref):
+            problems.append(
+                f"rank {rank}: op={op_name}: expected {ref.tolist()}, got {mine.tolist()}"
+            )
+    try:
+        fn(torch.ones(4, 4).t())
+        problems.append(f"rank {rank}: a non-contiguous tensor must be refused with a ValueError")
+    except ValueError as err:
+        if "contiguous" not in str(err):
+            problems.append(f"the ValueError for a non-contiguous tensor should say so: {err}")
+    return problems
+
+
+@exercise("1.3")
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_all_reduce_equals_dist_all_reduce(strategy: str, world_size: int) -> None:
+    results = small_world(all_reduce_worker, world_size, strategy)
+    first_problems(
+        [p for rank_problems in results for p in rank_problems],
+        f"1.3 {strategy} on {world_size} ranks, compared with dist.all_reduce:",
+    )
+
+
+def mixed_floats(g: torch.Generator, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random values spread over six orders of magnitude: the order of additions shows."""
+    scale = 10.0 ** torch.randint(-3, 4, (size,), generator=g)
+    return (torch.randn(size, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def rank_order_worker(strategy: str, root: int) -> list[str]:
+    fn = getattr(all_reduce_module(), strategy)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    problems = []
+    g = torch.Generator().manual_seed(77 + rank)
+    for dtype in (torch.float32, torch.float64):
+        data = mixed_floats(g, 4099, dtype)
+        inputs = [torch.empty_like(data) for _ in range(world_size)]
+        dist.all_gather(inputs, data)
+        expected = inputs[0].clone()
+        for other in inputs[1:]:
+            expected += other
+        mine = data.clone()
+        kwargs = {"root": root} if strategy == "reduce_broadcast_all_reduce" else {}
+        fn(mine, **kwargs)
+        everyone = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(everyone, mine)
+        if not all(torch.equal(everyone[0], other) for other in everyone[1:]):
+            differ = [r for r in range(world_size) if not torch.equal(everyone[0], everyone[r])]
+            problems.append(
+                f"{dtype}: ranks {differ} ended with different bits from rank 0's: reduce in the "
+                "same order on every rank"
+            )
+        if not torch.equal(mine, expected):
+            n_bad = int((mine != expected).sum())
+            problems.append(
+                f"rank {rank}, {dtype}: {n_bad} of {mine.numel()} values differ from "
+                f"((x0 + x1) + x2) + ... in rank order (max difference "
+                f"{float((mine - expected).abs().max()):.3e}); start from rank 0's contribution "
+                "and add 1, 2, ... in turn, whichever rank you are (and whichever is the root)"
+            )
+    return problems
+
+
+@exercise("1.3")
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_rank_holds_the_bits_of_a_rank_order_reduction(
+    strategy: str, world_size: int
+) -> None:
+    root = world_size - 1  # a root that adds itself first would break the order
+    results = small_world(rank_order_worker, world_size, strategy, root)
+    detail = f" (root={root})" if strategy == "reduce_broadcast_all_reduce" else ""
+    first_problems(
+        sorted({p for rank_problems in results for p in rank_problems}),
+        f"1.3 {strategy}{detail} on {world_size} ranks, random floats of mixed magnitude: floating "
+        "point addition is not associative, so the invariant fixes the order:",
+    )
+
+
+def bytes_worker(strategy: str, numel: int) -> tuple[int, int]:
+    fn = getattr(all_reduce_module(), strategy)
+    tensor = torch.ones(numel, dtype=torch.float32)
+    with CommCounter() as comm:
+        fn(tensor)
+    return comm.bytes_sent, comm.bytes_received
+
+
+@exercise("1.3")
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_rank_sends_the_bytes_the_strategy_predicts(strategy: str, world_size: int) -> None:
+    numel = 1000
+    size = numel * 4
+    n = world_size
+    for rank, (sent, received) in enumerate(small_world(bytes_worker, world_size, strategy, numel)):
+        if strategy == "reduce_broadcast_all_reduce":
+            expected = (n - 1) * size if rank == 0 else size
+            rule = "the root sends and receives (n-1)·S, every other rank S"
+        else:
+            expected = (n - 1) * size
+            rule = "every rank sends its S bytes to each of the n-1 others"
+        if (sent, received) != (expected, expected):
+            fail(
+                f"1.3 {strategy}, {n} ranks, S = {size} bytes: rank {rank} should send and receive "
+                f"{expected} bytes ({rule}); it sent {sent} and received {received}. Call "
+                "dist.send/isend/recv/irecv through the module so the counter sees them."
+            )
+
+
+def subgroup_worker(info: SubgroupInfo, strategy: str) -> dict[str, Any]:
+    fn = getattr(all_reduce_module(), strategy)
+    g = torch.Generator().manual_seed(500 + dist.get_rank())
+    data = torch.randint(-1000, 1000, (37,), generator=g).double()
+    mine, ref = data.clone(), data.clone()
+    kwargs = {"root": 1} if strategy == "reduce_broadcast_all_reduce" else {}
+    call = f"{strategy}(tensor, {'root=1, ' if kwargs else ''}group=group)"
+    with only_inside(info, call) as counter:
+        fn(mine, group=info.group, **kwargs)
+    dist.all_reduce(ref, group=info.group)  # what a world of 2 gives
+    return {"mine": mine, "ref": ref, "sent": counter.bytes_sent}
+
+
+@exercise("1.3")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_all_reduce_inside_subgroups(strategy: str) -> None:
+    results = run_in_subgroups(f"1.3 {strategy}", subgroup_worker, strategy)
+    problems = []
+    for rank, result in enumerate(results):
+        if not torch.equal(result["mine"], result["ref"]):
+            bad = (result["mine"] != result["ref"]).nonzero().flatten()[:3].tolist()
+            problems.append(
+                f"rank {rank} (group {(0, 1) if rank < 2 else (2, 3)}): expected its group's sum "
+                f"{result['ref'][bad].tolist()} at indices {bad}, got {result['mine'][bad].tolist()}"
+                " (sizes and ranks must come from the group: dist.get_world_size(group), "
+                "dist.get_rank(group))"
+            )
+    first_problems(
+        problems,
+        f"1.3 {strategy} with group=, in the groups (0, 1) and (2, 3) of a world of 4 at once:",
+    )
