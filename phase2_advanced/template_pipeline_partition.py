@@ -52,10 +52,7 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     #   when the first j layers form k stages. The last stage is layers i..j-1 for some i, so
     #   best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1). Remember which i
     #   won, then walk back from best[num_stages][n]. Prefix sums give any piece's cost in O(1).
-    # Hint 2: prefix = [0, c0, c0+c1, ...]; best[1][j] = prefix[j]; for k in 2..p, for j in
-    #   k..n, for i in k-1..j-1: candidate = max(best[k-1][i], prefix[j] - prefix[i]); keep the
-    #   smallest and cut[k][j] = i. Then end = n; for k = p..1: start = cut[k][end] (0 when
-    #   k == 1); parts.insert(0, range(start, end)); end = start.
+    # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(
         "TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest "

@@ -41,7 +41,7 @@ class Action:
     """One unit of work on one rank: ``kind`` of ``microbatch`` through local model ``chunk``.
 
     ``chunk`` is 0 except in interleaved schedules, where rank r's chunk c is virtual stage
-    ``c * p + r`` (see :func:`virtual_stage`).
+    ``c * p + r`` (``pipeline_layout.virtual_stage``, the one stage-to-rank rule).
     """
 
     kind: ActionKind
@@ -65,11 +65,6 @@ def backward(microbatch: int, chunk: int = 0) -> Action:
     return Action(BACKWARD, microbatch, chunk)
 
 
-def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
-    """The position in the whole model of ``rank``'s ``chunk``: chunk-major, as in Megatron-LM."""
-    return chunk * num_stages + rank
-
-
 def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
     """Refuse sizes no schedule can run, naming the value and a fix."""
     if num_stages < 1:
@@ -88,10 +83,11 @@ def gpipe_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> lis
     check_sizes(num_stages, num_microbatches)
     # TODO 2.5: list the GPipe (all-forward-all-backward) actions of one rank.
     # Invariant: each micro-batch's forward comes before its backward; this rank holds all m
-    #   micro-batches' activations at the turn from forwards to backwards.
+    #   micro-batches' activations at the turn from forwards to backwards; forwards and
+    #   backwards each go through the micro-batches in order 0, 1, ..., m-1.
     # Hint 1: the order is the same on every rank: the rank only decides *when* it can start
     #   (the executor and the simulator wait for the neighbours), not *what* comes next.
-    # Hint 2: [forward(i) for i in range(m)] + [backward(i) for i in range(m)]
+    # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(
         "TODO 2.5: list the GPipe (all-forward-all-backward) actions of one rank "
@@ -99,21 +95,43 @@ def gpipe_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> lis
     )
 
 
+def one_f_one_b_order(num_warmup: int, num_forwards: int) -> list[tuple[ActionKind, int]]:
+    """The 1F1B order of a rank's k-th forwards and k-th backwards, as (kind, k) pairs.
+
+    ``num_forwards`` forwards and as many backwards, indexed k = 0, 1, ... in the order each kind
+    runs; ``num_warmup`` (at most ``num_forwards``) forwards run before the first backward. The
+    plain schedule maps k to micro-batch k; the interleaved one maps it to a (micro-batch, chunk).
+    """
+    if not 0 <= num_warmup <= num_forwards:
+        raise ValueError(f"num_warmup={num_warmup} must be in [0, num_forwards={num_forwards}]")
+    # TODO 2.5: order the k-th forwards and backwards of one rank: warm-up, steady 1F1B, drain.
+    # Invariant: the forwards appear as k = 0, 1, ..., and so do the backwards; exactly
+    #   num_warmup forwards come before the first backward; from then on the number of
+    #   forwards without their backward (the stash) never grows: one in, one out.
+    # Hint 1: three phases. Warm-up: forwards only, to fill the pipeline. Steady state: each
+    #   forward is followed at once by the oldest backward still owed. Drain: the backwards
+    #   left when no forward is left.
+    # More hints: uv run python -m tests.hint 2.5
+    # See guidelines.md#25-pipeline-parallelism
+    raise NotImplementedError(
+        "TODO 2.5: order the k-th forwards and backwards of one rank: warm-up, steady 1F1B, drain "
+        "(see phase2_advanced/guidelines.md#25-pipeline-parallelism)"
+    )
+
+
 def one_f_one_b_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
     """Rank ``rank``'s 1F1B (PipeDream-Flush) actions: warm-up, steady 1F1B, cool-down."""
     check_sizes(num_stages, num_microbatches)
-    # TODO 2.5: list the 1F1B actions of one rank: warm-up forwards, steady 1F1B, cool-down.
-    # Invariant: rank r never holds more than min(p - r, m) micro-batches' activations (run a
-    #   backward as soon as the next forward would exceed that); forwards and backwards each
-    #   go through the micro-batches in order 0, 1, ..., m-1.
-    # Hint 1: rank r must run p - r - 1 forwards before the first gradient can come back to it
-    #   (it goes down to the last stage and back), but never more than m. After that, every
-    #   forward is followed by the oldest pending backward; the last backwards drain alone.
-    # Hint 2: warmup = min(p - r - 1, m); actions = forwards 0..warmup-1; then for i in
-    #   range(m - warmup): forward(warmup + i), backward(i); then backwards m-warmup..m-1.
+    # TODO 2.5: the 1F1B actions of one rank: its warm-up count, then one_f_one_b_order.
+    # Invariant: rank r never holds more than min(p - r, m) micro-batches' activations;
+    #   the k-th forward and the k-th backward are those of micro-batch k.
+    # Hint 1: rank r must run forwards until the first gradient can come back to it: one for
+    #   each later stage the micro-batch has to cross (down to the last stage and back), but
+    #   never more than m.
+    # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(
-        "TODO 2.5: list the 1F1B actions of one rank: warm-up forwards, steady 1F1B, cool-down "
+        "TODO 2.5: the 1F1B actions of one rank: its warm-up count, then one_f_one_b_order "
         "(see phase2_advanced/guidelines.md#25-pipeline-parallelism)"
     )
 
@@ -142,7 +160,8 @@ def interleaved_rank_actions(
     (k = 0 .. m·v - 1) runs chunk (k mod p·v) // p on micro-batch (k // p·v)·p + k mod p,
     that is p micro-batches through chunk 0, the same p through chunk 1, ..., then the next p.
     The k-th backward does the same with the chunks in reverse order. Rank r warms up with
-    2(p - r - 1) + (v - 1)·p forwards (capped at m·v), then alternates, then drains.
+    2(p - r - 1) + (v - 1)·p forwards (capped at m·v); the rest is :func:`one_f_one_b_order`,
+    the same warm-up, steady state and drain as plain 1F1B over (micro-batch, chunk) pairs.
     """
     check_interleaved_sizes(num_stages, num_microbatches, num_chunks)
     p, v = num_stages, num_chunks
@@ -154,11 +173,7 @@ def interleaved_rank_actions(
         return Action(kind, (k // (p * v)) * p + position % p, chunk)
 
     warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
-    actions = [nth(k, FORWARD) for k in range(warmup)]
-    for steady in range(total - warmup):
-        actions += [nth(warmup + steady, FORWARD), nth(steady, BACKWARD)]
-    actions += [nth(k, BACKWARD) for k in range(total - warmup, total)]
-    return actions
+    return [nth(k, kind) for kind, k in one_f_one_b_order(warmup, total)]
 
 
 # ----------------------------------------------------------------------------- whole schedules

@@ -3,7 +3,8 @@
 Worker functions live here, not in the notebook, because the ranks of :func:`run_world` unpickle
 the function they run: it must be importable. Each measurement trains a few steps of the deep
 MLP of ``pipeline_parallel`` in a world of p processes and keeps every rank's recorded events;
-the first step (which also agrees on activation shapes) is left out of the statistics.
+the first step (which also warms caches) is left out of the statistics. The configuration's
+``impl`` picks the implementation, so the notebook can draw a learner's executor too.
 """
 
 from __future__ import annotations
@@ -48,13 +49,21 @@ class Measurement:
     num_ranks: int
     bubbles: list[float]  # per rank, median over the measured steps
     formula: float
-    peak_stashed: list[int]
+    peak_stashed: list[int]  # per rank: (micro-batch, chunk) activations held at once
     boxes: list[Box]  # the measured step whose mean bubble is the median one
     losses: list[float]
 
     @property
     def mean_bubble(self) -> float:
         return statistics.fmean(self.bubbles)
+
+    @property
+    def peak_stage_equivalents(self) -> list[float]:
+        """Peak stash in whole stages' worth of activations: an interleaved chunk is a v-th of a
+        rank's layers, so v stashed (micro-batch, chunk) pairs hold about what one micro-batch
+        through a whole stage holds under GPipe or 1F1B."""
+        v = self.config.num_chunks
+        return [peak / v for peak in self.peak_stashed]
 
 
 def pipeline_run_worker(config: PipelineConfig) -> PipelineRun:
@@ -89,11 +98,18 @@ def boxes_from_simulation(simulation: Simulation) -> list[Box]:
     ]
 
 
+# A measurement trains for seconds to a minute on a busy 2-core machine: longer than the world
+# timeout that tests use (DTFS_WORLD_TIMEOUT, 20 s by default). A hang is still reported.
+MEASURE_TIMEOUT = 300.0
+
+
 def measure(config: PipelineConfig, num_ranks: int) -> Measurement:
     """Run ``config`` on a world of ``num_ranks`` processes and summarise what they recorded."""
     if config.steps < 2:
-        raise ValueError("measure at least 2 steps: the first one also agrees on shapes")
-    runs: list[PipelineRun] = run_world(pipeline_run_worker, num_ranks, (config,))
+        raise ValueError("measure at least 2 steps: the first one also warms caches")
+    runs: list[PipelineRun] = run_world(
+        pipeline_run_worker, num_ranks, (config,), timeout=MEASURE_TIMEOUT
+    )
     per_step = [[run.events[step] for run in runs] for step in range(1, config.steps)]
     step_bubbles = [measured_bubbles(step) for step in per_step]
     order = sorted(range(len(per_step)), key=lambda i: statistics.fmean(step_bubbles[i]))

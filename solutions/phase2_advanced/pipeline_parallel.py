@@ -1,12 +1,13 @@
 """Pipeline-parallel training put together (exercise 2.5's demo), and the library way beside it.
 
-A deep MLP is cut into balanced stages (``pipeline_partition``), dealt to the ranks, and
-trained with SGD by the hand-made executor (``pipeline_executor``) under any schedule
-(``pipeline_schedules``). Every step prints the pipeline's loss next to the loss of the whole
-model trained on one device from the same seed, and at the end each stage's measured bubble
-(idle share of the step) next to the formula; the run is a few SGD steps, there to show the
-equality, not to reach an accuracy. ``--engine torch`` runs the same stages with
+A deep MLP is cut into balanced stages (``pipeline_partition``), dealt to the ranks
+(``pipeline_layout``), and trained with SGD by the hand-made executor (``pipeline_executor``)
+under any schedule (``pipeline_schedules``). Every step prints the pipeline's loss next to the
+loss of the whole model trained on one device from the same seed, and at the end each stage's
+measured bubble (idle share of the step) next to the formula; the run is a few SGD steps, there
+to show the equality, not to reach an accuracy. ``--engine torch`` runs the same stages with
 ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``).
+``--impl templates`` runs your own schedules, partition, messages and executor.
 
 Instructor commands (any --nproc_per_node from 2; interleaved needs m a multiple of it):
 
@@ -16,6 +17,8 @@ Instructor commands (any --nproc_per_node from 2; interleaved needs m a multiple
         --schedule interleaved --microbatches 4 --chunks 2
     uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.pipeline_parallel \
         --schedule gpipe --engine torch
+    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.pipeline_parallel \
+        --impl templates
 
 Stage bubbles are measured on one time axis: ``time.perf_counter`` is one clock for all the
 processes of a machine (see ``solutions/common/events.py``). On a machine with fewer cores than
@@ -25,9 +28,9 @@ ranks the stages also wait for a core, which the timelines count as work.
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -35,33 +38,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from solutions.common.cli import parse_config, refuse_before_start
+from solutions.common.cli import parse_config, refuse_before_start, run_main
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import (
-    current_info,
-    distributed_session,
-    env_int,
-)
+from solutions.common.distributed import current_info, distributed_session, env_int
 from solutions.common.events import Event, idle_fraction
+from solutions.common.impl import IMPLS, load_impl
 from solutions.common.models import MLP
 from solutions.common.rank_logging import log0
-from solutions.phase2_advanced.pipeline_executor import PipelineExecutor, rank_chunks
-from solutions.phase2_advanced.pipeline_partition import (
-    measure_layer_costs,
-    parameter_costs,
-    partition_model,
-)
-from solutions.phase2_advanced.pipeline_schedules import (
-    BACKWARD,
-    FORWARD,
-    SCHEDULE_NAMES,
-    check_interleaved_sizes,
-    chunks_per_rank,
-    make_schedule,
-)
+from solutions.phase2_advanced.pipeline_layout import rank_chunks, stage_rank
+from solutions.phase2_advanced.pipeline_schedules import BACKWARD, FORWARD, SCHEDULE_NAMES
 from solutions.phase2_advanced.pipeline_simulation import gpipe_bubble, interleaved_bubble
 
+PHASE = "phase2_advanced"
 ENGINES = ("ours", "torch")
+BALANCES = ("params", "time")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -69,23 +59,39 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 class PipelineConfig:
     """One pipeline run; every rank builds the same model and batches from ``seed``."""
 
-    schedule: str = "1f1b"
-    microbatches: int = 8
-    chunks: int = 2  # model chunks per rank (v), interleaved only
+    schedule: str = field(default="1f1b", metadata={"choices": SCHEDULE_NAMES})
+    microbatches: int = field(default=8, metadata={"help": "m, micro-batches per step"})
+    chunks: int = field(default=2, metadata={"help": "v, model chunks per rank (interleaved)"})
     microbatch_size: int = 32
     steps: int = 4
-    depth: int = 8  # hidden blocks of the MLP (Linear + ReLU each)
+    depth: int = field(default=8, metadata={"help": "hidden blocks of the MLP (Linear + ReLU)"})
     width: int = 512
     lr: float = 0.05
-    balance: str = "params"  # or "time": measured per-layer forward + backward
-    checkpoint: bool = False
-    engine: str = "ours"
-    dtype: str = "float64"
+    balance: str = field(
+        default="params",
+        metadata={"choices": BALANCES, "help": "cut by parameter count or measured layer time"},
+    )
+    checkpoint: bool = field(
+        default=False, metadata={"help": "recompute each stage's activations in backward"}
+    )
+    engine: str = field(
+        default="ours", metadata={"choices": ENGINES, "help": "our executor or torch's"}
+    )
+    dtype: str = field(default="float64", metadata={"choices": tuple(DTYPES)})
     seed: int = 0
+    impl: str = field(
+        default="solutions",
+        metadata={"choices": IMPLS, "help": "run the reference or your phase2_advanced templates"},
+    )
 
     @property
     def batch_size(self) -> int:
         return self.microbatches * self.microbatch_size
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per rank: v for the interleaved schedule, 1 otherwise."""
+        return self.chunks if self.schedule == "interleaved" else 1
 
 
 @dataclass
@@ -98,32 +104,53 @@ class PipelineRun:
 
 
 def validate_config(config: PipelineConfig, world_size: int) -> None:
-    """Refuse a run that cannot work, before any process group exists."""
-    if config.schedule not in SCHEDULE_NAMES:
-        raise ValueError(
-            f"unknown schedule {config.schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}"
-        )
-    if config.engine not in ENGINES:
-        raise ValueError(f"unknown engine {config.engine!r}: choose one of {', '.join(ENGINES)}")
+    """Refuse a run that cannot work, before any process group exists: every problem at once,
+    each naming its flag."""
+    problems = []
+    choices = {
+        "schedule": SCHEDULE_NAMES,
+        "engine": ENGINES,
+        "balance": BALANCES,
+        "dtype": tuple(DTYPES),
+        "impl": IMPLS,
+    }
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            problems.append(
+                f"--{name} {getattr(config, name)!r} is unknown: choose one of {', '.join(allowed)}"
+            )
+    for name in ("microbatches", "chunks", "microbatch_size", "steps", "depth", "width"):
+        if getattr(config, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} {getattr(config, name)} must be >= 1")
+    if any(getattr(config, name) < 1 for name in ("microbatches", "chunks", "depth")):
+        raise ValueError("; ".join(problems))  # the checks below divide by these
     if config.engine == "torch" and config.schedule == "interleaved":
-        raise ValueError("--engine torch is wired for gpipe and 1f1b here, not interleaved")
+        problems.append("--engine torch is wired for --schedule gpipe and 1f1b, not interleaved")
     if config.engine == "torch" and config.schedule == "1f1b" and config.microbatches < world_size:
-        raise ValueError(
-            f"torch's Schedule1F1B needs at least as many micro-batches as stages: "
-            f"--microbatches {config.microbatches} < {world_size}"
+        problems.append(
+            f"--engine torch --schedule 1f1b: torch's Schedule1F1B needs at least as many "
+            f"micro-batches as stages: --microbatches {config.microbatches} < {world_size} "
+            "processes"
         )
-    if config.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {config.dtype!r}: choose one of {', '.join(DTYPES)}")
-    if config.balance not in ("params", "time"):
-        raise ValueError(f"--balance {config.balance!r}: choose params or time")
-    if config.schedule == "interleaved":
-        check_interleaved_sizes(world_size, config.microbatches, config.chunks)
-    stages = world_size * chunks_per_rank(config.schedule, config.chunks)
+    if config.schedule == "interleaved" and config.microbatches % world_size:
+        multiple = world_size * max(1, round(config.microbatches / world_size))
+        problems.append(
+            f"--schedule interleaved needs --microbatches a multiple of the number of stages: "
+            f"got m={config.microbatches} for p={world_size} processes; use --microbatches "
+            f"{multiple}, or --schedule gpipe or 1f1b"
+        )
+    if config.schedule == "interleaved" and world_size < 2:
+        problems.append("--schedule interleaved needs at least 2 processes")
+    stages = world_size * config.num_chunks
     layers = 2 + 2 * config.depth
     if stages > layers:
-        raise ValueError(
-            f"{stages} stages but the model has {layers} layers: raise --depth or use fewer ranks"
+        problems.append(
+            f"{stages} stages ({world_size} processes x {config.num_chunks} chunks) but the "
+            f"model has {layers} layers (--depth {config.depth}): raise --depth to at least "
+            f"{(stages - 1) // 2} or use fewer processes or --chunks"
         )
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def build_model(config: PipelineConfig) -> nn.Sequential:
@@ -143,25 +170,42 @@ def make_batches(config: PipelineConfig) -> list[tuple[torch.Tensor, torch.Tenso
     return [(images[i : i + size], labels[i : i + size]) for i in range(0, len(images), size)]
 
 
+def impl_modules(impl: str) -> tuple[ModuleType, ModuleType, ModuleType]:
+    """(schedules, partition, executor) of the chosen implementation ("solutions" or
+    "templates")."""
+    return (
+        load_impl(PHASE, "pipeline_schedules", impl),
+        load_impl(PHASE, "pipeline_partition", impl),
+        load_impl(PHASE, "pipeline_executor", impl),
+    )
+
+
 def pipeline_stages(
-    model: nn.Sequential, config: PipelineConfig, world_size: int
+    model: nn.Sequential,
+    config: PipelineConfig,
+    world_size: int,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> list[nn.Module]:
-    """All p·v stages, balanced by parameter count or by per-layer time measured on rank 0."""
-    num_stages = world_size * chunks_per_rank(config.schedule, config.chunks)
-    costs: list[float] = [float(c) for c in parameter_costs(model)]
+    """All p·v stages, balanced by parameter count or by per-layer time measured on the
+    group's rank 0 (``world_size`` is p, the size of ``group``)."""
+    _, partition, _ = impl_modules(config.impl)
+    num_stages = world_size * config.num_chunks
+    costs: list[float] = [float(c) for c in partition.parameter_costs(model)]
     if config.balance == "time":
         device = next(model.parameters()).device
         example = make_batches(config)[0][0][: config.microbatch_size].to(device)
         # timings differ from rank to rank, and every rank must cut the model the same way:
-        # rank 0 measures (alone, so the others do not slow it down) and tells the others
+        # the group's rank 0 measures (alone, so the others do not slow it down) and tells
+        # the others
         measured = [0.0] * len(model)
-        if dist.get_rank() == 0:
-            measured = measure_layer_costs(model, example)
+        if dist.get_rank(group) == 0:
+            measured = partition.measure_layer_costs(model, example)
             model.zero_grad(set_to_none=True)
         shared = torch.tensor(measured, dtype=torch.float64, device=device)
-        dist.broadcast(shared, src=0)
+        dist.broadcast(shared, group=group, group_src=0)
         costs = shared.tolist()
-    return list(partition_model(model, num_stages, costs))
+    return list(partition.partition_model(model, num_stages, costs))
 
 
 def single_device_losses(config: PipelineConfig) -> list[float]:
@@ -184,16 +228,19 @@ def torch_pipelining_step(
     num_microbatches: int,
     inputs: torch.Tensor | None,
     targets: torch.Tensor | None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> float | None:
     """One step of ``torch.distributed.pipelining`` over this rank's single stage.
 
-    Rank r holds stage r. ``loss_fn`` is the micro-batch's mean cross-entropy and
-    ``scale_grads=True`` divides the accumulated gradients by m, as the hand-made executor's
-    1/m does. Returns the batch's mean loss on the last rank, ``None`` elsewhere.
+    Rank r of ``group`` (the default group when None) holds stage r. ``loss_fn`` is the
+    micro-batch's mean cross-entropy and ``scale_grads=True`` divides the accumulated gradients
+    by m, as the hand-made executor's 1/m does. Returns the batch's mean loss on the last rank,
+    ``None`` elsewhere.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = next((p.device for p in stage_module.parameters()), torch.device("cpu"))
-    stage = PipelineStage(stage_module, rank, world, device)
+    stage = PipelineStage(stage_module, rank, world, device, group=group)
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     runner = schedule_class(stage, num_microbatches, loss_fn=F.cross_entropy, scale_grads=True)
     losses: list[torch.Tensor] = []
@@ -208,43 +255,47 @@ def torch_pipelining_step(
     return float(torch.stack([loss.detach() for loss in losses]).mean()) if losses else None
 
 
-def run_pipeline(config: PipelineConfig) -> PipelineRun:
-    """Train ``config.steps`` steps inside an existing process group (torchrun's or a world's)."""
+def run_pipeline(config: PipelineConfig, *, group: dist.ProcessGroup | None = None) -> PipelineRun:
+    """Train ``config.steps`` steps inside an existing process group (torchrun's or a world's),
+    on the ranks of ``group`` (the default group when None)."""
+    schedules, _, executor_module = impl_modules(config.impl)
     info = current_info()
-    rank, world = info.rank, info.world_size
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     validate_config(config, world)
     model = build_model(config).to(info.device)
-    stages = pipeline_stages(model, config, world)
+    stages = pipeline_stages(model, config, world, group=group)
     chunks = rank_chunks(stages, rank, world)
     params = [p for c in chunks for p in c.parameters()]
     # a stage can hold only parameter-free layers (a ReLU): nothing to update there
     optimizer = torch.optim.SGD(params, lr=config.lr) if params else None
     executor = None
     if config.engine == "ours":
-        actions = make_schedule(config.schedule, world, config.microbatches, config.chunks)[rank]
-        executor = PipelineExecutor(
-            chunks, actions, config.microbatches, checkpoint_chunks=config.checkpoint
+        actions = schedules.make_schedule(
+            config.schedule, world, config.microbatches, config.chunks
+        )[rank]
+        executor = executor_module.PipelineExecutor(
+            chunks, actions, config.microbatches, checkpoint_chunks=config.checkpoint, group=group
         )
-    last_rank = (len(stages) - 1) % world
+    last_rank = stage_rank(len(stages) - 1, world)
     run = PipelineRun()
     for cpu_inputs, cpu_targets in make_batches(config):
         inputs, targets = cpu_inputs.to(info.device), cpu_targets.to(info.device)
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        dist.barrier()  # start every step together, so the timelines share a start
+        dist.barrier(group=group)  # start every step together, so the timelines share a start
         if executor is not None:
             result = executor.step(inputs, targets)
             loss, events = result.loss, result.events
             run.peak_stashed = max(run.peak_stashed, result.peak_stashed)
         else:
             loss = torch_pipelining_step(
-                chunks[0], config.schedule, config.microbatches, inputs, targets
+                chunks[0], config.schedule, config.microbatches, inputs, targets, group=group
             )
             events = []
         if optimizer is not None:
             optimizer.step()
         shared = torch.tensor([loss or 0.0], dtype=torch.float64, device=info.device)
-        dist.broadcast(shared, src=last_rank)
+        dist.broadcast(shared, group=group, group_src=last_rank)
         run.losses.append(float(shared))
         run.events.append(events)
     return run
@@ -262,22 +313,24 @@ def measured_bubbles(events_by_rank: Sequence[Sequence[Event]]) -> list[float]:
 
 def formula_bubble(config: PipelineConfig, world_size: int) -> float:
     """The bubble the schedule's formula predicts for this run."""
-    if config.schedule == "interleaved":
+    if config.num_chunks > 1:
         return interleaved_bubble(world_size, config.microbatches, config.chunks)
     return gpipe_bubble(world_size, config.microbatches)
 
 
-def report(config: PipelineConfig, run: PipelineRun) -> None:
-    """Rank 0 prints losses against one device, then each stage's measured bubble."""
-    world = dist.get_world_size()
+def report(
+    config: PipelineConfig, run: PipelineRun, *, group: dist.ProcessGroup | None = None
+) -> None:
+    """The group's rank 0 prints losses against one device, then each stage's measured bubble."""
+    world = dist.get_world_size(group)
     steps_events = []
     for events in run.events:
         gathered: list[list[Event]] = [[] for _ in range(world)]
-        dist.all_gather_object(gathered, events)
+        dist.all_gather_object(gathered, events, group=group)
         steps_events.append(gathered)
     peaks = [0] * world
-    dist.all_gather_object(peaks, run.peak_stashed)
-    if dist.get_rank() != 0:
+    dist.all_gather_object(peaks, run.peak_stashed, group=group)
+    if dist.get_rank(group) != 0:
         return
     reference = single_device_losses(config)
     for step, (loss, ref) in enumerate(zip(run.losses, reference, strict=True)):
@@ -288,17 +341,21 @@ def report(config: PipelineConfig, run: PipelineRun) -> None:
         )
     if config.engine != "ours":
         return
-    # the first step also agrees on shapes and warms caches: measure the others
+    # the first step also warms caches: measure the others
     measured = steps_events[1:] or steps_events
     bubbles = [measured_bubbles(step) for step in measured]
     formula = formula_bubble(config, world)
-    one_chunk = chunks_per_rank(config.schedule, config.chunks) == 1
-    held = "micro-batches" if one_chunk else "(micro-batch, chunk) pairs"
+    v = config.num_chunks
     for rank in range(world):
         median = statistics.median(b[rank] for b in bubbles)
+        held = (
+            f"peak stashed micro-batches {peaks[rank]}"
+            if v == 1
+            else f"peak stashed (micro-batch, chunk) pairs {peaks[rank]} "
+            f"= {peaks[rank] / v:g} stages' worth"
+        )
         print(
-            f"stage {rank}: measured bubble {median:.3f}  formula {formula:.3f}  "
-            f"peak stashed {held} {peaks[rank]}",
+            f"stage {rank}: measured bubble {median:.3f}  formula {formula:.3f}  {held}",
             flush=True,
         )
 
@@ -309,11 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     world = env_int("WORLD_SIZE", 1)
     with distributed_session():
-        v = chunks_per_rank(config.schedule, config.chunks)
         log0(
-            f"pipeline: {world} ranks x {v} chunk(s), schedule {config.schedule}, engine "
-            f"{config.engine}, {config.microbatches} micro-batches of {config.microbatch_size}, "
-            f"MLP depth {config.depth} width {config.width}, {config.dtype}"
+            f"pipeline ({config.impl}): {world} ranks x {config.num_chunks} chunk(s), schedule "
+            f"{config.schedule}, engine {config.engine}, {config.microbatches} micro-batches of "
+            f"{config.microbatch_size}, MLP depth {config.depth} width {config.width}, "
+            f"{config.dtype}"
         )
         run = run_pipeline(config)
         report(config, run)
@@ -321,4 +378,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

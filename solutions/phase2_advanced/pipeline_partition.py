@@ -49,10 +49,11 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     #   when the first j layers form k stages. The last stage is layers i..j-1 for some i, so
     #   best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1). Remember which i
     #   won, then walk back from best[num_stages][n]. Prefix sums give any piece's cost in O(1).
-    # Hint 2: prefix = [0, c0, c0+c1, ...]; best[1][j] = prefix[j]; for k in 2..p, for j in
-    #   k..n, for i in k-1..j-1: candidate = max(best[k-1][i], prefix[j] - prefix[i]); keep the
-    #   smallest and cut[k][j] = i. Then end = n; for k = p..1: start = cut[k][end] (0 when
-    #   k == 1); parts.insert(0, range(start, end)); end = start.
+    # Hint 2: two tables of (num_stages + 1) x (n + 1): the best maximum, and where the last
+    #   stage began. One stage is a prefix sum. Fill the tables stage count by stage count,
+    #   trying every start of the last stage that leaves each earlier stage a layer. Then
+    #   rebuild the ranges from the end: the recorded start of the last stage is the end of
+    #   the stage before it, and so on down to layer 0.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     n = len(costs)
