@@ -90,7 +90,7 @@ EXERCISES = [
         "2.5",
         "pipeline parallelism",
         "phase2_advanced",
-        ("pipeline_schedules", "pipeline_partition", "pipeline_executor"),
+        ("pipeline_schedules", "pipeline_partition", "pipeline_comm", "pipeline_executor"),
         "25-pipeline-parallelism",
     ),
     Exercise(
@@ -99,6 +99,66 @@ EXERCISES = [
         "phase2_advanced",
         ("tensor_parallel_ops", "tensor_parallel_layers", "tensor_parallel"),
         "26-tensor-parallelism",
+    ),
+    # Phase 3 opens with the collectives every later piece uses (3.1-3.3; the alpha-beta cost
+    # model belongs to 3.2, where the ring/tree trade-off appears); DDP from scratch, ZeRO, 3D
+    # parallelism and the parameter server follow as 3.4, 3.5, ...
+    Exercise(
+        "3.1",
+        "ring all-reduce",
+        "phase3_multi_node",
+        ("ring_allreduce",),
+        "31-the-ring-all-reduce",
+    ),
+    Exercise(
+        "3.2",
+        "halving-doubling, alpha-beta model",
+        "phase3_multi_node",
+        ("tree_allreduce", "alpha_beta"),
+        "32-halving-doubling-and-the-alpha-beta-model",
+    ),
+    Exercise(
+        "3.3",
+        "hierarchical all-reduce",
+        "phase3_multi_node",
+        ("hierarchical_allreduce",),
+        "33-hierarchical-all-reduce",
+    ),
+    Exercise(
+        "3.4",
+        "DDP from scratch",
+        "phase3_multi_node",
+        ("ddp_buckets", "ddp"),
+        "34-ddp-from-scratch",
+    ),
+    Exercise(
+        "3.5",
+        "ZeRO stages 1-3",
+        "phase3_multi_node",
+        ("zero_partition", "zero_units", "zero"),
+        "35-zero-stages-1-3",
+    ),
+    # Phase 4 (production): checkpoints, recovery under torchrun, elastic training.
+    Exercise(
+        "4.1",
+        "atomic, complete checkpoints",
+        "phase4_production",
+        ("checkpoint",),
+        "41-atomic-complete-checkpoints",
+    ),
+    Exercise(
+        "4.2",
+        "automatic recovery",
+        "phase4_production",
+        ("fault_tolerance",),
+        "42-automatic-recovery",
+    ),
+    Exercise(
+        "4.3",
+        "elastic training",
+        "phase4_production",
+        ("elastic",),
+        "43-elastic-training",
     ),
 ]
 
