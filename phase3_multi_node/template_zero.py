@@ -1,0 +1,216 @@
+# Exercise template generated from solutions/phase3_multi_node/zero.py.
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
+"""Exercise 3.5: ZeRO stages 1-3, one entry point, ``zero_wrap(model, optimizer_factory, stage)``.
+
+ZeRO (Rajbhandari, Rasley, Ruwase & He, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) removes the redundancy of data parallelism, where each of N ranks
+holds all the model states. With Adam in fp32, per parameter: 4 bytes of weights, 4 of gradient
+and 8 of optimizer state (``exp_avg``, ``exp_avg_sq``): 16Ψ bytes per rank for Ψ parameters.
+
+* Stage 1 (P_os) shards the optimizer state: 8Ψ + 8Ψ/N. Each rank runs the optimizer on its
+  slice only, then the updated slices are all-gathered.
+* Stage 2 (P_os+g) also shards the gradients: 4Ψ + 12Ψ/N. Gradients are reduce-scattered (each
+  rank receives the mean of its slice only) as soon as a layer's backward is done; the full
+  gradient is dropped.
+* Stage 3 (P_os+g+p) also shards the parameters: 16Ψ/N. A layer is all-gathered before its
+  forward, freed after it, gathered again before its backward and freed after.
+
+Communication per step, in elements handed to collectives (the paper's accounting, section 7):
+stages 1-2 move 2Ψ (reduce-scatter + all-gather, exactly what data parallelism's all-reduce
+moves); stage 3 moves 3Ψ (an all-gather in forward, one in backward, a reduce-scatter).
+
+Layout: every module with parameters of its own (a "layer") is a unit with one flat buffer per
+dtype, padded to a multiple of N (zero_partition.py), as FSDP's FlatParameter. Ψ in the formulas
+is then the padded count: the sum over units of N·ceil(numel/N).
+
+Use like any model and optimizer (every parameter must get a gradient in every backward)::
+
+    model, optimizer = zero_wrap(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=2)
+    loss_fn(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phase3_multi_node.template_zero_partition import group_by_dtype, make_layout
+from phase3_multi_node.template_zero_units import ZeroUnit
+
+STAGES = (1, 2, 3)
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ZeroOptimizer:
+    """The optimizer ``zero_wrap`` returns: it steps this rank's shards only.
+
+    ``inner`` is the optimizer built by the factory on the shards; ``state`` and
+    ``param_groups`` are its own (so its state holds 1/N of the model's elements).
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, units: list[ZeroUnit], stage: int) -> None:
+        self.inner, self.units, self.stage = inner, units, stage
+        self.pending: dict[int, int] = {}  # unit index -> gradients seen in this backward
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def step(self) -> None:
+        """Reduce the gradients (stage 1), step the shards, bring the parameters up to date."""
+        partial = [i for i, seen in self.pending.items() if seen]
+        if partial:
+            raise RuntimeError(
+                f"units {partial} received gradients for only some of their parameters in the "
+                "last backward: ZeRO here needs a gradient for every parameter in every backward"
+            )
+        if self.stage == 1:
+            for unit in self.units:
+                unit.adopt_gradients()
+        # TODO 3.5: the step: (stage 1) reduce-scatter, the local optimizer step, all-gather.
+        # Invariant: afterwards every rank's model holds the parameters one process would have
+        #   after AdamW on the whole batch; the inner optimizer only ever saw this rank's shards.
+        # Hint 1: stage 1 still holds the full gradient in unit.flat_grad and its shard.grad is
+        #   a view of this rank's slice of it; stages 2-3 reduced in backward already.
+        # More hints: uv run python -m tests.hint 3.5
+        # See guidelines.md#35-zero-stages-1-3
+        raise NotImplementedError(
+            "TODO 3.5: the step: (stage 1) reduce-scatter, the local optimizer step, all-gather "
+            "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Stage 1 zeroes its flat gradient in place (the parameters' .grad are views of it);
+        stages 2-3 drop the shards' gradients."""
+        for unit in self.units:
+            if unit.flat_grad is not None:
+                unit.flat_grad.zero_()
+            elif set_to_none:
+                unit.shard.grad = None
+            elif unit.shard.grad is not None:
+                unit.shard.grad.zero_()
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """Modules that own parameters directly, in registration order (the ZeRO units)."""
+    return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+
+
+def install_gradient_hooks(optimizer: ZeroOptimizer) -> None:
+    """Stages 2-3: when a unit's last gradient arrives, reduce-scatter them (and, stage 3, free)."""
+    for index, unit in enumerate(optimizer.units):
+        params = unit.layout.params
+
+        def ready(_param: torch.Tensor, index: int = index, unit: ZeroUnit = unit) -> None:
+            optimizer.pending[index] = optimizer.pending.get(index, 0) + 1
+            if optimizer.pending[index] < len(unit.layout.params):
+                return
+            optimizer.pending[index] = 0
+            unit.reduce_gradients()
+            if unit.stage == 3:
+                unit.free()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(ready)
+
+
+def install_stage3_hooks(layer: nn.Module, units: list[ZeroUnit]) -> None:
+    """Stage 3: gather the layer's units before its forward and backward, free after forward.
+
+    (After backward the gradient hooks free them, once the gradients are reduce-scattered.)
+    """
+
+    # TODO 3.5: gather the layer before its forward and before its backward; free after forward.
+    # Invariant: at most one layer is gathered at a time (peak parameter memory = the shards +
+    #   one layer); every parameter is full-size whenever autograd or forward reads it.
+    # Hint 1: nn.Module has register_forward_pre_hook, register_forward_hook and
+    #   register_full_backward_pre_hook; each hook gets the module and its inputs/outputs.
+    # More hints: uv run python -m tests.hint 3.5
+    # See guidelines.md#35-zero-stages-1-3
+    raise NotImplementedError(
+        "TODO 3.5: gather the layer before its forward and before its backward; free after forward "
+        "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
+    )
+
+
+def check_arguments(model: nn.Module, stage: int) -> None:
+    """Refuse what zero_wrap cannot shard, before any communication."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage: choose 1, 2 or 3")
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ValueError(f"parameter {name} is shared (tied) with another: untie it first")
+        if not p.requires_grad:
+            raise ValueError(f"parameter {name} is frozen: zero_wrap shards trainable models only")
+        seen.add(id(p))
+    if not seen:
+        raise ValueError("the model has no parameters to shard")
+
+
+def zero_wrap(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    stage: int,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard ``model``'s states over ``group`` as ZeRO stage ``stage`` (1, 2 or 3).
+
+    ``optimizer_factory(params)`` builds the per-rank optimizer (e.g. AdamW) on this rank's
+    shards. Returns the same ``model`` (parameters now views of flat buffers; hooks installed)
+    and a :class:`ZeroOptimizer`. Parameters start equal to group rank 0's (broadcast).
+    """
+    check_arguments(model, stage)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    units: list[ZeroUnit] = []
+    units_of_layer: list[tuple[nn.Module, list[ZeroUnit]]] = []
+    for layer in layers_of(model):
+        mine = [
+            ZeroUnit(make_layout(params, world, rank), stage, group)
+            for params in group_by_dtype(layer.parameters(recurse=False))
+        ]
+        units += mine
+        units_of_layer.append((layer, mine))
+    inner = optimizer_factory([unit.shard for unit in units])
+    optimizer = ZeroOptimizer(inner, units, stage)
+    if stage >= 2:
+        install_gradient_hooks(optimizer)
+    if stage == 3:
+        for layer, mine in units_of_layer:
+            install_stage3_hooks(layer, mine)
+    return model, optimizer
+
+
+def full_state_dict(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, torch.Tensor]:
+    """Every parameter in full, on every rank (stage 3 gathers each layer, copies, frees it).
+
+    A collective: call it on every rank of the group. This is the "state_dict gathering" every
+    sharded trainer needs before saving a single-file checkpoint.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for unit in optimizer.units:
+        was_gathered = unit.is_gathered
+        if unit.stage == 3:
+            unit.gather()
+        for p in unit.layout.params:
+            out[names[id(p)]] = p.detach().clone()
+        if unit.stage == 3 and not was_gathered:
+            unit.free()
+    return {name: out[name] for name in names.values()}
+
+
+def shard_parameters(optimizer: ZeroOptimizer) -> Iterable[nn.Parameter]:
+    """The parameters this rank's optimizer steps: one slice per unit."""
+    return (unit.shard for unit in optimizer.units)

@@ -1,0 +1,1 @@
+"""Phase 3 reference solutions: collectives and training across nodes."""

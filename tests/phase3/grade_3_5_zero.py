@@ -1,0 +1,371 @@
+"""Exercise 3.5, ZeRO stages 1-3: ``uv run pytest tests/test_phase3.py -m ex3_5``.
+
+For stages 1, 2 and 3 on worlds of 2, 3 and 4 (a model of 107 parameters in layers of 49, 40 and
+18: padding is needed everywhere), one run of 10 AdamW steps in float64 is checked for:
+
+* values: the parameters after every step equal one process's AdamW on the whole batch (1e-12);
+* bytes: parameters, gradients and optimizer state a rank holds after a step (distinct tensor
+  storages) equal the ZeRO paper's formulas exactly, with Ψ the padded count (float64 here:
+  8-byte parameters and gradients, K = 16 bytes of Adam state per parameter);
+* communication: one step hands 2Ψ elements to collectives in stages 1-2 and 3Ψ in stage 3
+  (all-gather outputs + reduce-scatter inputs), with reduce-scatter and all-gather only;
+* stage 3 memory: parameters are the shards plus at most one gathered layer at any time, and
+  just the shards between forward and backward.
+
+Then stages 2 and 3 inside two groups of 2 in a world of 4, and (reference, not scored)
+``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard`` on the same model, and the demo.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from grading import exercise, impl
+from phase3_helpers import fail, first_problems, module, small_world
+from subgroups import split_into_groups
+from torch import nn
+from zero_helpers import (
+    ADAM_K,
+    ELEMENT,
+    STEPS,
+    TOLERANCE,
+    ZeroRun,
+    adamw,
+    batch,
+    max_diff,
+    reference,
+    small_mlp,
+    zero_run,
+)
+
+from solutions.phase3_multi_node import zero_accounting as acc
+
+CASES = [(stage, world) for stage in (1, 2, 3) for world in (2, 3, 4)]
+_RUNS: dict[tuple[int, int], list[ZeroRun] | BaseException] = {}
+
+
+def runs(stage: int, world: int) -> list[ZeroRun]:
+    """One world per (stage, world size), shared by the tests below (a failure is re-raised)."""
+    key = (stage, world)
+    if key not in _RUNS:
+        try:
+            _RUNS[key] = small_world(zero_run, world, stage)
+        except BaseException as exc:  # a rank's error: every test of this case reports it
+            _RUNS[key] = exc
+    result = _RUNS[key]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+RANK_PREFIX = re.compile(r"^rank (\d+)(?: \(group \d+\))?: (.*)$", re.DOTALL)
+
+
+def report(problems: list[str], header: str) -> None:
+    """Fail with the problems, one line per distinct remark, naming the ranks that made it."""
+    ranks: dict[str, list[str]] = {}
+    for problem in problems:
+        match = RANK_PREFIX.match(problem)
+        who, text = (match[1], match[2]) if match else ("", problem)
+        ranks.setdefault(text, []).append(who)
+    lines = []
+    for text, who in ranks.items():
+        named = [w for w in who if w]
+        prefix = f"rank{'s' if len(named) > 1 else ''} {', '.join(named)}: " if named else ""
+        lines.append(prefix + text)
+    first_problems(lines, header)
+
+
+def label(stage: int, world: int) -> str:
+    return f"3.5 ZeRO stage {stage} on {world} ranks"
+
+
+# ----------------------------------------------------------------------------- the partition
+
+
+@exercise("3.5")
+def test_partition_pads_to_the_world_and_gives_each_rank_one_slice() -> None:
+    part = module("zero_partition")
+    for world in range(1, 6):
+        for numel in [*range(0, 14), 107]:
+            padded = part.padded_size(numel, world)
+            want = -(-numel // world) * world
+            if padded != want:
+                fail(
+                    f"3.5 padded_size({numel}, {world}) returned {padded}; expected {want}: the "
+                    f"smallest multiple of {world} that holds {numel} elements (every rank must "
+                    "own a slice of the same length for reduce_scatter_tensor/all_gather_into_"
+                    "tensor)"
+                )
+        padded = part.padded_size(107, world)
+        bounds = [tuple(part.shard_bounds(padded, world, r)) for r in range(world)]
+        size = padded // world
+        want_bounds = [(r * size, (r + 1) * size) for r in range(world)]
+        if bounds != want_bounds:
+            fail(
+                f"3.5 shard_bounds({padded}, {world}, rank) for ranks 0..{world - 1} returned "
+                f"{bounds}; expected {want_bounds}: equal contiguous slices in rank order, the "
+                "layout all_gather_into_tensor produces"
+            )
+
+
+@exercise("3.5")
+def test_bad_stage_and_tied_parameters_are_refused_before_any_communication() -> None:
+    zero = module("zero")
+    for stage in (0, 4, "2"):
+        with pytest.raises(ValueError) as err:
+            zero.zero_wrap(small_mlp(), adamw, stage)
+        if "stage" not in str(err.value):
+            fail(f"3.5 zero_wrap(stage={stage!r}) should say which stages exist; said: {err.value}")
+    tied = small_mlp()
+    tied[2].weight = tied[0].weight
+    with pytest.raises(ValueError, match=r"tied|shared"):
+        zero.zero_wrap(nn.Sequential(tied[0], tied[2]), adamw, 1)
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@exercise("3.5")
+@pytest.mark.parametrize(("stage", "world"), CASES)
+def test_ten_steps_equal_adamw_on_one_process(stage: int, world: int) -> None:
+    report(
+        [
+            f"rank {r}: {run.value_problem}"
+            for r, run in enumerate(runs(stage, world))
+            if run.value_problem
+        ],
+        f"{label(stage, world)}, 10 AdamW steps in float64 (the global batch of 24 split "
+        "evenly over the ranks):",
+    )
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+NAMES = {
+    "params": "parameters hold",
+    "grads": "gradients hold",
+    "optimizer": "optimizer state holds",
+}
+
+
+def bytes_problems(stage: int, world: int, rank: int, run: ZeroRun) -> list[str]:
+    want = acc.formula_bytes(stage, run.psi, world, p=ELEMENT, g=ELEMENT, k=ADAM_K)
+    got = run.held
+    assert got is not None
+    problems = []
+    per_rank = run.psi // world
+    kept = "only this rank's slice of the" if stage >= 2 else "the full"
+    explain = {
+        "params": (
+            f"stage {stage} keeps {'1/N of the' if stage == 3 else 'all'} parameters "
+            f"({ELEMENT} bytes x {per_rank if stage == 3 else run.psi} padded elements)"
+            + (
+                ": keep the model's parameters as views of the flat buffer, do not copy them"
+                if stage < 3
+                else ": free the gathered layers after use"
+            )
+        ),
+        "grads": (
+            f"stage {stage} keeps {kept} "
+            f"gradient ({ELEMENT} x {per_rank if stage >= 2 else run.psi} elements)"
+            + (
+                ": after the reduce-scatter, drop the full gradients (param.grad = None)"
+                if stage >= 2
+                else ""
+            )
+        ),
+        "optimizer": (
+            f"Adam's state for this rank's slice only ({ADAM_K} x {per_rank} elements); "
+            f"{got.optimizer // ADAM_K} elements have state here: build the optimizer on the "
+            "shards, never on model.parameters()"
+        ),
+    }
+    for part in ("params", "grads", "optimizer"):
+        g, w = getattr(got, part), getattr(want, part)
+        if g != w:
+            problems.append(
+                f"rank {rank}: {NAMES[part]} {g} bytes, the formula gives {w}: {explain[part]}"
+            )
+    return problems
+
+
+@exercise("3.5")
+@pytest.mark.parametrize(("stage", "world"), CASES)
+def test_bytes_held_equal_the_papers_formulas(stage: int, world: int) -> None:
+    results = runs(stage, world)
+    psi = results[0].psi
+    formula = {1: "2pΨ + KΨ/N", 2: "pΨ + (p+K)Ψ/N", 3: "(2p+K)Ψ/N"}[stage]
+    report(
+        [p for r, run in enumerate(results) for p in bytes_problems(stage, world, r, run)],
+        f"{label(stage, world)}: bytes after one step vs {formula} with padded Ψ = {psi}, "
+        f"p = {ELEMENT} (float64), K = {ADAM_K} (Adam's two moments):",
+    )
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+@exercise("3.5")
+@pytest.mark.parametrize(("stage", "world"), CASES)
+def test_one_step_moves_2_psi_or_3_psi_with_reduce_scatter_and_all_gather(
+    stage: int, world: int
+) -> None:
+    results = runs(stage, world)
+    run = results[0]
+    units = run.units
+    want_calls = {
+        "reduce_scatter_tensor": units,
+        "all_gather_into_tensor": 2 * units if stage == 3 else units,
+    }
+    want_volume = acc.formula_volume(stage, run.psi, ELEMENT)
+    problems = []
+    for rank, got in enumerate(results):
+        if got.calls != want_calls:
+            extra = ""
+            if got.calls.get("all_reduce"):
+                extra = (
+                    ": the gradients must be reduce-scattered (each rank receives only its slice), "
+                    "not all-reduced"
+                )
+            problems.append(
+                f"rank {rank}: one step (forward, backward, optimizer step) called {got.calls}; "
+                f"expected {want_calls}: one per layer"
+                + (
+                    ", and in stage 3 one all-gather before forward and one before backward"
+                    if stage == 3
+                    else ""
+                )
+                + extra
+            )
+        elif got.volume != want_volume:
+            problems.append(
+                f"rank {rank}: collectives of one step carried {got.volume} bytes of full buffers "
+                f"(all-gather outputs + reduce-scatter inputs), expected {want_volume} = "
+                f"{3 if stage == 3 else 2}Ψ x {ELEMENT} bytes"
+            )
+    report(problems, f"{label(stage, world)}: communication of one step:")
+
+
+@exercise("3.5")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stage3_holds_the_shards_plus_one_layer_at_most(world: int) -> None:
+    results = runs(3, world)
+    problems = []
+    for rank, run in enumerate(results):
+        shards = run.psi // world * ELEMENT
+        layer = run.largest_layer * ELEMENT
+        if run.after_forward_param_bytes != shards:
+            problems.append(
+                f"rank {rank}: between forward and backward the parameters held "
+                f"{run.after_forward_param_bytes} bytes; expected only the shards, {shards} "
+                "bytes: free each layer right after its forward (a forward hook)"
+            )
+        if run.peak_param_bytes != shards + layer:
+            problems.append(
+                f"rank {rank}: parameter bytes peaked at {run.peak_param_bytes} during forward "
+                f"and backward; expected the shards plus the largest layer, {shards} + {layer} = "
+                f"{shards + layer}: gather a layer just before it runs (forward and backward) "
+                "and free it right after"
+            )
+        if run.after_step_param_bytes != shards:
+            problems.append(
+                f"rank {rank}: after the step the parameters held {run.after_step_param_bytes} "
+                f"bytes; expected the shards, {shards}: free each layer after its backward"
+            )
+    report(problems, f"3.5 ZeRO stage 3 on {world} ranks, parameter memory:")
+
+
+# ----------------------------------------------------------------------------- subgroups
+
+
+def subgroup_worker(stage: int) -> tuple[str | None, list[str]]:
+    info = split_into_groups(2)
+    run = zero_run(stage, seed=1 + info.index, subgroup=info)  # each group its own data
+    return run.value_problem, run.other_group_calls
+
+
+@exercise("3.5")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_groups_of_two_train_independently(stage: int) -> None:
+    results = small_world(subgroup_worker, 4, stage)
+    problems = []
+    for rank, (value, crossing) in enumerate(results):
+        if value:
+            problems.append(f"rank {rank} (group {rank // 2}): {value}")
+        for call in crossing:
+            problems.append(
+                f"{call} outside its group {(rank // 2 * 2, rank // 2 * 2 + 1)}: pass "
+                "group= to every collective and take ranks and sizes from the group"
+            )
+    report(problems, f"3.5 ZeRO stage {stage} in the groups (0, 1) and (2, 3):")
+
+
+# ----------------------------------------------------------------------------- the library way
+
+
+def library_worker(kind: str) -> float:
+    import torch.distributed as dist
+
+    from solutions.phase3_multi_node import zero_library as lib
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kwargs: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1, "eps": 1e-6}
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    if kind == "ZeroRedundancyOptimizer":
+        model, optimizer = lib.zero_redundancy_adamw(small_mlp(), **kwargs)
+    else:
+        model, optimizer = lib.fsdp2_adamw(small_mlp(), **kwargs)
+    shard = len(batch(0)[0]) // world
+    for step in range(STEPS):
+        x, y = batch(step)
+        part = slice(rank * shard, (rank + 1) * shard)
+        nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    got = {k.removeprefix("module."): v for k, v in lib.fsdp2_full_state(model).items()}
+    return max_diff(got, reference()[-1])[0]
+
+
+@exercise("3.5")
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", ["ZeroRedundancyOptimizer", "fully_shard"])
+def test_the_library_way_gives_the_same_parameters(kind: str) -> None:
+    diffs = small_world(library_worker, 2, kind)
+    if max(diffs) > TOLERANCE:
+        fail(f"3.5 reference: {kind} ended {max(diffs):.3e} away from one process's AdamW")
+
+
+def demo_worker(impl_name: str) -> int:
+    import importlib
+
+    demo = importlib.import_module("solutions.phase3_multi_node.zero_demo")
+    return int(demo.main(["--stage", "3", "--steps", "3", "--impl", impl_name]))
+
+
+@exercise("3.5")
+@pytest.mark.reference
+def test_the_demo_runs_on_two_ranks() -> None:
+    codes = small_world(demo_worker, 2, impl())
+    assert codes == [0, 0], f"zero_demo exited with {codes}"
+
+
+@exercise("3.5")
+@pytest.mark.reference
+def test_the_benchmark_table_has_every_row_and_zero_rows_equal_their_formula(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib
+
+    bench = importlib.import_module("solutions.phase3_multi_node.benchmark_zero_memory")
+    assert bench.main(["--worlds", "2", "--hidden", "8", "--steps", "1", "--impl", impl()]) == 0
+    out = capsys.readouterr().out
+    for name in bench.ROWS:
+        assert f"| 2 | {name} |" in out, f"no row for {name} in\n{out}"
+    assert out.count("(equal)") == 4, f"every stage 0-3 row should equal its formula:\n{out}"
+    assert bench.main(["--worlds", "two"]) == 2
