@@ -138,6 +138,13 @@ EXERCISES = [
         ("zero_partition", "zero_units", "zero"),
         "35-zero-stages-1-3",
     ),
+    Exercise(
+        "3.8",
+        "parameter server",
+        "phase3_multi_node",
+        ("ps_protocol", "ps_sharding", "parameter_server"),
+        "38-parameter-server",
+    ),
     # Phase 4 (production): checkpoints, recovery under torchrun, elastic training.
     Exercise(
         "4.1",

@@ -1,0 +1,63 @@
+# Exercise template generated from solutions/phase3_multi_node/hierarchical_allreduce.py.
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
+"""Exercise 3.3: topology-aware (hierarchical) all-reduce: intra-node, inter-node, intra-node.
+
+Links inside a node (NVLink, shared memory) are an order of magnitude faster than the network
+between nodes. A flat ring over N nodes of k ranks sends 2(n-1)/n·S from every rank, and the N
+links that cross a node boundary each carry that much. The hierarchical all-reduce sends only
+1/k of it across:
+
+1. **reduce-scatter inside the node** (ring, over ``topology.intra_node_group``): local rank l
+   ends with chunk l of its node's sum, S/k bytes;
+2. **all-reduce across nodes** of that chunk (ring, over ``topology.inter_node_group``: the ranks
+   with the same local rank on every node), so chunk l holds the sum over the whole world;
+3. **all-gather inside the node**, so every rank holds every chunk.
+
+Each rank sends 2(N-1)/N·S/k bytes across nodes, all ranks at once on their own paths, and
+2(k-1)/k·S inside its node. The k inter-node rings run in parallel, one per local rank, which is
+what uses every NIC of a node (NCCL's trees and rings across nodes are built per GPU for the same
+reason; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; Jia et al., "Highly scalable deep learning
+training system with mixed-precision", 2018, 2D/hierarchical all-reduce). The groups come from
+the :class:`~solutions.common.topology.Topology` built once for the run; nothing here decides
+which ranks share a node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from solutions.common.topology import Topology
+from solutions.phase3_multi_node.collective_support import ReduceOp, check_reduce_args
+from phase3_multi_node.template_ring_allreduce import (
+    all_gather_ring,
+    reduce_scatter_ring,
+    ring_all_reduce,
+)
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor, topology: Topology, op: object = ReduceOp.SUM
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over the whole topology, crossing nodes with 1/k of it.
+
+    ``topology`` gives this rank's ``intra_node_group`` (the k ranks of its node) and
+    ``inter_node_group`` (the N ranks with its local rank, one per node). Returns ``tensor``.
+    """
+    check_reduce_args(tensor, op)
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"topology must be a solutions.common.topology.Topology (Topology.build(...) on every "
+            f"rank), got {type(topology).__name__}"
+        )
+    # TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
+    # Invariant: only the middle step crosses nodes, and it carries this rank's chunk (about
+    #   S/k), not the whole tensor; every call passes the topology's group for its step.
+    # Hint 1: the three ring functions of 3.1 take group=; reduce_scatter_ring(..., inplace=True)
+    #   returns a view of tensor, which both later steps can work on in place.
+    # More hints: uv run python -m tests.hint 3.3
+    # See guidelines.md#33-hierarchical-all-reduce
+    raise NotImplementedError(
+        "TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node "
+        "(see phase3_multi_node/guidelines.md#33-hierarchical-all-reduce)"
+    )

@@ -1,0 +1,190 @@
+"""Exercise 3.2 (second part): what each all-reduce costs in the alpha-beta(-gamma) model, and
+alpha and beta fitted from measured times.
+
+The model (Hockney 1994; Thakur, Rabenseifner & Gropp, "Optimization of collective communication
+operations in MPICH", IJHPCA 19(1), 2005, section 2): one message of b bytes costs
+``alpha + beta·b``; reducing b bytes costs ``gamma·b``. A collective's time is then
+
+    t = alpha·(messages on the critical path) + beta·(bytes through the busiest link)
+        + gamma·(bytes reduced by the busiest rank)
+
+and its :class:`Cost` holds those three counts. For an all-reduce of S bytes over n ranks
+(Patarasuk & Yuan, JPDC 69(2), 2009, for the ring's optimality):
+
+| algorithm | messages | bytes sent | bytes reduced |
+| --- | --- | --- | --- |
+| ring | 2(n-1) | 2(n-1)/n·S | (n-1)/n·S |
+| halving-doubling, n = p = 2^k | 2·log2(p) | 2(p-1)/p·S | (p-1)/p·S |
+| halving-doubling, n = p + e | 2·log2(p) + 2 | 2(p-1)/p·S + 2S | (p-1)/p·S + S |
+| hierarchical, N nodes of k | ring(k) inside + ring(N) on S/k across + ring(k) inside | | |
+
+Fitting: for one algorithm and one world the counts are ``rounds`` (a constant) and
+``v·S`` (linear in S), so the measured times lie on ``t = alpha·rounds + beta·v·S``, a line in S.
+:func:`fit_alpha_beta` finds alpha and beta by least squares *relative* to each time (small
+messages take microseconds, large ones tenths of a second: plain least squares would ignore the
+small ones, and alpha with them). gamma is not separable from beta this way (both multiply S):
+the fitted beta absorbs it, which is what "effective bandwidth" means on a real machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Counts of one collective call: messages on the critical path, bytes sent over the busiest
+    link, bytes reduced by the busiest rank."""
+
+    rounds: float
+    bytes_sent: float
+    bytes_reduced: float = 0.0
+
+    def time(self, alpha: float, beta: float, gamma: float = 0.0) -> float:
+        """Seconds in the model: ``alpha·rounds + beta·bytes_sent + gamma·bytes_reduced``."""
+        return alpha * self.rounds + beta * self.bytes_sent + gamma * self.bytes_reduced
+
+    def __add__(self, other: Cost) -> Cost:
+        """Two phases run one after the other."""
+        return Cost(
+            self.rounds + other.rounds,
+            self.bytes_sent + other.bytes_sent,
+            self.bytes_reduced + other.bytes_reduced,
+        )
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A fitted link: alpha seconds per message, beta seconds per byte (1/beta: bytes/s)."""
+
+    alpha: float
+    beta: float
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second, 1/beta (inf when beta is 0)."""
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+
+def _check(nbytes: float, n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n={n}: a collective needs at least one rank")
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+
+
+def ring_cost(nbytes: float, n: int) -> Cost:
+    """The ring all-reduce of ``nbytes`` over ``n`` ranks: reduce-scatter + all-gather."""
+    _check(nbytes, n)
+    # TODO 3.2: the ring's counts: messages, bytes sent and bytes reduced per rank.
+    # Invariant: n - 1 steps of reduce-scatter and n - 1 of all-gather, one chunk of S/n each;
+    #   only the reduce-scatter reduces. A world of one costs nothing.
+    # Hint 1: guidelines.md#the-cost-table has the formulas; Cost(rounds, bytes_sent,
+    #   bytes_reduced).
+    # See guidelines.md#the-alpha-beta-model
+    # >>> solution
+    return Cost(2 * (n - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes)
+    # <<< solution
+
+
+def halving_doubling_cost(nbytes: float, n: int) -> Cost:
+    """Rabenseifner's halving-doubling over ``n`` ranks, with the fold-in when n is not 2^k."""
+    _check(nbytes, n)
+    # TODO 3.2: halving-doubling's counts, fold-in included.
+    # Invariant: log2(p) halving and log2(p) doubling steps among p = 2^k core ranks, S/2, S/4,
+    #   ... each; when n > p, one message of S in and one out for the folded pairs, and one
+    #   more reduction of S.
+    # Hint 1: p = 1 << (n.bit_length() - 1); math.log2(p) is exact for a power of two.
+    # See guidelines.md#the-alpha-beta-model
+    # >>> solution
+    p = 1 << (n.bit_length() - 1)
+    core = Cost(2 * math.log2(p), 2 * (p - 1) / p * nbytes, (p - 1) / p * nbytes)
+    if n == p:
+        return core
+    return core + Cost(2, 2 * nbytes, nbytes)
+    # <<< solution
+
+
+def hierarchical_cost(nbytes: float, nodes: int, per_node: int) -> tuple[Cost, Cost]:
+    """(inside nodes, across nodes) counts of the hierarchical all-reduce: a reduce-scatter and
+    an all-gather over k = ``per_node`` ranks (together a ring all-reduce's counts), and a ring
+    all-reduce of S/k over ``nodes`` ranks. Cost the two parts with their own alpha and beta."""
+    _check(nbytes, nodes)
+    _check(nbytes, per_node)
+    return ring_cost(nbytes, per_node), ring_cost(nbytes / per_node, nodes)
+
+
+def cross_node_bytes(nbytes: float, nodes: int, per_node: int) -> tuple[float, float]:
+    """Bytes that cross node boundaries, summed over all ranks: (hierarchical, flat ring).
+
+    Hierarchical: every rank sends 2(N-1)/N·S/k across. Flat ring over n = N·k ranks in rank
+    order: the N ranks at the end of a node each send 2(n-1)/n·S to the next node.
+    """
+    _check(nbytes, nodes)
+    _check(nbytes, per_node)
+    n = nodes * per_node
+    hierarchical = n * 2 * (nodes - 1) / nodes * nbytes / per_node
+    flat = (nodes if nodes > 1 else 0) * 2 * (n - 1) / n * nbytes
+    return hierarchical, flat
+
+
+def fit_alpha_beta(costs: Sequence[Cost], seconds: Sequence[float]) -> AlphaBeta:
+    """alpha and beta that best explain ``seconds[i] ≈ alpha·costs[i].rounds +
+    beta·costs[i].bytes_sent``, in least squares relative to each time, both kept >= 0."""
+    if len(costs) != len(seconds):
+        raise ValueError(f"{len(costs)} costs but {len(seconds)} times: give one time per cost")
+    if len(costs) < 2:
+        raise ValueError(
+            f"{len(costs)} measurement(s): fitting two unknowns needs at least 2 sizes"
+        )
+    if any(not (t > 0 and math.isfinite(t)) for t in seconds):
+        raise ValueError(f"times must be positive and finite, got {list(seconds)}")
+    # TODO 3.2: least squares for (alpha, beta), relative to each measured time, both >= 0.
+    # Invariant: on times made exactly from the model, the fit returns the model's alpha and
+    #   beta; a fit that would make one of them negative sets it to 0 and refits the other.
+    # Hint 1: divide each equation t_i = alpha·m_i + beta·v_i by t_i, then solve the 2x2 normal
+    #   equations (A^T A) x = A^T b by hand (or with numpy.linalg.lstsq).
+    # Hint 2: rows a_i = (m_i / t_i, v_i / t_i), right-hand side 1. If the solution has alpha < 0
+    #   fit beta alone: beta = sum(v_i/t_i) / sum((v_i/t_i)^2), and symmetrically for beta < 0.
+    #   A degenerate system (all sizes equal) cannot tell the two apart: raise a ValueError.
+    # See guidelines.md#the-alpha-beta-model
+    # >>> solution
+    rows = [(c.rounds / t, c.bytes_sent / t) for c, t in zip(costs, seconds, strict=True)]
+    saa = sum(a * a for a, _ in rows)
+    sbb = sum(b * b for _, b in rows)
+    sab = sum(a * b for a, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    if det <= 1e-12 * max(saa * sbb, 1e-300):
+        raise ValueError(
+            "the measurements cannot separate alpha from beta: use sizes that differ (both small "
+            "and large messages)"
+        )
+    alpha = (sa * sbb - sb * sab) / det
+    beta = (saa * sb - sab * sa) / det
+    if alpha < 0:
+        alpha, beta = 0.0, sb / sbb
+    elif beta < 0:
+        alpha, beta = sa / saa, 0.0
+    return AlphaBeta(alpha, beta)
+    # <<< solution
+
+
+def crossover_bytes(
+    time_a: Callable[[float], float], time_b: Callable[[float], float]
+) -> float | None:
+    """The message size where two models that are linear in S take the same time, or None.
+
+    ``time_a(S)`` and ``time_b(S)`` are seconds for S bytes (e.g. ``lambda s:
+    ring_cost(s, 4).time(fit.alpha, fit.beta)``). Below the crossover the one with the smaller
+    latency term wins, above it the one with the smaller per-byte term.
+    """
+    scale = 2.0**20
+    intercept = time_a(0.0) - time_b(0.0)
+    slope = (time_a(scale) - time_b(scale)) / scale - intercept / scale
+    if slope == 0 or -intercept / slope <= 0:
+        return None
+    return -intercept / slope

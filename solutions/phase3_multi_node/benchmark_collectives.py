@@ -1,0 +1,426 @@
+"""Benchmark the ring, halving-doubling and hierarchical all-reduces beside ``dist.all_reduce``.
+
+For each world size and each message size (1 KiB to 64 MiB by powers of four), every algorithm
+runs a few timed iterations, **interleaved**: iteration i of every algorithm runs before
+iteration i+1 of any, so a burst of load on a shared machine hits them all alike. An iteration
+starts after a barrier and counts the slowest rank's time; the table shows the median. Bandwidths
+follow nccl-tests (doc/PERFORMANCE.md): algbw = S / t, busbw = algbw · 2(n-1)/n. The hierarchical
+all-reduce runs on ``--nodes`` simulated nodes (run_world lays the ranks out as torchrun would).
+
+Then, per algorithm and world, alpha and beta are fitted to the medians with the algorithm's own
+counts (solutions/phase3_multi_node/alpha_beta.py, ``--impl`` chooses whose), and the predicted
+crossover sizes are printed: below them the algorithm with fewer messages wins, above them the
+one with the faster per-byte term.
+
+    uv run python -m solutions.phase3_multi_node.benchmark_collectives --world 2 --world 4
+    uv run python -m solutions.phase3_multi_node.benchmark_collectives --world 2 --max-mib 4 \
+        --algorithms ring,dist.all_reduce --json rows.json --plot busbw.png
+    uv run python -m solutions.phase3_multi_node.benchmark_collectives --impl templates
+
+The harness's point-to-point ledger (a hang diagnostic of run_world) is switched off here
+(``DTFS_P2P_LEDGER=0``): it adds about 10 us to every isend/irecv, which ``dist.all_reduce``
+never pays.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from solutions.common.cli import parse_config, run_main
+from solutions.common.impl import IMPLS, load_impl
+from solutions.common.topology import Topology
+from solutions.common.world import run_world
+
+PHASE = "phase3_multi_node"
+KIB, MIB = 1024, 2**20
+ALGORITHMS = ("ring", "halving_doubling", "hierarchical", "dist.all_reduce")
+# --algorithms may also name these, for the ablation of the ring's speed (ring_variants.py)
+EXTRA_ALGORITHMS = ("ring_plain", "ring_unpipelined")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (world, size, algorithm) median, with nccl-tests' bandwidths."""
+
+    world: int
+    nbytes: int
+    algorithm: str
+    median_s: float
+    iterations: int
+
+    @property
+    def algbw(self) -> float:
+        return self.nbytes / self.median_s
+
+    @property
+    def busbw(self) -> float:
+        return self.algbw * 2 * (self.world - 1) / self.world
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "algbw_Bps": self.algbw, "busbw_Bps": self.busbw}
+
+
+def default_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """``min_bytes``, x4, x4, ... up to ``max_bytes``."""
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def iterations_for(nbytes: int, world: int, scale: float = 1.0) -> int:
+    """More repeats for small messages (noisy), fewer for large ones (slow)."""
+    traffic = nbytes * world
+    base = 15 if traffic >= 64 * MIB else 21 if traffic >= 4 * MIB else 31
+    return max(3, round(base * scale))
+
+
+def _functions(impl: str, topology: Topology, segment_bytes: int) -> dict[str, Callable[..., Any]]:
+    ring = load_impl(PHASE, "ring_allreduce", impl)
+    tree = load_impl(PHASE, "tree_allreduce", impl)
+    hierarchical = load_impl(PHASE, "hierarchical_allreduce", impl)
+    from solutions.phase3_multi_node.ring_variants import plain_ring_all_reduce
+
+    return {
+        "ring": lambda t: ring.ring_all_reduce(t, segment_bytes=segment_bytes),
+        "ring_plain": plain_ring_all_reduce,
+        "ring_unpipelined": lambda t: ring.ring_all_reduce(t, segment_bytes=2**62),
+        "halving_doubling": tree.halving_doubling_all_reduce,
+        "hierarchical": lambda t: hierarchical.hierarchical_all_reduce(t, topology),
+        "dist.all_reduce": dist.all_reduce,
+    }
+
+
+def measure_worker(
+    sizes: Sequence[int], algorithms: Sequence[str], impl: str, segment_bytes: int, scale: float
+) -> list[Row]:
+    """Runs on every rank of a world; rank 0 returns the rows."""
+    topology = Topology.build()
+    functions = _functions(impl, topology, segment_bytes)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for nbytes in sizes:
+        tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        for name in algorithms:  # warm-up: connections, pooled buffers, first-touch pages
+            functions[name](tensor)
+        times: dict[str, list[float]] = {name: [] for name in algorithms}
+        for _ in range(iterations_for(nbytes, world, scale)):
+            for name in algorithms:
+                tensor.fill_(1.0)  # keep values finite for PRODUCT-free sums
+                dist.barrier()
+                start = time.perf_counter()
+                functions[name](tensor)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[name].append(float(elapsed.item()))
+        for name in algorithms:
+            median = statistics.median(times[name])
+            rows.append(Row(world, tensor.numel() * 4, name, median, len(times[name])))
+    return rows if rank == 0 else []
+
+
+def run_benchmark(
+    worlds: Sequence[int],
+    sizes: Sequence[int],
+    algorithms: Sequence[str],
+    *,
+    impl: str = "solutions",
+    nodes: int = 2,
+    segment_bytes: int = MIB,
+    scale: float = 1.0,
+) -> list[Row]:
+    """Every (world, size, algorithm) median, worlds one after the other."""
+    known = ALGORITHMS + EXTRA_ALGORITHMS
+    unknown = [a for a in algorithms if a not in known]
+    if unknown:
+        raise ValueError(f"unknown algorithms {unknown}: choose from {', '.join(known)}")
+    bad = [w for w in worlds if w < 2 or w % nodes]
+    if bad:
+        raise ValueError(
+            f"worlds {bad}: each world needs at least 2 ranks and must divide into --nodes "
+            f"{nodes} simulated nodes of equal size"
+        )
+    rows: list[Row] = []
+    for world in worlds:
+        rows += run_world(
+            measure_worker,
+            world,
+            (list(sizes), list(algorithms), impl, segment_bytes, scale),
+            nodes=nodes,
+            timeout=1800,
+            env={"DTFS_P2P_LEDGER": "0"},
+        )[0]
+    return rows
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def cost_of(algorithm: str, nbytes: float, world: int, nodes: int, impl: str) -> Any:
+    """The alpha-beta counts the fit uses for one algorithm (gloo's all-reduce is a ring:
+    gloo/allreduce.cc, ``ring``)."""
+    model = load_impl(PHASE, "alpha_beta", impl)
+    if algorithm == "halving_doubling":
+        return model.halving_doubling_cost(nbytes, world)
+    if algorithm == "hierarchical":  # the ring variants and gloo are costed as the ring
+        inside, across = model.hierarchical_cost(nbytes, nodes, world // nodes)
+        return inside + across
+    return model.ring_cost(nbytes, world)
+
+
+@dataclass(frozen=True)
+class Fit:
+    world: int
+    algorithm: str
+    alpha: float
+    beta: float
+
+
+def fit_models(rows: Sequence[Row], nodes: int, impl: str) -> list[Fit]:
+    """alpha and beta per (world, algorithm), fitted to the medians."""
+    model = load_impl(PHASE, "alpha_beta", impl)
+    fits = []
+    for world in sorted({r.world for r in rows}):
+        for algorithm in ALGORITHMS + EXTRA_ALGORITHMS:
+            mine = [r for r in rows if r.world == world and r.algorithm == algorithm]
+            if len(mine) < 2:
+                continue
+            costs = [cost_of(algorithm, r.nbytes, world, nodes, impl) for r in mine]
+            fitted = model.fit_alpha_beta(costs, [r.median_s for r in mine])
+            fits.append(Fit(world, algorithm, fitted.alpha, fitted.beta))
+    return fits
+
+
+def _model_time(world: int, nodes: int, impl: str) -> Callable[[Fit], Callable[[float], float]]:
+    """``time_of(fit)(S)``: the fitted model's seconds for S bytes."""
+
+    def time_of(fit: Fit) -> Callable[[float], float]:
+        return lambda s: cost_of(fit.algorithm, s, world, nodes, impl).time(fit.alpha, fit.beta)
+
+    return time_of
+
+
+def crossovers(fits: Sequence[Fit], nodes: int, impl: str) -> list[str]:
+    """Sentences: where the fitted models of two algorithms predict equal times."""
+    model = load_impl(PHASE, "alpha_beta", impl)
+    lines = []
+    for world in sorted({f.world for f in fits}):
+        mine = [f for f in fits if f.world == world]
+        for i, a in enumerate(mine):
+            for b in mine[i + 1 :]:
+                time_of = _model_time(world, nodes, impl)
+                at = model.crossover_bytes(time_of(a), time_of(b))
+                if at is None:
+                    faster = a if time_of(a)(MIB) < time_of(b)(MIB) else b
+                    lines.append(
+                        f"world {world}: {a.algorithm} vs {b.algorithm}: no crossover, "
+                        f"{faster.algorithm} is predicted faster at every size"
+                    )
+                    continue
+                small = a if time_of(a)(at / 4) < time_of(b)(at / 4) else b
+                large = b if small is a else a
+                lines.append(
+                    f"world {world}: {small.algorithm} faster below {human(at)}, "
+                    f"{large.algorithm} above"
+                )
+    return lines
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Markdown: one row per (world, size, algorithm); ratio = busbw / dist.all_reduce's."""
+    reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
+    lines = [
+        "| world | size | algorithm | median ms | algbw GB/s | busbw GB/s "
+        "| busbw vs dist.all_reduce |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ref = reference.get((r.world, r.nbytes))
+        ratio = f"{r.busbw / ref.busbw:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r.world} | {human(r.nbytes)} | {r.algorithm} | {1e3 * r.median_s:.3f} | "
+            f"{r.algbw / 1e9:.3f} | {r.busbw / 1e9:.3f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def format_fits(fits: Sequence[Fit]) -> str:
+    lines = [
+        "| world | algorithm | alpha us | beta ns/byte | 1/beta GB/s |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for f in fits:
+        bandwidth = f"{1e-9 / f.beta:.3f}" if f.beta > 0 else "inf"
+        alpha_us, beta_ns = 1e6 * f.alpha, 1e9 * f.beta
+        lines.append(
+            f"| {f.world} | {f.algorithm} | {alpha_us:.1f} | {beta_ns:.3f} | {bandwidth} |"
+        )
+    return "\n".join(lines)
+
+
+def speed_goal(rows: Sequence[Row]) -> list[str]:
+    """The ring's busbw at 16 and 64 MiB against dist.all_reduce's (goal: >= 0.95x)."""
+    reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
+    lines = []
+    for r in rows:
+        ref = reference.get((r.world, r.nbytes))
+        if r.algorithm == "ring" and ref and r.nbytes in (16 * MIB, 64 * MIB):
+            ratio = r.busbw / ref.busbw
+            verdict = "meets" if ratio >= 0.95 else "misses"
+            lines.append(
+                f"world {r.world}, {human(r.nbytes)}: ring busbw {ratio:.3f}x dist.all_reduce's "
+                f"({verdict} the 0.95x goal)"
+            )
+    return lines
+
+
+def save_plot(rows: Sequence[Row], fits: Sequence[Fit], path: Path, nodes: int, impl: str) -> None:
+    """busbw against size, one panel per world; dashed lines are the fitted models."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r.world for r in rows})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.2), squeeze=False)
+    for ax, world in zip(axes[0], worlds, strict=True):
+        for i, algorithm in enumerate(ALGORITHMS + EXTRA_ALGORITHMS):
+            mine = [r for r in rows if r.world == world and r.algorithm == algorithm]
+            if not mine:
+                continue
+            color = f"C{i}"
+            ax.plot([r.nbytes for r in mine], [r.busbw / 1e9 for r in mine], "o-", color=color,
+                    label=algorithm)  # fmt: skip
+            fit = next((f for f in fits if f.world == world and f.algorithm == algorithm), None)
+            if fit is not None:
+                sizes = [r.nbytes for r in mine]
+                model = [
+                    s / cost_of(algorithm, s, world, nodes, impl).time(fit.alpha, fit.beta)
+                    * 2 * (world - 1) / world / 1e9
+                    for s in sizes
+                ]  # fmt: skip
+                ax.plot(sizes, model, "--", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"world {world} (dashed: fitted alpha-beta model)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+@dataclass
+class BenchmarkConfig:
+    """The benchmark's flags."""
+
+    world: str = field(
+        default="2,4", metadata={"help": "world sizes: --world 2 --world 4, or --world 2,4"}
+    )
+    min_kib: float = field(default=1.0, metadata={"help": "smallest message, KiB"})
+    max_mib: float = field(default=64.0, metadata={"help": "largest message, MiB"})
+    algorithms: str = field(
+        default=",".join(ALGORITHMS),
+        metadata={"help": f"from {', '.join(ALGORITHMS + EXTRA_ALGORITHMS)}"},
+    )
+    nodes: int = field(default=2, metadata={"help": "simulated nodes (hierarchical)"})
+    segment_kib: int = field(default=1024, metadata={"help": "ring segment size, KiB"})
+    repeat_scale: float = field(default=1.0, metadata={"help": "multiply the repeats by this"})
+    impl: str = field(default="solutions", metadata={"choices": IMPLS, "help": "whose code"})
+    json: str = field(default="", metadata={"help": "write the rows and fits to this file"})
+    plot: str = field(default="benchmark_collectives.png", metadata={"help": "PNG ('' for none)"})
+
+
+def _merge_repeated(argv: Sequence[str], flag: str) -> list[str]:
+    """``--world 2 --world 4`` -> ``--world 2,4`` (argparse keeps only the last otherwise)."""
+    values, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == flag and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith(flag + "="):
+            values.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return [*rest, flag, ",".join(values)] if values else rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _merge_repeated(list(sys.argv[1:] if argv is None else argv), "--world")
+    config = parse_config(BenchmarkConfig, args, __doc__)
+    try:
+        worlds = [int(w) for w in config.world.split(",") if w.strip()]
+    except ValueError:
+        print(f"error: --world {config.world!r}: give world sizes like 2 or 2,4", file=sys.stderr)
+        return 2
+    algorithms = [a.strip() for a in config.algorithms.split(",") if a.strip()]
+    if config.segment_kib < 1 or config.min_kib <= 0 or config.max_mib * 1024 < config.min_kib:
+        print("error: --segment-kib >= 1 and 0 < --min-kib <= --max-mib·1024", file=sys.stderr)
+        return 2
+    sizes = default_sizes(int(config.min_kib * KIB), int(config.max_mib * MIB))
+    started = time.perf_counter()
+    try:
+        rows = run_benchmark(
+            worlds, sizes, algorithms, impl=config.impl, nodes=config.nodes,
+            segment_bytes=config.segment_kib * KIB, scale=config.repeat_scale,
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    fits = fit_models(rows, config.nodes, config.impl)
+    print(format_table(rows))
+    print("\nFitted alpha-beta model (least squares relative to each median):\n")
+    print(format_fits(fits))
+    print("\nPredicted crossovers:")
+    for line in crossovers(fits, config.nodes, config.impl):
+        print(f"  {line}")
+    goal = speed_goal(rows)
+    if goal:
+        print("\nSpeed goal (ring busbw >= 0.95x dist.all_reduce at 16 and 64 MiB):")
+        for line in goal:
+            print(f"  {line}")
+    if config.json:
+        payload = {
+            "rows": [r.as_dict() for r in rows],
+            "fits": [asdict(f) for f in fits],
+            "torch": torch.__version__,
+            "backend": "gloo",
+        }
+        Path(config.json).write_text(json.dumps(payload, indent=1))
+    if config.plot:
+        save_plot(rows, fits, Path(config.plot), config.nodes, config.impl)
+        print(f"\nplot: {config.plot}")
+    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,134 @@
+"""Worker functions of notebooks/ring_allreduce.ipynb: record a real ring's messages, measure the
+busbw curves, fit the model. Functions live here, not in the notebook, because the ranks of a
+world must import them (``mp.spawn``/forkserver cannot run a function defined in a notebook).
+
+:func:`record_ring` runs ``ring_all_reduce`` (``--impl``'s) in a world and records every
+``dist.isend`` each rank posts: when, to whom, and which chunk of the tensor it carried (found
+from the sent view's offset into the tensor, so nothing in the exercise code is instrumented).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from solutions.common.impl import load_impl
+from solutions.common.world import run_world
+from solutions.phase3_multi_node.benchmark_collectives import Fit, Row, fit_models, run_benchmark
+
+PHASE = "phase3_multi_node"
+
+
+@dataclass(frozen=True)
+class SendEvent:
+    """One isend of one rank: seconds since the call began, peer, chunk, element range."""
+
+    rank: int
+    time: float
+    peer: int
+    chunk: int  # index of the chunk the elements belong to; -1 when not inside the tensor
+    start: int  # element offset in the tensor
+    numel: int
+
+
+@contextmanager
+def _recording_sends(
+    tensor: torch.Tensor, bounds: Sequence[tuple[int, int]], events: list[SendEvent], t0: float
+) -> Iterator[None]:
+    """Wrap ``dist.isend`` while the block runs; each call appends a :class:`SendEvent`."""
+    original = c10d.isend
+    base = tensor.data_ptr()
+    size = tensor.element_size()
+    rank = dist.get_rank()
+
+    def isend(sent: torch.Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        offset = (sent.data_ptr() - base) // size
+        inside = 0 <= offset < tensor.numel()
+        chunk = next((i for i, (lo, hi) in enumerate(bounds) if lo <= offset < hi), -1)
+        peer = dst if dst is not None else int(kwargs.get("dst", -1))
+        events.append(
+            SendEvent(rank, time.perf_counter() - t0, peer, chunk if inside else -1, offset,
+                      sent.numel())
+        )  # fmt: skip
+        return original(sent, dst, *args, **kwargs)
+
+    saved = [(module, module.isend) for module in (dist, c10d)]
+    for module, _ in saved:
+        module.isend = isend  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, fn in saved:
+            module.isend = fn  # type: ignore[attr-defined]
+
+
+def _record_worker(numel: int, segment_bytes: int, impl: str) -> list[SendEvent]:
+    ring = load_impl(PHASE, "ring_allreduce", impl)
+    n = dist.get_world_size()
+    tensor = torch.ones(numel)
+    bounds = ring.chunk_bounds(numel, n)
+    ring.ring_all_reduce(tensor.clone(), segment_bytes=segment_bytes)  # warm-up
+    events: list[SendEvent] = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    with _recording_sends(tensor, bounds, events, t0):
+        ring.ring_all_reduce(tensor, segment_bytes=segment_bytes)
+    if not torch.equal(tensor, torch.full_like(tensor, float(n))):
+        raise AssertionError("the recorded ring did not produce the sum")
+    return events
+
+
+def record_ring(
+    world: int = 4, numel: int = 4096, segment_bytes: int = 1 << 30, impl: str = "solutions"
+) -> list[SendEvent]:
+    """Every isend of one ``ring_all_reduce`` of ``numel`` float32 values on ``world`` ranks.
+
+    With the default (huge) ``segment_bytes`` each chunk is one message, so the k-th send of a
+    rank is step k; a small ``segment_bytes`` shows the pipelined segments instead.
+    """
+    per_rank = run_world(_record_worker, world, (numel, segment_bytes, impl), timeout=120)
+    return sorted((e for events in per_rank for e in events), key=lambda e: (e.rank, e.time))
+
+
+def step_grid(events: Sequence[SendEvent], world: int) -> list[list[int]]:
+    """``grid[rank][step]``: the chunk each rank sent at each step (one message per chunk)."""
+    grid = []
+    for rank in range(world):
+        grid.append([e.chunk for e in events if e.rank == rank])
+    return grid
+
+
+def measure_curves(
+    worlds: Sequence[int], sizes: Sequence[int], algorithms: Sequence[str], impl: str = "solutions",
+    scale: float = 1.0,
+) -> tuple[list[Row], list[Fit]]:  # fmt: skip
+    """The benchmark's medians and the fitted alpha-beta model of each algorithm."""
+    rows = run_benchmark(worlds, sizes, algorithms, impl=impl, scale=scale)
+    return rows, fit_models(rows, 2, impl)
+
+
+def model_busbw(fit: Fit, sizes: Sequence[float], impl: str = "solutions") -> list[float]:
+    """busbw (GB/s) the fitted model predicts at each size."""
+    from solutions.phase3_multi_node.benchmark_collectives import cost_of
+
+    world = fit.world
+    factor = 2 * (world - 1) / world
+    out = []
+    for s in sizes:
+        t = cost_of(fit.algorithm, s, world, 2, impl).time(fit.alpha, fit.beta)
+        out.append(s / t * factor / 1e9)
+    return out
+
+
+def model_time(fit: Fit, impl: str = "solutions") -> Callable[[float], float]:
+    """Seconds for S bytes under the fitted model."""
+    from solutions.phase3_multi_node.benchmark_collectives import cost_of
+
+    return lambda s: cost_of(fit.algorithm, s, fit.world, 2, impl).time(fit.alpha, fit.beta)

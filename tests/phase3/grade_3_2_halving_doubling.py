@@ -1,0 +1,157 @@
+"""Exercise 3.2, halving-doubling all-reduce (Rabenseifner): ``dist.all_reduce``'s result on
+worlds of 2, 3, 4 and 5 (3 and 5 need the fold-in of the extra ranks), the same bits on every
+rank, 2·log2(p) messages and 2(p-1)/p·S bytes per core rank, S in and S out for each folded pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise
+from phase3_helpers import (
+    counted,
+    first_problems,
+    module,
+    random_float_problems,
+    receives,
+    sends,
+    sizes_for,
+    small_world,
+    values_problems,
+)
+
+
+def halving_doubling() -> Any:
+    return module("tree_allreduce").halving_doubling_all_reduce
+
+
+def values_worker() -> list[str]:
+    n = dist.get_world_size()
+    fn = halving_doubling()
+    problems = values_problems(fn, "halving_doubling_all_reduce", sizes_for(n))
+    return problems or (random_float_problems(fn) if n in (3, 4) else [])
+
+
+@exercise("3.2")
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_halving_doubling_equals_dist_all_reduce(world_size: int) -> None:
+    fold = (
+        f" ({world_size} is not a power of two: ranks 0..{2 * (world_size - 2 ** (world_size.bit_length() - 1)) - 1} "
+        "fold in pairwise first)"
+        if world_size & (world_size - 1)
+        else ""
+    )
+    hint = (
+        f"3.2 on {world_size} ranks{fold}: partners r XOR d must be core ranks; a rank paired "
+        "with a rank that does not take part fails or waits for ever."
+        if fold
+        else ""
+    )
+    results = small_world(values_worker, world_size, hint=hint)
+    first_problems(
+        [p for rank_problems in results for p in rank_problems],
+        f"3.2 halving_doubling_all_reduce on {world_size} ranks{fold}, compared with "
+        "dist.all_reduce:",
+    )
+
+
+def bytes_worker(numel: int) -> dict[str, Any]:
+    tensor = torch.ones(numel, dtype=torch.float32)
+    counter = counted(lambda: halving_doubling()(tensor))
+    return {
+        "sent": sum(r.nbytes for r in sends(counter)),
+        "received": sum(r.nbytes for r in receives(counter)),
+        "messages": len(sends(counter)),
+    }
+
+
+def expected_traffic(rank: int, n: int, size: int) -> tuple[int, int, str]:
+    """(bytes sent, messages sent, why) for a tensor of ``size`` bytes that divides by p."""
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    steps = p.bit_length() - 1
+    core = 2 * (p - 1) * size // p
+    if rank < 2 * extra and rank % 2 == 0:
+        return size, 1, f"rank {rank} folds in: it sends its whole tensor (S) to rank {rank + 1}"
+    if rank < 2 * extra:
+        return (
+            core + size,
+            2 * steps + 1,
+            f"rank {rank} takes rank {rank - 1}'s tensor, runs the core (2(p-1)/p·S in "
+            f"2·log2(p) = {2 * steps} messages) and sends the result (S) back",
+        )
+    return core, 2 * steps, f"a core rank sends 2(p-1)/p·S in 2·log2(p) = {2 * steps} messages"
+
+
+@exercise("3.2")
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_bytes_and_messages_follow_the_halving_doubling_formula(world_size: int) -> None:
+    n = world_size
+    numel = 1024
+    size = numel * 4
+    for rank, seen in enumerate(small_world(bytes_worker, n, numel)):
+        sent, messages, why = expected_traffic(rank, n, size)
+        if seen["sent"] != sent or seen["received"] != sent:
+            fail_text = (
+                f"3.2 on {n} ranks, S = {size} bytes: rank {rank} should send and receive {sent} "
+                f"bytes ({why}); it sent {seen['sent']} and received {seen['received']}"
+            )
+            first_problems([fail_text], "3.2 bytes:")
+        if seen["messages"] != messages:
+            first_problems(
+                [
+                    f"rank {rank} should send {messages} messages ({why}); it sent "
+                    f"{seen['messages']} (a ring sends 2(n-1): halving-doubling's point is "
+                    "log2(p) steps each way)"
+                ],
+                f"3.2 on {n} ranks, message count:",
+            )
+
+
+def subgroup_worker() -> dict[str, Any]:
+    group = dist.new_group([1, 2, 3])
+    assert (
+        isinstance(group, dist.ProcessGroup) or dist.get_rank() == 0
+    )  # three ranks: the fold-in runs inside the group
+    rank = dist.get_rank()
+    if rank == 0:
+        return {"skip": True}
+    assert isinstance(group, dist.ProcessGroup)
+    data = torch.arange(9, dtype=torch.float64) * (rank + 1)
+    ref = data.clone()
+    counter = counted(lambda: halving_doubling()(data, group=group))
+    dist.all_reduce(ref, group=group)
+    outside = [r.describe(rank) for r in counter.records if r.peer == 0]
+    return {
+        "skip": False,
+        "ok": torch.equal(data, ref),
+        "got": data,
+        "ref": ref,
+        "outside": outside,
+    }
+
+
+@exercise("3.2")
+def test_halving_doubling_inside_a_group_of_three() -> None:
+    problems = []
+    for rank, result in enumerate(small_world(subgroup_worker, 4)):
+        if result["skip"]:
+            continue
+        if result["outside"]:
+            problems.append(
+                f"{result['outside'][0]}, but rank 0 is not in the group (1, 2, 3): map group "
+                "ranks (partners, fold-in peers) with dist.get_global_rank(group, r)"
+            )
+        elif not result["ok"]:
+            problems.append(
+                f"rank {rank}: expected the group's sum {result['ref'].tolist()}, got "
+                f"{result['got'].tolist()}"
+            )
+    first_problems(
+        problems,
+        "3.2 halving_doubling_all_reduce(tensor, group=group) on the group "
+        "(1, 2, 3) of a world of 4:",
+    )

@@ -1,0 +1,139 @@
+"""Exercise 3.3, the hierarchical all-reduce: on simulated nodes (2x2, 2x3, 3x2: ranks laid out as
+torchrun lays them, with its environment) and once on two real torchrun agents meeting at a c10d
+rendezvous on loopback. The result equals ``dist.all_reduce``; the bytes each rank sends across
+nodes equal 2(N-1)/N·S/k (S/k: its chunk of the intra-node reduce-scatter) and, summed over the
+ranks, are fewer than a flat ring's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from grading import exercise, impl
+from phase3_helpers import fail, first_problems, module, small_world
+
+from solutions.common.topology import Topology
+from solutions.common.torchrun_runner import run_torchrun
+from solutions.phase3_multi_node.hierarchical_demo import check_hierarchical
+
+DEMO = "solutions.phase3_multi_node.hierarchical_demo"
+
+
+def simulated_worker(numel: int) -> dict[str, Any]:
+    topology = Topology.build()  # nodes come from LOCAL_WORLD_SIZE, as under torchrun
+    return check_hierarchical(topology, numel, impl())
+
+
+def cross_node_problems(results: list[dict[str, Any]], label: str) -> list[str]:
+    """Compare each rank's traffic with the formulas; the same for simulated and real nodes."""
+    problems = []
+    for result in results:
+        rank, nodes, k = result["rank"], result["nodes"], result["per_node"]
+        numel = result["nbytes"] // 4
+        chunk = torch.tensor_split(torch.empty(numel), k)[result["local_rank"]].numel() * 4
+        if not result["equal"]:
+            problems.append(
+                f"rank {rank} (node {result['node']}, local rank {result['local_rank']}): the "
+                "result differs from dist.all_reduce"
+                + ("" if result["ring_equal"] else " (and so does ring_all_reduce: fix 3.1 first)")
+            )
+        if result["collectives"]:
+            problems.append(
+                f"rank {rank} called {result['collectives']}: build it from the ring functions "
+                "of 3.1 (isend/irecv), so the bytes can be counted"
+            )
+        per_group = result["per_group"]
+        if (per_group["intra_node"], per_group["inter_node"]) != (
+            result["hierarchical"]["intra_node"],
+            result["hierarchical"]["inter_node"],
+        ):
+            problems.append(
+                f"rank {rank} sent {per_group['intra_node']} bytes on topology.intra_node_group, "
+                f"{per_group['inter_node']} on topology.inter_node_group and "
+                f"{per_group['other']} on other groups, but {result['hierarchical']['intra_node']} "
+                f"bytes went to its own node and {result['hierarchical']['inter_node']} to other "
+                "nodes: traffic inside the node belongs on intra_node_group, traffic across on "
+                "inter_node_group"
+            )
+        across = result["hierarchical"]["inter_node"]
+        expected = 2 * (nodes - 1) * chunk // nodes
+        if numel % (k * nodes) == 0 and across != expected:
+            problems.append(
+                f"rank {rank} sent {across} bytes to other nodes; the hierarchical all-reduce "
+                f"sends 2(N-1)/N·S/k = 2·{nodes - 1}/{nodes}·{chunk} = {expected} (only its chunk "
+                "of the intra-node reduce-scatter crosses, over topology.inter_node_group)"
+            )
+    hier = sum(r["hierarchical"]["inter_node"] for r in results)
+    flat = sum(r["flat_ring"]["inter_node"] for r in results)
+    if results and results[0]["nodes"] > 1 and not hier < flat:
+        problems.append(
+            f"in all, {hier} bytes crossed nodes with the hierarchical all-reduce and {flat} with "
+            "a flat ring: the hierarchical one must send fewer across"
+        )
+    del label
+    return problems
+
+
+@exercise("3.3")
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
+def test_hierarchical_on_simulated_nodes(nodes: int, per_node: int) -> None:
+    module("hierarchical_allreduce")  # an import error is reported as such, before any world
+    problems = []
+    for numel in (600, 601):  # 601 divides by neither k nor N
+        results = small_world(
+            simulated_worker,
+            nodes * per_node,
+            numel,
+            nodes=nodes,
+            hint=f"3.3 on {nodes} simulated nodes of {per_node}: if 3.1's tests pass, check that each "
+            "step runs on the topology's group for it: intra_node_group for the reduce-scatter and the "
+            "all-gather, inter_node_group for the all-reduce across nodes (without group= a "
+            "ring runs over the whole world).",
+        )
+        problems += cross_node_problems(results, f"{nodes}x{per_node}")
+    first_problems(
+        problems,
+        f"3.3 hierarchical_all_reduce on {nodes} simulated nodes of {per_node} ranks "
+        "(float32, integer-valued):",
+    )
+
+
+def preflight_worker() -> None:
+    """A world of one runs the code once, so an unwritten TODO costs a second, not a torchrun."""
+    tensor = torch.ones(3)
+    module("hierarchical_allreduce").hierarchical_all_reduce(tensor, Topology.build())
+
+
+@exercise("3.3")
+@pytest.mark.torchrun
+def test_hierarchical_on_two_torchrun_agents() -> None:
+    small_world(preflight_worker, 1)
+    run = run_torchrun(
+        DEMO,
+        ["--impl", impl(), "--numel", "1200"],
+        nproc_per_node=2,
+        agents=2,
+        time_limit=90,
+    )
+    results = [
+        json.loads(line.removeprefix("RESULT "))
+        for agent in (0, 1)
+        for log in run.last_attempt(agent)
+        for line in log.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    if not run.ok or len(results) != 4:
+        fail(
+            "3.3 hierarchical_all_reduce under two torchrun agents (--nnodes 2 --nproc-per-node 2, "
+            f"c10d rendezvous on 127.0.0.1) did not finish with 4 RESULT lines:\n{run.describe(800)}"
+        )
+    nodes = {(r["rank"], r["node"]) for r in results}
+    if sorted(r["rank"] for r in results) != [0, 1, 2, 3] or {n for _, n in nodes} != {0, 1}:
+        fail(f"3.3 expected ranks 0-3 on nodes 0 and 1, got {sorted(nodes)}")
+    first_problems(
+        cross_node_problems(results, "torchrun"),
+        "3.3 hierarchical_all_reduce on two torchrun agents (2 nodes x 2 ranks, loopback):",
+    )

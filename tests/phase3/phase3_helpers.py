@@ -1,0 +1,236 @@
+"""Shared pieces of the phase 3 graders (tests/phase3/grade_3_*.py): the code under test, short
+failures, and the checks every hand-made all-reduce must pass.
+
+Each all-reduce is compared with ``dist.all_reduce`` on the same inputs: exactly on
+integer-valued inputs (every order of additions gives the same bits there, in float32, float64,
+bfloat16 and int64), and to a stated tolerance on random floats, where the order of additions
+differs from gloo's; every rank must hold the same bits in both cases.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NoReturn
+
+import pytest
+import torch
+import torch.distributed as dist
+from grading import load, world
+
+from solutions.common.comm_counter import CommCounter, CommRecord
+from solutions.common.world import RankDied, RankFailed, WorldHung
+
+PHASE = "phase3_multi_node"
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
+OPS = ("MAX", "MIN", "PRODUCT")
+
+
+def fail(message: str) -> NoReturn:
+    """A teacher's remark, without the grader's traceback."""
+    pytest.fail(message, pytrace=False)
+
+
+def module(name: str) -> ModuleType:
+    """``phase3_multi_node/<name>`` as ``--impl`` chose it (template or solution)."""
+    return load(PHASE, name)
+
+
+HANG_ADVICE = (
+    "The ranks hung inside point-to-point messages. The usual causes in a ring or a tree: every "
+    "rank blocks in dist.send before posting its receive (post irecv and isend, then wait); "
+    "sender and receiver disagree on which chunk or half moves at a step (an index off by one, "
+    "bounds computed differently), so the messages' sizes or numbers differ; a peer given as a "
+    "group rank where torch wants a global one; a partner that does not take part (the fold-in "
+    "of a world that is not a power of two). Details:\n"
+)
+
+
+def small_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, nodes: int = 1, hint: str = ""
+) -> list[Any]:
+    """A world of 2-6 ranks; a hang is reported after the world timeout (20 s by default), with
+    the usual causes of a hang in hand-made collectives in front of the harness's report, and
+    ``hint`` (what this exercise most likely got wrong) in front of any rank failure."""
+    prefix = f"{hint}\n" if hint else ""
+    try:
+        return world(fn, world_size, *args, nodes=nodes)
+    except WorldHung as exc:
+        exc.args = (prefix + HANG_ADVICE + str(exc),)
+        raise
+    except RankDied as exc:
+        exc.args = (
+            f"{prefix}{exc} (gloo aborts a rank whose receive gets a message of another size: "
+            "sender and receiver disagree on a chunk's or a half's bounds, or on who their "
+            "peer is; see the gloo message below)",
+        )
+        raise
+    except RankFailed as exc:
+        if hint and exc.exc_type != "NotImplementedError":
+            exc.args = (prefix + str(exc),)
+        raise
+
+
+def first_problems(problems: list[str], header: str, limit: int = 6) -> None:
+    """Fail with the first few problems the ranks reported, if any (each once)."""
+    unique = list(dict.fromkeys(problems))
+    if unique:
+        more = f"\n  ... and {len(unique) - limit} more" if len(unique) > limit else ""
+        fail(header + "\n  " + "\n  ".join(unique[:limit]) + more)
+
+
+def sizes_for(n: int, large: int = 4099) -> list[int]:
+    """Divisible by the world first (a chunk-index mistake then shows as wrong values, not as a
+    hang on messages of different sizes), then not divisible, larger, smaller than the world, 1."""
+    return list(dict.fromkeys([4 * n, 3 * n + 1, large, max(1, n - 1), 1]))
+
+
+def integer_valued(g: torch.Generator, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers: every order of reduction gives the same bits, bfloat16 included."""
+    return torch.randint(-8, 9, (size,), generator=g).to(dtype)
+
+
+def mixed_floats(g: torch.Generator, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random values spread over six orders of magnitude: the order of additions shows."""
+    scale = 10.0 ** torch.randint(-3, 4, (size,), generator=g)
+    return (torch.randn(size, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def tolerance(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """Element-wise bound on |a - b| between two sums of the same n values in any order:
+    2·(n-1)·eps·sum|x_i| (each of the n-1 additions of either sum rounds by at most eps times
+    the magnitude of what it adds up; Higham, Accuracy and Stability, 2002, section 4.2)."""
+    n = len(inputs)
+    eps = torch.finfo(inputs[0].dtype).eps
+    magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
+    return 2 * max(n - 1, 1) * eps * magnitude + torch.finfo(inputs[0].dtype).tiny
+
+
+def same_bits_everywhere(result: torch.Tensor) -> list[int]:
+    """The ranks whose result differs bitwise from rank 0's (collective: call on every rank)."""
+    everyone = [torch.empty_like(result) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, result.contiguous())
+    return [r for r, other in enumerate(everyone) if not torch.equal(other, everyone[0])]
+
+
+def differs(mine: torch.Tensor, ref: torch.Tensor) -> str:
+    """``at indices [..]: expected [..], got [..]`` for the first few differences."""
+    bad = (mine != ref).nonzero().flatten()[:3].tolist()
+    return f"at indices {bad}: expected {ref[bad].tolist()}, got {mine[bad].tolist()}"
+
+
+def values_problems(
+    fn: Callable[..., Any], label: str, sizes: list[int], seed: int = 1000
+) -> list[str]:
+    """Run ``fn(tensor, op=...)`` (an in-place all-reduce) against ``dist.all_reduce``."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    problems = []
+    g = torch.Generator().manual_seed(seed + rank)
+    for size in sizes:
+        for dtype in DTYPES:
+            data = integer_valued(g, size, dtype)
+            mine, ref = data.clone(), data.clone()
+            out = fn(mine)
+            dist.all_reduce(ref)
+            if not torch.equal(mine, ref):
+                problems.append(
+                    f"rank {rank}: size {size}, {dtype}: differs from dist.all_reduce "
+                    f"{differs(mine, ref)}{chunk_hint(mine, ref, n)}"
+                )
+            if out is None or out.data_ptr() != mine.data_ptr():
+                problems.append(f"{label} must reduce in place and return the input tensor")
+        if problems:  # report the first size that fails: later ones may crash on it
+            return problems
+    for op_name in OPS:
+        op = getattr(dist.ReduceOp, op_name)
+        data = torch.randint(1, 4, (2 * n + 1,), generator=g).double()
+        mine, ref = data.clone(), data.clone()
+        fn(mine, op=op)
+        dist.all_reduce(ref, op=op)
+        if not torch.equal(mine, ref):
+            problems.append(
+                f"rank {rank}: op={op_name}: expected {ref.tolist()}, got {mine.tolist()}"
+            )
+    square = torch.arange(12.0).reshape(3, 4) * (rank + 1)
+    ref = square.clone()
+    fn(square)
+    dist.all_reduce(ref)
+    if not torch.equal(square, ref):
+        problems.append(
+            f"rank {rank}: a 3x4 tensor: expected {ref.tolist()}, got {square.tolist()}"
+        )
+    return problems
+
+
+def chunk_hint(mine: torch.Tensor, ref: torch.Tensor, n: int) -> str:
+    """Name the chunks (torch.tensor_split's) that came out wrong: a mistake in the chunk
+    arithmetic usually spoils whole chunks, a wrong last boundary only the tail."""
+    if mine.numel() < n:
+        return ""
+    pieces = zip(torch.tensor_split(mine, n), torch.tensor_split(ref, n), strict=True)
+    wrong = [i for i, (a, b) in enumerate(pieces) if not torch.equal(a, b)]
+    if not wrong:
+        return ""
+    tail = ""
+    if mine.numel() % n and wrong == [n - 1]:
+        tail = (
+            f"; only the last chunk is wrong and {mine.numel()} does not divide by {n}: check "
+            "the last chunk's boundary (the chunks must cover every element)"
+        )
+    return f" (wrong chunks of {n}: {wrong}{tail})"
+
+
+def random_float_problems(fn: Callable[..., Any], seed: int = 77) -> list[str]:
+    """Random floats: every rank the same bits, and within :func:`tolerance` of dist.all_reduce."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    problems = []
+    g = torch.Generator().manual_seed(seed + rank)
+    for dtype in (torch.float32, torch.float64):
+        data = mixed_floats(g, 4 * n + 3, dtype)
+        inputs = [torch.empty_like(data) for _ in range(n)]
+        dist.all_gather(inputs, data)
+        mine, ref = data.clone(), data.clone()
+        fn(mine)
+        dist.all_reduce(ref)
+        differ = same_bits_everywhere(mine)
+        if differ:
+            problems.append(
+                f"{dtype}: ranks {differ} ended with different bits from rank 0's: each element "
+                "must be reduced once, in one order, and then copied to every rank (never "
+                "reduced again on the way back)"
+            )
+        bound = tolerance(inputs)
+        excess = (mine.double() - ref.double()).abs() - bound
+        if bool((excess > 0).any()):
+            i = int(excess.argmax())
+            problems.append(
+                f"rank {rank}, {dtype}: element {i} is {mine[i].item()!r}, dist.all_reduce gives "
+                f"{ref[i].item()!r}; two orders of the same sum differ by at most "
+                f"{bound[i].item():.3e} here (2(n-1)·eps·sum|x|): a contribution is missing or "
+                "counted twice"
+            )
+    return problems
+
+
+def counted(fn: Callable[[], Any]) -> CommCounter:
+    """Run ``fn()`` under a :class:`CommCounter` and return it."""
+    with CommCounter() as counter:
+        fn()
+    return counter
+
+
+def sends(counter: CommCounter) -> list[CommRecord]:
+    return [r for r in counter.records if r.op in ("send", "isend")]
+
+
+def receives(counter: CommCounter) -> list[CommRecord]:
+    return [r for r in counter.records if r.op in ("recv", "irecv")]
+
+
+def collectives(counter: CommCounter) -> list[CommRecord]:
+    return [r for r in counter.records if not r.is_point_to_point]
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)

@@ -1,0 +1,49 @@
+"""The phase-3 benchmark CLI runs, writes its JSON rows and its plot, fits the model, and refuses
+bad flags before starting any world."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from solutions.phase3_multi_node import benchmark_collectives as bench
+
+pytestmark = pytest.mark.harness
+
+
+def test_benchmark_writes_rows_fits_and_a_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows_file, plot = tmp_path / "rows.json", tmp_path / "busbw.png"
+    argv = ["--world", "2", "--max-mib", "0.0625", "--repeat-scale", "0.12"]
+    argv += ["--json", str(rows_file), "--plot", str(plot)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(rows_file.read_text())
+    sizes = bench.default_sizes(1024, 64 * 1024)
+    assert len(payload["rows"]) == len(sizes) * len(bench.ALGORITHMS), out
+    assert {r["algorithm"] for r in payload["rows"]} == set(bench.ALGORITHMS)
+    for row in payload["rows"]:
+        assert row["busbw_Bps"] == pytest.approx(row["algbw_Bps"])  # 2(n-1)/n = 1 at n = 2
+    assert {f["algorithm"] for f in payload["fits"]} == set(bench.ALGORITHMS)
+    assert plot.stat().st_size > 1000
+    assert "busbw vs dist.all_reduce" in out and "Predicted crossovers" in out
+
+
+def test_repeated_world_flags_are_merged() -> None:
+    assert bench._merge_repeated(["--world", "2", "--world", "4", "--x"], "--world") == [
+        "--x",
+        "--world",
+        "2,4",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--world", "3"], ["--world", "two"], ["--algorithms", "ring,magic"], ["--segment-kib", "0"]],
+)
+def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main([*argv, "--plot", ""]) == 2
+    assert "error" in capsys.readouterr().err
