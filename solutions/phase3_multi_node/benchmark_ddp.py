@@ -1,0 +1,214 @@
+"""Benchmark DDP from scratch against torch's DistributedDataParallel, in the same run.
+
+The model is an MLP of a few wide Linear layers (default 4 x 2048 x 2048: 64 MiB of fp32
+gradients, so the default 25 MiB buckets give several all-reduces). Each timed quantity is the
+slowest rank's time (ranks start together after a barrier), and the table shows medians over
+``--steps`` repetitions, ours and torch's measured alternately so drift hits both alike:
+
+* **step**: zero_grad, forward, backward (with the gradient averaging inside it), SGD step;
+* **fwd+bwd**: forward and backward under DDP (returns once every gradient is averaged);
+* **local fwd+bwd**: the same on the bare module, no communication at all;
+* **comm alone**: the same buckets all-reduced with nothing else running.
+
+The share of communication hidden behind backward is ``(local + comm - fwd+bwd) / comm``: 100%
+when DDP costs no more than backward alone, 0% when it costs backward plus all the communication
+(clipped to [0, 100]).
+
+    uv run python -m solutions.phase3_multi_node.benchmark_ddp
+    uv run python -m solutions.phase3_multi_node.benchmark_ddp --caps=1,5,25,100  # cost model
+    uv run python -m solutions.phase3_multi_node.benchmark_ddp --impl templates
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from solutions.common.cli import parse_config, run_main
+from solutions.common.impl import IMPLS, load_impl
+from solutions.common.world import WorldError, run_world
+
+PHASE = "phase3_multi_node"
+
+
+@dataclass
+class BenchmarkConfig:
+    """The benchmark's flags."""
+
+    world: int = field(default=2, metadata={"help": "number of ranks"})
+    width: int = field(default=2048, metadata={"help": "width of each Linear layer"})
+    layers: int = field(default=4, metadata={"help": "number of width x width Linear layers"})
+    batch: int = field(default=32, metadata={"help": "samples per rank per step"})
+    steps: int = field(default=20, metadata={"help": "timed repetitions of each quantity"})
+    caps: str = field(
+        default="-1",
+        metadata={
+            "help": "bucket_cap_mb values, comma-separated (--caps=-1,5); -1: torch's default"
+        },
+    )
+    impl: str = field(
+        default="solutions",
+        metadata={"choices": IMPLS, "help": "time the reference or your templates"},
+    )
+
+
+def parse_caps(text: str) -> list[float]:
+    """``"-1,5,25"`` -> ``[-1.0, 5.0, 25.0]``; a ValueError naming what is not a number."""
+    try:
+        caps = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ValueError(f"--caps {text!r}: give sizes in MiB like -1,5,25") from None
+    if not caps or any(cap < 0 and cap != -1 for cap in caps):
+        raise ValueError(f"--caps {text!r}: sizes must be >= 0, or -1 for torch's default")
+    return caps
+
+
+def validate(config: BenchmarkConfig) -> None:
+    parse_caps(config.caps)
+    problems = [
+        f"--{name} {getattr(config, name)} must be >= {low}"
+        for name, low in (("world", 2), ("width", 1), ("layers", 1), ("batch", 1), ("steps", 1))
+        if getattr(config, name) < low
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def make_mlp(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks[:-1])
+
+
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds``."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return slowest(time.perf_counter() - start)
+
+
+def measure_worker(config: BenchmarkConfig, cap_mb: float) -> dict[str, Any]:
+    """Runs on every rank; every rank returns the same medians (seconds)."""
+    ddp_impl = load_impl(PHASE, "ddp", config.impl)
+    cap = None if cap_mb < 0 else cap_mb
+    ours = ddp_impl.DistributedDataParallel(make_mlp(config.width, config.layers), cap)
+    models: dict[str, nn.Module] = {
+        "ours": ours,
+        "torch": TorchDDP(make_mlp(config.width, config.layers), bucket_cap_mb=cap),
+    }
+    local = make_mlp(config.width, config.layers)
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-4) for name, m in models.items()}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(config.batch, config.width, generator=g)
+    buffers = [torch.zeros_like(b.buffer) for b in ours.buckets]
+
+    def step(name: str) -> None:
+        optimizers[name].zero_grad(set_to_none=True)
+        models[name](x).square().mean().backward()
+        optimizers[name].step()
+
+    def forward_backward(model: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+
+        return run
+
+    def communicate() -> None:
+        works = [dist.all_reduce(b, async_op=True) for b in buffers]
+        for work in works:
+            work.wait()
+
+    for _ in range(2):  # warm-up; torch rebuilds its buckets after the first iteration
+        for name in models:
+            step(name)
+    samples: dict[str, list[float]] = {
+        key: [] for key in ("step ours", "step torch", "fb ours", "fb torch", "local", "comm")
+    }
+    for _ in range(config.steps):
+        for name in models:
+            samples[f"step {name}"].append(timed(lambda name=name: step(name)))  # type: ignore[misc]
+        for name, model in models.items():
+            samples[f"fb {name}"].append(timed(forward_backward(model)))
+        samples["local"].append(timed(forward_backward(local)))
+        samples["comm"].append(timed(communicate))
+    result: dict[str, Any] = {key: statistics.median(v) for key, v in samples.items()}
+    result["buckets"] = [b.nbytes for b in ours.buckets]
+    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in local.parameters())
+    result["threads"] = torch.get_num_threads()
+    result["cap"] = "default" if cap is None else f"{cap:g} MiB"
+    return result
+
+
+def hidden_share(fwd_bwd: float, local: float, comm: float) -> float:
+    """Share of the communication time that backward hid: (local + comm - fwd_bwd) / comm."""
+    if comm <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (local + comm - fwd_bwd) / comm))
+
+
+def format_table(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> str:
+    first = results[0]
+    lines = [
+        f"MLP {config.layers} x Linear({config.width}, {config.width}), fp32, "
+        f"{first['grad_bytes'] / 2**20:.1f} MiB of gradients, world {config.world}, batch "
+        f"{config.batch} per rank, medians of {config.steps} (slowest rank), CPU "
+        f"({first['threads']} thread(s) per rank)",
+        "",
+        "| bucket_cap_mb | buckets (MiB) | DDP | step ms | step vs torch | fwd+bwd ms "
+        "| local fwd+bwd ms | comm alone ms | comm hidden behind backward |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        buckets = ", ".join(f"{b / 2**20:.1f}" for b in r["buckets"])
+        for name, label in (("ours", f"from scratch ({config.impl})"), ("torch", "torch DDP")):
+            hidden = hidden_share(r[f"fb {name}"], r["local"], r["comm"])
+            lines.append(
+                f"| {r['cap']} | {buckets} | {label} | {1e3 * r[f'step {name}']:.1f} | "
+                f"{r[f'step {name}'] / r['step torch']:.3f}x | {1e3 * r[f'fb {name}']:.1f} | "
+                f"{1e3 * r['local']:.1f} | {1e3 * r['comm']:.1f} | {100 * hidden:.0f}% |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(BenchmarkConfig, argv, __doc__)
+    try:
+        validate(config)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        results = [
+            run_world(measure_worker, config.world, (config, cap), {}, timeout=900)[0]
+            for cap in parse_caps(config.caps)
+        ]
+    except WorldError as err:  # e.g. an unwritten TODO under --impl templates: one message
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(format_table(results, config))
+    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

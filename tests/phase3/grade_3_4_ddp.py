@@ -1,0 +1,712 @@
+"""Grader of exercise 3.4, DDP from scratch: ``uv run pytest tests/test_phase3.py -m ex3_4``.
+
+* ``assign_buckets`` against torch's own ``dist._compute_bucket_assignment_by_size`` (fed the
+  parameters in reverse registration order, as the Reducer's rebuild does), and the buckets of a
+  real DDP against the ones torch's DDP uses after its first iteration (read with a
+  communication hook), for caps giving one bucket, a few, one per parameter, and the default;
+* the training: five SGD steps equal to torch's DDP and to one process on the whole batch (float64,
+  ranks starting from different seeds, so the broadcast matters), with a frozen layer, a weight
+  used twice, a layer no rank uses and one used on one rank only; worlds 2 and 3; with
+  ``gradient_as_bucket_view`` the ``.grad`` must lie inside the bucket; inside two groups of 2;
+* the shape of the work: one async all-reduce per bucket per step, in bucket order, each
+  launched as soon as its last gradient is ready (before backward is over), holding the
+  gradients already divided by the world size; fp16 gradients whose sum overflows; all-reduces
+  that complete only when waited for; ``no_sync``; a clear error for a parameter without gradient.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_helpers import (
+    TOLERANCE,
+    AllReduceRecorder,
+    BucketLog,
+    FeaturesNet,
+    HeadFirst,
+    batch,
+    buckets_module,
+    chain_mlp,
+    ddp_module,
+    fail,
+    first_problems,
+    impl_flag,
+    logging_allreduce_hook,
+    params_of,
+    program,
+    raises_in_rank,
+    record_grad_events,
+    shard,
+    small_world,
+    worst,
+)
+from grading import exercise
+from subgroups import split_into_groups
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from solutions.common.comm_counter import CommCounter
+from solutions.common.events import EventRecorder
+
+STEPS = 5
+LOSS = nn.functional.cross_entropy
+
+# ----------------------------------------------------------------------------- bucket assignment
+
+
+def torch_assignment(
+    sizes: list[int], dtypes: list[torch.dtype], limits: list[int]
+) -> list[list[int]]:
+    tensors = [
+        torch.empty(s // (torch.finfo(d).bits // 8), dtype=d)
+        for s, d in zip(sizes, dtypes, strict=True)
+    ]
+    order = list(reversed(range(len(sizes))))
+    result, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], limits, [False] * len(order), order
+    )
+    return [list(b) for b in result]
+
+
+def assignment_cases() -> list[tuple[list[int], list[torch.dtype], list[int]]]:
+    rng = random.Random(34)
+    cases = [([80, 800, 160, 4800, 240, 2400], [torch.float64] * 6, [2097, 2097])]
+    for trial in range(60):
+        n = rng.randint(1, 10)
+        mixed = trial % 3 == 0
+        dtypes = [
+            rng.choice([torch.float32, torch.float64]) if mixed else torch.float32 for _ in range(n)
+        ]
+        sizes = [rng.randint(1, 64) * torch.finfo(d).bits // 8 for d in dtypes]
+        limits = rng.choice([[1, 1], [100, 100], [64, 256], [10**9, 10**9], [200, 50]])
+        cases.append((sizes, dtypes, limits))
+    return cases
+
+
+@exercise("3.4")
+def test_assign_buckets_matches_torchs_bucket_assignment() -> None:
+    assign = buckets_module().assign_buckets
+    for sizes, dtypes, limits in assignment_cases():
+        want = torch_assignment(sizes, dtypes, limits)
+        got = [list(b) for b in assign(sizes, limits, dtypes)]
+        single = len(set(dtypes)) == 1
+        # torch lists the buckets still open at the end in hash-map order: compare those as sets
+        same = got == want if single else sorted(map(tuple, got)) == sorted(map(tuple, want))
+        if same:
+            continue
+        forward = [[i for i in b] for b in _forward_order(sizes, limits)] if single else None
+        hint = ""
+        if forward is not None and got == forward:
+            hint = (
+                " You walked the parameters in registration order: backward produces the last "
+                "layer's gradients first, so torch fills buckets from index n-1 down to 0."
+            )
+        elif single and sorted(map(tuple, got)) == sorted(map(tuple, want)):
+            hint = " The right buckets, in the wrong order: closed buckets first, in closing order."
+        fail(
+            f"3.4 assign_buckets(sizes={sizes}, limits={limits}"
+            + ("" if single else f", kinds={[str(d).split('.')[-1] for d in dtypes]}")
+            + f"): expected {want} (torch's _compute_bucket_assignment_by_size on the parameters "
+            f"in reverse registration order), got {got}.{hint} A bucket closes as soon as its "
+            "bytes reach its limit; the k-th bucket of a kind uses limits[k] (the last repeats)."
+        )
+
+
+def _forward_order(sizes: list[int], limits: list[int]) -> list[list[int]]:
+    """What a walk in registration order gives (the usual mistake)."""
+    result: list[list[int]] = []
+    bucket: list[int] = []
+    nbytes = 0
+    for index, size in enumerate(sizes):
+        bucket.append(index)
+        nbytes += size
+        if nbytes >= limits[min(len(result), len(limits) - 1)]:
+            result.append(bucket)
+            bucket, nbytes = [], 0
+    return result + ([bucket] if bucket else [])
+
+
+# default cap: the first bucket is 1 MiB, so this model (720 KB float64 layers) needs two
+BUCKET_CASES = [
+    ("one bucket", 100.0, (10, 30, 20, 5)),
+    ("a few buckets", 0.002, (10, 30, 20, 5)),
+    ("one per parameter", 0.0, (10, 30, 20, 5)),
+    ("the default (1 MiB first)", None, (300, 300, 300, 300, 10)),
+]
+
+
+def bucket_membership_worker() -> list[tuple[str, list[list[str]], list[list[str]]]]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    out = []
+    for label, cap, widths in BUCKET_CASES:
+        ours = ddp_cls(chain_mlp(0, widths), bucket_cap_mb=cap)
+        reference_model = chain_mlp(0, widths)
+        reference = TorchDDP(reference_model, bucket_cap_mb=cap)
+        log = BucketLog({id(p): n for n, p in reference_model.named_parameters()})
+        reference.register_comm_hook(log, logging_allreduce_hook)
+        x = torch.randn(4, widths[0], dtype=torch.float64)
+        for _ in range(2):  # torch rebuilds its buckets after the first iteration
+            log.buckets.clear()
+            reference(x).sum().backward()
+        theirs = [names for _, names in sorted(log.buckets)]
+        out.append((label, [list(b.names) for b in ours.buckets], theirs))
+    return out
+
+
+@exercise("3.4")
+def test_buckets_are_torch_ddps_after_its_first_iteration() -> None:
+    for label, ours, theirs in small_world(bucket_membership_worker, 2)[0]:
+        if ours != theirs:
+            fail(
+                f"3.4 DistributedDataParallel, {label}: buckets {ours}; torch's DDP uses {theirs} "
+                "from its second iteration on (bucket.parameters() in a comm hook): reverse "
+                "registration order, each bucket closed once its bytes reach its limit"
+            )
+
+
+# ----------------------------------------------------------------------------- the shape of the work
+
+
+def overlap_worker(steps: int) -> dict[str, Any]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    world_size = dist.get_world_size()
+    model = chain_mlp(dist.get_rank())
+    events = EventRecorder()
+    grads = record_grad_events(model, events)  # before DDP's hooks, so they run first
+    ddp = ddp_cls(model, bucket_cap_mb=0.002)
+    names = [list(b.names) for b in ddp.buckets]
+    problems: list[str] = []
+    per_step = []
+    with CommCounter() as comm, AllReduceRecorder(events) as calls:
+        for step in range(steps):
+            events.clear()
+            calls.contents.clear()
+            before = comm.count("all_reduce")
+            x, y = batch(step, 8, 10, 5)
+            model.zero_grad()
+            LOSS(
+                ddp(shard(x, dist.get_rank(), world_size)), shard(y, dist.get_rank(), world_size)
+            ).backward()
+            per_step.append(comm.count("all_reduce") - before)
+            if step == 0:
+                problems += _overlap_problems(events, names, model)
+                problems += _content_problems(calls.contents, names, grads, world_size)
+    problems += _launch_order_problems(ddp_cls)
+    if not all(calls.async_flags):
+        problems.append(
+            "a bucket all-reduce was blocking: launch it with async_op=True and keep the work; a "
+            "blocking all-reduce inside a hook stalls backward until it is done"
+        )
+    return {"problems": problems, "per_step": per_step, "buckets": len(names)}
+
+
+def _launch_order_problems(ddp_cls: Any) -> list[str]:
+    """HeadFirst's gradients arrive for buckets 2, 3 before 0, 1: launches must wait."""
+    world_size = dist.get_world_size()
+    ddp = ddp_cls(HeadFirst(dist.get_rank()), bucket_cap_mb=0.0)
+    x, y = batch(0, 8, 10, 5)
+    with AllReduceRecorder(EventRecorder()) as calls:
+        rank = dist.get_rank()
+        LOSS(ddp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    index_of = {b.buffer.data_ptr(): b.index for b in ddp.buckets}
+    launched = [index_of.get(pointer, -1) for pointer in calls.pointers]
+    want = [b.index for b in ddp.buckets]
+    if launched != want:
+        return [
+            f"a model whose gradients arrive for buckets {[b.index for b in ddp.buckets][2:]} "
+            f"first: buckets were all-reduced in the order {launched}, expected {want}. "
+            "Collectives pair up by the order each rank issues them, and ranks may see "
+            "gradients in different orders (unused parameters): launch bucket i only after "
+            "buckets 0..i-1, keeping the next one to launch in self._next_bucket"
+        ]
+    return []
+
+
+def _overlap_problems(events: EventRecorder, names: list[list[str]], model: nn.Module) -> list[str]:
+    order = [(e.name, e.labels.get("param", e.labels.get("call"))) for e in events.events]
+    position_of = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    launches = [i for i, (kind, _) in enumerate(order) if kind == "all_reduce"]
+    grads = [i for i, (kind, _) in enumerate(order) if kind == "grad"]
+    if not launches:
+        return ["no dist.all_reduce was called during backward"]
+    if launches[0] > grads[-1]:
+        return [
+            "the first bucket's all-reduce started only after the last gradient was computed: no "
+            "communication overlapped backward. Launch each bucket from the hook of its last "
+            "gradient (async), and only wait in the callback at the end"
+        ]
+    problems = []
+    for number, bucket in enumerate(names[:-1]):
+        if number >= len(launches):
+            break
+        following = {position_of[n] for n in names[number + 1]}
+        first_next = next((i for i in grads if order[i][1] in following), None)
+        if first_next is not None and launches[number] > first_next:
+            problems.append(
+                f"bucket {number} ({', '.join(bucket)}) was launched only after gradients of bucket "
+                f"{number + 1} arrived: launch a bucket as soon as its last gradient is in"
+            )
+    return problems
+
+
+def _content_problems(
+    contents: list[torch.Tensor],
+    names: list[list[str]],
+    grads: dict[str, torch.Tensor],
+    world_size: int,
+) -> list[str]:
+    for number, (handed, bucket) in enumerate(zip(contents, names, strict=False)):
+        local = torch.cat([grads[n].flatten() for n in bucket])
+        if handed.shape != local.shape:
+            return [
+                f"all-reduce {number} got {handed.numel()} elements; bucket {number} "
+                f"({', '.join(bucket)}) has {local.numel()}: all-reduce the buckets in bucket order"
+            ]
+        if torch.equal(handed, local) and world_size > 1:
+            return [
+                f"bucket {number} was handed to all-reduce holding this rank's gradients as they "
+                "are: divide by the world size while copying into the bucket (before the sum, as "
+                "torch does), not after, so fp16 sums cannot overflow"
+            ]
+        if not torch.allclose(handed, local / world_size, rtol=1e-15, atol=0.0):
+            return [
+                f"bucket {number} ({', '.join(bucket)}) was handed to all-reduce holding "
+                f"something else than its gradients / {world_size}, in bucket order "
+                f"(max difference {float((handed - local / world_size).abs().max()):.2e})"
+            ]
+    return []
+
+
+@exercise("3.4")
+def test_buckets_are_all_reduced_once_each_as_soon_as_ready() -> None:
+    steps = 3
+    results = small_world(overlap_worker, 2, steps)
+    first_problems(
+        [f"rank {r}: {p}" for r, result in enumerate(results) for p in result["problems"]],
+        "3.4 DistributedDataParallel, 2 ranks, 2 buckets, events of one backward (test hooks "
+        "record when each gradient is ready, a wrapper when each dist.all_reduce is called):",
+    )
+    for rank, result in enumerate(results):
+        want = [result["buckets"]] * steps
+        if result["per_step"] != want:
+            fail(
+                f"3.4 DistributedDataParallel: rank {rank} called dist.all_reduce "
+                f"{result['per_step']} times in {steps} steps; expected {want}, once per bucket "
+                "per backward (through dist.all_reduce, so it can be counted)"
+            )
+
+
+def deferred_worker() -> list[str]:
+    """All-reduces complete only when waited for: reading a bucket early reads local values."""
+    ddp_cls = ddp_module().DistributedDataParallel
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours = ddp_cls(chain_mlp(rank), bucket_cap_mb=0.002)
+    theirs = TorchDDP(chain_mlp(rank), bucket_cap_mb=0.002)
+    x, y = batch(0, 8, 10, 5)
+    with AllReduceRecorder(EventRecorder(), deferred=True):
+        LOSS(ours(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    LOSS(theirs(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    want = {n: p.grad for n, p in theirs.module.named_parameters()}
+    for name, p in ours.module.named_parameters():
+        expected = want[name]
+        assert expected is not None
+        if p.grad is None:
+            return [f"{name}.grad is None when backward returns: write the averages into .grad"]
+        if float((p.grad - expected).abs().max()) <= TOLERANCE:
+            continue
+        if torch.allclose(p.grad, expected * world_size, rtol=1e-12, atol=0.0):
+            return [
+                f"{name}.grad holds the sum over the {world_size} ranks, not their average: "
+                "multiply each gradient by 1/world while copying it into its bucket"
+            ]
+        return [
+            f"{name}.grad is not the group's average when backward returns, with all-reduces "
+            "that finish only when waited for: wait() for every bucket's work before reading "
+            "its buffer back into .grad"
+        ]
+    return []
+
+
+@exercise("3.4")
+def test_gradients_are_read_only_after_waiting() -> None:
+    first_problems(
+        [
+            f"rank {r}: {p}"
+            for r, problems in enumerate(small_world(deferred_worker, 2))
+            for p in problems
+        ],
+        "3.4 DistributedDataParallel, 2 ranks:",
+    )
+
+
+def fp16_worker() -> list[str]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    weight = nn.Linear(4, 1, bias=False).half()
+    ddp = ddp_cls(weight)
+    x = torch.full((1, 4), 40000.0, dtype=torch.float16)
+    ddp(x).sum().backward()  # every rank's gradient is 40000; their sum, 80000, overflows fp16
+    grad = weight.weight.grad
+    if grad is None or not torch.isfinite(grad).all() or not bool((grad == 40000).all()):
+        return [
+            f"fp16 gradients of 40000 on every rank averaged to {None if grad is None else grad.tolist()}"
+            "; expected 40000. Their sum (80000) overflows fp16 (max 65504): multiply by 1/world "
+            "while copying into the bucket, before the all-reduce sums"
+        ]
+    return []
+
+
+@exercise("3.4")
+def test_fp16_average_does_not_overflow() -> None:
+    first_problems(
+        [
+            f"rank {r}: {p}"
+            for r, problems in enumerate(small_world(fp16_worker, 2))
+            for p in problems
+        ],
+        "3.4 DistributedDataParallel with fp16 parameters, 2 ranks:",
+    )
+
+
+def no_sync_worker(steps: int, micro: int) -> dict[str, Any]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ddp = ddp_cls(chain_mlp(100 + rank), bucket_cap_mb=0.002)
+    single = chain_mlp(100)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, single)]
+    calls = []
+    samples = micro * 2 * world_size
+    with CommCounter() as comm:
+        for step in range(steps):
+            x, y = batch(step, samples, 10, 5)
+            xs, ys = (
+                shard(x, rank, world_size).chunk(micro),
+                shard(y, rank, world_size).chunk(micro),
+            )
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            before = comm.count("all_reduce")
+            for index, (xm, ym) in enumerate(zip(xs, ys, strict=True)):
+                if index < micro - 1:
+                    with ddp.no_sync():
+                        (LOSS(ddp(xm), ym) / micro).backward()
+                else:
+                    (LOSS(ddp(xm), ym) / micro).backward()
+            calls.append(comm.count("all_reduce") - before)
+            LOSS(single(x), y).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+    name, diff = worst(params_of(ddp.module), params_of(single))
+    return {"calls": calls, "buckets": len(ddp.buckets), "name": name, "diff": diff}
+
+
+@exercise("3.4")
+def test_no_sync_accumulates_and_all_reduces_once_per_step() -> None:
+    steps, micro = 3, 3
+    for rank, result in enumerate(small_world(no_sync_worker, 2, steps, micro)):
+        want = [result["buckets"]] * steps
+        if result["calls"] != want:
+            fail(
+                f"3.4 no_sync(): {micro} micro-batches per step, all but the last under no_sync(); "
+                f"rank {rank} called dist.all_reduce {result['calls']} times in {steps} steps, "
+                f"expected {want} (once per bucket per optimizer step). Forwards run inside "
+                "no_sync() must build backwards that do not communicate, and the flag must be "
+                "restored when the block ends"
+            )
+        if result["diff"] > TOLERANCE:
+            fail(
+                f"3.4 no_sync(): after {steps} steps of {micro} micro-batches, rank {rank}'s "
+                f"{result['name']} differs from one process on the whole batch by "
+                f"{result['diff']:.2e}: the last backward must all-reduce the gradients "
+                "accumulated under no_sync()"
+            )
+
+
+def unused_error_worker() -> list[str]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    ddp = ddp_cls(FeaturesNet(0, use_extra=False))  # find_unused_parameters=False
+    x, y = batch(0, 4, 6, 8)
+    with raises_in_rank() as caught:
+        LOSS(ddp(x), y).backward()
+    return caught
+
+
+@exercise("3.4")
+def test_a_parameter_without_gradient_is_a_clear_error() -> None:
+    for rank, caught in enumerate(small_world(unused_error_worker, 2)):
+        if not caught:
+            fail(
+                "3.4 DistributedDataParallel(find_unused_parameters=False) on a model with unused "
+                f"layers: backward returned on rank {rank} without an error; expected a "
+                "RuntimeError naming the parameters that got no gradient"
+            )
+        message = caught[0]
+        if "unused.weight" not in message or "find_unused_parameters" not in message:
+            fail(
+                f"3.4 DistributedDataParallel: the error for parameters without gradient should "
+                f"name them ('unused.weight', ...) and mention find_unused_parameters=True; it "
+                f"was: {message}"
+            )
+
+
+# ----------------------------------------------------------------------------- training
+
+
+CASES = {
+    # name: (model, find_unused_parameters, gradient_as_bucket_view, bucket_cap_mb)
+    "chain": ("chain", False, False, 0.002),
+    "features": ("features", True, False, 0.0005),
+    "bucket_view": ("chain", False, True, 0.002),
+}
+
+
+def make_model(kind: str, seed: int, use_extra: bool) -> nn.Module:
+    return chain_mlp(seed) if kind == "chain" else FeaturesNet(seed, use_extra)
+
+
+def training_worker(case: str) -> list[str]:
+    kind, find_unused, as_view, cap = CASES[case]
+    ddp_cls = ddp_module().DistributedDataParallel
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    extra_here = rank == world_size - 1  # `extra` is used on the last rank only
+    # every rank starts from its own seed: only the broadcast makes the replicas equal
+    ours = ddp_cls(
+        make_model(kind, 100 + rank, extra_here),
+        bucket_cap_mb=cap,
+        find_unused_parameters=find_unused,
+        gradient_as_bucket_view=as_view,
+    )
+    theirs = TorchDDP(
+        make_model(kind, 100 + rank, extra_here),
+        bucket_cap_mb=cap,
+        find_unused_parameters=find_unused,
+        gradient_as_bucket_view=as_view,
+    )
+    single = make_model(kind, 100, False)  # rank 0's initial weights, on the whole batch
+    optimizers = [
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        for m in (ours, theirs, single)
+    ]
+    features, classes = (10, 5) if kind == "chain" else (6, 8)
+    problems: list[str] = []
+    for step in range(STEPS):
+        x, y = batch(step, 4 * world_size, features, classes)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        for model in (ours, theirs):
+            LOSS(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        # one process: the mean over ranks of each rank's mean loss, with its own `extra` use
+        total = torch.zeros((), dtype=torch.float64)
+        for r in range(world_size):
+            single.use_extra = r == world_size - 1  # type: ignore[assignment]
+            total = total + LOSS(single(shard(x, r, world_size)), shard(y, r, world_size))
+        (total / world_size).backward()
+        if as_view:
+            problems += _view_problems(ours, step)
+        if find_unused and step == 0:
+            for name in ("unused.weight", "unused.bias"):
+                p = dict(ours.module.named_parameters())[name]
+                if p.grad is not None:
+                    problems.append(
+                        f"{name}, used by no rank, has a .grad after backward; torch's DDP leaves "
+                        "the .grad of a parameter no rank used untouched (None here)"
+                    )
+        for optimizer in optimizers:
+            optimizer.step()
+        got = params_of(ours.module)
+        for label, want in (
+            ("torch's DDP", params_of(theirs.module)),
+            ("one process on the whole batch", params_of(single)),
+        ):
+            name, diff = worst(got, want)
+            if diff > TOLERANCE:
+                problems.append(_step_problem(step, name, diff, label))
+        if problems:
+            break
+    return problems
+
+
+def _step_problem(step: int, name: str, diff: float, label: str) -> str:
+    where = f"after step {step + 1} of {STEPS}, {name} differs from {label} by {diff:.2e}"
+    if step == 0:
+        return (
+            where + ": the first step is already wrong (are the gradients averaged: divided by "
+            "the world size, summed over ranks, and waited for before they are copied back?)"
+        )
+    return (
+        where + f", though steps 1..{step} matched: is every bucket's state (pending count, "
+        "work, the next bucket to launch) reset at the end of each backward?"
+    )
+
+
+def _view_problems(ddp: Any, step: int) -> list[str]:
+    problems = []
+    for bucket in ddp.buckets:
+        start = bucket.buffer.data_ptr()
+        end = start + bucket.buffer.numel() * bucket.buffer.element_size()
+        for position, index in enumerate(bucket.params):
+            grad = ddp.params[index].grad
+            if grad is None or not start <= grad.data_ptr() < end:
+                problems.append(
+                    f"gradient_as_bucket_view=True: after backward {step + 1}, "
+                    f"{bucket.names[position]}.grad is not a view into bucket {bucket.index}'s "
+                    "buffer: make the .grad the bucket slot itself (param.grad = slot)"
+                )
+    return problems
+
+
+@exercise("3.4")
+@pytest.mark.parametrize(
+    ("case", "world_size"),
+    [("chain", 2), ("features", 2), ("features", 3), ("bucket_view", 3)],
+)
+def test_training_equals_torch_ddp_and_one_process(case: str, world_size: int) -> None:
+    what = {
+        "chain": "a chain of Linear layers",
+        "features": "a frozen layer, a tied weight, a layer no rank uses and one only the last "
+        "rank uses (find_unused_parameters=True)",
+        "bucket_view": "a chain of Linear layers with gradient_as_bucket_view=True",
+    }[case]
+    results = small_world(training_worker, world_size, case)
+    first_problems(
+        [f"rank {r}: {p}" for r, problems in enumerate(results) for p in problems],
+        f"3.4 DistributedDataParallel, {world_size} ranks starting from different seeds, "
+        f"{STEPS} SGD steps, {what}:",
+    )
+
+
+# ----------------------------------------------------------------------------- subgroups, API
+
+
+def subgroup_worker(steps: int) -> dict[str, Any]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    info = split_into_groups(2)
+    rank = dist.get_rank()
+    with CommCounter() as comm:
+        ours = ddp_cls(chain_mlp(100 + rank), bucket_cap_mb=0.002, group=info.group)
+    theirs = TorchDDP(chain_mlp(100 + rank), bucket_cap_mb=0.002, process_group=info.group)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
+    with comm:
+        for step in range(steps):
+            x, y = batch(step + 50 * info.index, 8, 10, 5)  # each group its own data
+            for model, optimizer in zip((ours, theirs), optimizers, strict=True):
+                optimizer.zero_grad()
+                xs, ys = shard(x, info.group_rank, 2), shard(y, info.group_rank, 2)
+                LOSS(model(xs), ys).backward()
+                optimizer.step()
+    crossing = [record.describe(rank) for record in comm.crossing(info.ranks)]
+    name, diff = worst(params_of(ours.module), params_of(theirs.module))
+    return {"crossing": crossing[:3], "name": name, "diff": diff, "group": info.ranks}
+
+
+@exercise("3.4")
+def test_ddp_inside_two_groups_of_two() -> None:
+    label = "3.4 DistributedDataParallel(group=...) in the groups (0, 1) and (2, 3) of a world of 4"
+    for rank, result in enumerate(small_world(subgroup_worker, 4, 3)):
+        if result["crossing"]:
+            fail(
+                f"{label}: rank {rank} talked outside its group {result['group']}: "
+                f"{'; '.join(result['crossing'])}. Pass group= to every collective; a broadcast's "
+                "src is a global rank: dist.get_global_rank(group, 0)"
+            )
+        if result["diff"] > TOLERANCE:
+            fail(
+                f"{label}: after 3 steps rank {rank}'s {result['name']} differs from torch's DDP on "
+                f"the same group by {result['diff']:.2e} (sizes come from the group: "
+                "dist.get_world_size(group))"
+            )
+
+
+def construction_worker() -> dict[str, Any]:
+    ddp_cls = ddp_module().DistributedDataParallel
+    rank = dist.get_rank()
+    model = FeaturesNet(10 + rank, use_extra=False)
+    model.register_buffer("scale", torch.full((3,), float(rank)))
+    ours = ddp_cls(model, find_unused_parameters=True)
+    reference = TorchDDP(FeaturesNet(0, use_extra=False), find_unused_parameters=True)
+    gathered = {}
+    for name, tensor in ours.state_dict().items():
+        everyone = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, tensor.contiguous())
+        gathered[name] = all(torch.equal(everyone[0], t) for t in everyone)
+    refused = ""
+    try:
+        ddp_cls(chain_mlp(0), bucket_cap_mb=-1.0)
+    except ValueError as err:
+        refused = str(err)
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return {
+        "bucket_bytes": sum(b.buffer.numel() * b.buffer.element_size() for b in ours.buckets),
+        "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),
+        "keys": sorted(ours.state_dict()),
+        "torch_keys": sorted(set(reference.state_dict()) | {"module.scale"}),
+        "equal": gathered,
+        "module": ours.module is model,
+        "refused": refused,
+    }
+
+
+@exercise("3.4")
+@pytest.mark.reference
+def test_construction_broadcasts_and_mirrors_torchs_interface() -> None:
+    result = small_world(construction_worker, 2)[0]
+    label = "3.4 DistributedDataParallel(module)"
+    if not result["module"]:
+        fail(f"{label}: .module must be the wrapped module itself")
+    if result["keys"] != result["torch_keys"]:
+        fail(f"{label}: state_dict keys {result['keys']}; torch's DDP has {result['torch_keys']}")
+    unequal = [name for name, same in result["equal"].items() if not same]
+    if unequal:
+        fail(
+            f"{label}: after construction {unequal} differ between ranks: broadcast every "
+            "parameter (frozen ones too) and buffer from rank 0 of the group"
+        )
+    if result["bucket_bytes"] != result["trainable_bytes"]:
+        fail(
+            f"{label}: the buckets hold {result['bucket_bytes']} bytes; the trainable parameters "
+            f"are {result['trainable_bytes']} bytes: each parameter once (a tied weight is one "
+            "parameter: module.parameters() lists it once), frozen ones not at all"
+        )
+    if "bucket_cap_mb=-1" not in result["refused"]:
+        fail(
+            f"{label}: bucket_cap_mb=-1.0 should be refused with a ValueError naming it; got {result['refused']!r}"
+        )
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def demo_worker(impl_args: list[str]) -> int:
+    demo = program("ddp_demo")
+    return int(demo.main(["--epochs", "1", "--train-samples", "256", *impl_args]))
+
+
+@exercise("3.4")
+def test_ddp_demo_runs_on_two_ranks() -> None:
+    codes = small_world(demo_worker, 2, impl_flag())
+    if codes != [0, 0]:
+        fail(f"3.4: ddp_demo exited with {codes} on 2 ranks; expected [0, 0]")
+
+
+@exercise("3.4")
+@pytest.mark.reference
+def test_demo_refuses_bad_flags_all_at_once() -> None:
+    demo = program("ddp_demo")
+    with pytest.raises(ValueError) as caught:
+        demo.validate(demo.DemoConfig(epochs=0, bucket_cap_mb=-1.0, global_batch_size=7), 2)
+    for word in ("--epochs 0", "--bucket-cap-mb -1.0", "--global-batch-size"):
+        assert word in str(caught.value), f"the refusal should name {word!r}: {caught.value}"
+
+
+@exercise("3.4")
+@pytest.mark.reference
+def test_benchmark_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = program("benchmark_ddp")
+    args = ["--width", "64", "--layers", "2", "--steps", "2", "--caps", "0.01"]
+    assert benchmark.main([*args, *impl_flag()]) == 0
+    table = capsys.readouterr().out
+    for row in ("| from scratch", "| torch DDP", "comm hidden behind backward"):
+        assert row in table, f"the benchmark table lacks {row!r}:\n{table}"
