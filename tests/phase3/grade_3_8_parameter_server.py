@@ -1,0 +1,620 @@
+"""Grader of exercise 3.8, the parameter server: ``uv run pytest tests/test_phase3.py -m ex3_8``.
+
+* Sharding: the largest-first assignment within Graham's bound of the ideal bytes per server, and
+  better than round-robin by tensor on a model with very unequal layer sizes.
+* The protocol: ``check_header`` refuses, from the 64 header bytes alone, every field a stranger
+  could set wrong (a length of 2^62 first of all).
+* Training, with servers and workers as processes on 127.0.0.1 (the launcher): ``sync`` equals
+  data-parallel SGD with momentum (float64, 1e-12) with one optimizer step per clock; ``ssp`` with
+  s = 0 equals it too; ``ssp`` with s = 2 and one worker 3x slower never serves a pull more than s
+  clocks ahead of the slowest live worker (from the server's records), uses the whole bound, and
+  applies every clock once; ``async`` converges on the built-in dataset.
+* Faults: a worker SIGKILLed mid-clock does not stop the servers; sync re-forms the clock with the
+  survivors after its timeout and says so in the log; in ssp the others go on; a restarted worker
+  rejoins at the current clock with the current parameters.
+* Bad input and security: random bytes, a truncated frame, a wrong dtype or shape for a key, an
+  unknown key, a length header of 2^62 and a silent client each get the connection closed with a
+  logged reason, and the parameters stay the same bit for bit; with a shared secret nothing but a
+  correct HMAC answer is read first.
+
+Every process a run starts is checked gone at its end. About 25-40 s on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+from typing import Any
+
+import pytest
+import torch
+from grading import exercise
+from ps_helpers import (
+    TOLERANCE,
+    closed_by_server,
+    data_parallel_sgd,
+    double_mlp,
+    fail,
+    local_server,
+    make_job,
+    pattern_batches,
+    protocol_module,
+    ps_module,
+    raise_internal_errors,
+    raw_client,
+    replay_sync,
+    run_job,
+    sharding_module,
+    worst,
+)
+
+from solutions.phase3_multi_node.ps_sharding import tensor_bytes, unequal_model
+
+# ----------------------------------------------------------------------------- sharding
+
+
+@exercise("3.8")
+@pytest.mark.parametrize("servers", [2, 3, 4])
+def test_balanced_sharding(servers: int) -> None:
+    sharding = sharding_module()
+    rng = random.Random(servers)
+    cases = {
+        "a model with very unequal layer sizes": tensor_bytes(unequal_model()),
+        "random sizes": [rng.choice([4, 64, 4096, 65536, 300000]) for _ in range(17)],
+        "equal sizes": [1024] * 7,
+    }
+    for name, sizes in cases.items():
+        assignment = list(sharding.balanced_assignment(sizes, servers))
+        if len(assignment) != len(sizes) or any(not 0 <= s < servers for s in assignment):
+            fail(
+                f"3.8 balanced_assignment({name}, {servers} servers) returned {assignment}: "
+                f"expected one server in 0..{servers - 1} for each of the {len(sizes)} keys"
+            )
+        if assignment != list(sharding.balanced_assignment(list(sizes), servers)):
+            fail(
+                f"3.8 balanced_assignment is not deterministic on {name}: every process must "
+                "compute the same assignment from the same sizes"
+            )
+        loads = sharding.server_loads(sizes, assignment, servers)
+        bound = sharding.lpt_bound(sizes, servers)
+        if max(loads) > bound + 1e-6:
+            fail(
+                f"3.8 balanced_assignment on {name} with {servers} servers: bytes per server "
+                f"{loads}, the largest is {max(loads)}; a balanced assignment stays within "
+                f"{bound:.0f} (total/S + (1 - 1/S) x the (S+1)-th largest tensor). Place the "
+                "largest tensors "
+                "first, each on the least-loaded server"
+            )
+    sizes = cases["a model with very unequal layer sizes"]
+    balanced = max(
+        sharding.server_loads(sizes, sharding.balanced_assignment(sizes, servers), servers)
+    )
+    round_robin = max(
+        sharding.server_loads(sizes, sharding.round_robin_assignment(sizes, servers), servers)
+    )
+    if not balanced < round_robin:
+        fail(
+            f"3.8 on a model with very unequal layer sizes ({sizes} bytes), {servers} servers: "
+            f"the most loaded server holds {balanced} bytes, round-robin by tensor gives "
+            f"{round_robin}: a balanced assignment must do better than round-robin here"
+        )
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+def _header(**fields: Any) -> bytes:
+    """A raw header with any field forged (ps_protocol.HEADER's layout)."""
+    proto = protocol_module()
+    values: dict[str, Any] = {
+        "magic": proto.MAGIC,
+        "type": int(proto.MsgType.PUSH),
+        "dtype": 2,
+        "ndim": 1,
+        "reserved": 0,
+        "key": 0,
+        "worker": 0,
+        "clock": 0,
+        "dims": (4, 0, 0, 0),
+        "length": 32,
+    }
+    values.update(fields)
+    return proto.HEADER.pack(
+        values["magic"],
+        values["type"],
+        values["dtype"],
+        values["ndim"],
+        values["reserved"],
+        values["key"],
+        values["worker"],
+        values["clock"],
+        *values["dims"],
+        values["length"],
+    )
+
+
+BAD_HEADERS: dict[str, dict[str, Any]] = {
+    "a length header of 2^62 for a [4] float64 tensor": {"length": 2**62},
+    "a length of 31 for a [4] float64 tensor (32 bytes)": {"length": 31},
+    "dtype code 250": {"dtype": 250},
+    "ndim 9": {"ndim": 9, "dims": (4, 0, 0, 0)},
+    "a negative dimension": {"dims": (-4, 0, 0, 0), "length": 0},
+    "a size in an unused dimension": {"dims": (4, 7, 0, 0)},
+    "a CLOCK frame with 32 payload bytes": {"type": 7, "dtype": 0, "ndim": 0, "dims": (0, 0, 0, 0)},
+    "an AUTH frame of 31 bytes": {"type": 9, "dtype": 0, "dims": (31, 0, 0, 0), "length": 31},
+    "a [1024] float64 tensor over max_payload (4096 bytes)": {
+        "dims": (1024, 0, 0, 0),
+        "length": 8192,
+    },
+}
+
+
+@exercise("3.8")
+def test_check_header_refuses_from_the_header() -> None:
+    proto = protocol_module()
+    good = {
+        "a PUSH of a [4] float64 tensor": _header(),
+        "a PUSH of a [2, 3, 1, 2] float32 tensor": _header(
+            dtype=1, ndim=4, dims=(2, 3, 1, 2), length=48
+        ),
+        "a CLOCK frame": _header(type=7, dtype=0, ndim=0, dims=(0, 0, 0, 0), length=0),
+        "an AUTH frame of 32 bytes": _header(type=9, dtype=0, dims=(32, 0, 0, 0), length=32),
+    }
+    for name, raw in good.items():
+        try:
+            proto.check_header(proto.unpack_header(raw), 4096)
+        except proto.ProtocolError as err:
+            fail(f"3.8 check_header refused {name}, a valid frame: {err}")
+    for name, fields in BAD_HEADERS.items():
+        header = proto.unpack_header(_header(**fields))
+        try:
+            proto.check_header(header, 4096)
+        except proto.ProtocolError:
+            continue
+        fail(
+            f"3.8 check_header accepted {name}: the header must be refused before any payload "
+            "is read or allocated (raise ProtocolError); a length is a number a stranger wrote"
+        )
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@exercise("3.8")
+def test_sync_equals_data_parallel_sgd() -> None:
+    steps, workers, lr, momentum = 4, 3, 0.1, 0.9
+    job = make_job(mode="sync", servers=2, workers=workers, steps=steps, lr=lr, momentum=momentum)
+    result = run_job(job, "sync, 2 servers, 3 workers")
+    expected = data_parallel_sgd(workers, steps, lr, momentum)
+    for worker in range(workers):
+        clocks = [c for run in result.workers.get(worker, []) for c in run.clocks]
+        if clocks != list(range(steps)):
+            fail(f"3.8 sync: worker {worker} ran clocks {clocks}, expected 0..{steps - 1}")
+    for report in result.servers:
+        early = [g for g in report.grants if g.clock > g.slowest]
+        if early:
+            g = early[0]
+            fail(
+                f"3.8 sync: server {report.server_id} served worker {g.worker}'s pull for clock "
+                f"{g.clock} while a worker had completed only {g.slowest} clocks: in sync a pull "
+                "for clock c waits until clock c-1 was applied"
+            )
+        if report.optimizer_steps != steps:
+            fail(
+                f"3.8 sync: server {report.server_id} took {report.optimizer_steps} optimizer "
+                f"steps in {steps} clocks of {workers} workers: expected one step per clock with "
+                "the average of all W gradients (a push must not be applied on arrival in sync)"
+            )
+    diff = worst(result.params, expected)
+    if diff > TOLERANCE:
+        fail(
+            f"3.8 sync: after {steps} clocks the parameters differ from data-parallel SGD "
+            f"(momentum {momentum}, the W gradients averaged each step) by {diff:.3g} "
+            f"(allowed {TOLERANCE:g}): average the W pushes of a clock in worker order and "
+            "apply them once"
+        )
+
+
+@exercise("3.8")
+def test_ssp_with_zero_staleness_equals_sync() -> None:
+    steps, workers, lr, momentum = 4, 3, 0.1, 0.9
+    job = make_job(
+        mode="ssp", staleness=0, servers=2, workers=workers, steps=steps, lr=lr, momentum=momentum
+    )
+    result = run_job(job, "ssp with staleness 0")
+    for report in result.servers:
+        gaps = sorted({g.clock - g.slowest for g in report.grants})
+        if gaps != [0]:
+            fail(
+                f"3.8 ssp, s=0: server {report.server_id} served pulls at clock gaps {gaps} "
+                "ahead of the slowest live worker: with s=0 every pull of clock c must wait "
+                "until every live worker completed c clocks, like sync"
+            )
+    for report in result.servers:
+        if report.optimizer_steps != steps:
+            fail(
+                f"3.8 ssp, s=0: server {report.server_id} took {report.optimizer_steps} "
+                f"optimizer steps in {steps} clocks: ssp applies each clock once, as the average "
+                "of its gradients, like sync"
+            )
+    diff = worst(result.params, data_parallel_sgd(workers, steps, lr, momentum))
+    if diff > TOLERANCE:
+        fail(
+            f"3.8 ssp, s=0: the parameters differ from data-parallel SGD (momentum {momentum}) "
+            f"by {diff:.3g} (allowed {TOLERANCE:g}): with s=0 ssp must equal sync"
+        )
+
+
+@exercise("3.8")
+def test_ssp_bounds_the_fastest_worker() -> None:
+    staleness, steps = 2, 12
+    job = make_job(
+        mode="ssp",
+        staleness=staleness,
+        servers=2,
+        workers=3,
+        steps=steps,
+        slow_worker=1,
+        slow_factor=3.0,
+        step_delay=0.02,
+    )
+    result = run_job(job, f"ssp, s={staleness}, worker 1 slowed 3x")
+    widest = 0
+    for report in result.servers:
+        for grant in report.grants:
+            gap = grant.clock - grant.slowest
+            widest = max(widest, gap)
+            if gap > staleness:
+                fail(
+                    f"3.8 ssp, s={staleness}: server {report.server_id} let worker "
+                    f"{grant.worker} pull for clock {grant.clock} while the slowest live worker "
+                    f"had completed only {grant.slowest} clocks: a lead of {gap} > s. A pull for "
+                    "clock c waits until every live worker completed at least c - s clocks"
+                )
+    if widest < staleness:
+        fail(
+            f"3.8 ssp, s={staleness}, one worker 3x slower: no pull was served more than "
+            f"{widest} clock(s) ahead of the slowest worker: the gate is stricter than ssp "
+            f"(a lead of exactly s={staleness} is allowed)"
+        )
+    for worker in range(3):
+        clocks = [c for run in result.workers.get(worker, []) for c in run.clocks]
+        if clocks != list(range(steps)):
+            fail(f"3.8 ssp: worker {worker} ran clocks {clocks}, expected 0..{steps - 1}")
+    for report in result.servers:
+        if report.clock != steps or report.optimizer_steps != steps:
+            fail(
+                f"3.8 ssp: server {report.server_id} applied {report.clock} clocks with "
+                f"{report.optimizer_steps} optimizer steps after all 3 workers completed {steps}: "
+                "every clock is applied once, in order, as soon as every member completed it "
+                "(and a later clock may already be complete when an older one is applied)"
+            )
+
+
+@exercise("3.8")
+def test_async_converges() -> None:
+    from solutions.phase3_multi_node.ps_launcher import make_model, test_accuracy
+
+    steps = 80
+    job = make_job(
+        mode="async",
+        servers=2,
+        workers=3,
+        steps=steps,
+        lr=0.1,
+        model_fn=_mlp,
+        batch_fn=pattern_batches(),
+    )
+    result = run_job(job, "async on the built-in dataset")
+    model = make_model("mlp")
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), result.params, strict=True):
+            param.copy_(value)
+    accuracy = test_accuracy(model, 1024)
+    keys = len(list(model.parameters()))
+    steps_taken = sum(r.optimizer_steps for r in result.servers)
+    if steps_taken != 3 * steps * keys:
+        fail(
+            f"3.8 async: the servers took {steps_taken} optimizer steps for {3 * steps} pushes "
+            f"of {keys} keys: expected one step per pushed key ({3 * steps * keys}), applied at once"
+        )
+    if accuracy < 0.3:
+        losses = [round(x, 2) for x in result.workers[0][0].losses[::20]]
+        fail(
+            f"3.8 async: test accuracy {accuracy:.3f} after {steps} clocks of 3 workers "
+            f"(chance 0.1, expected > 0.3); worker 0's losses {losses}"
+        )
+
+
+def _mlp() -> torch.nn.Module:
+    from solutions.phase3_multi_node.ps_launcher import make_model
+
+    return make_model("mlp")
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def _check_restarted(result: Any, worker: int, kill_at: int, steps: int, what: str) -> None:
+    if worker not in result.killed:
+        fail(f"3.8 {what}: worker {worker} was meant to die by SIGKILL but did not")
+    runs = result.workers.get(worker, [])
+    if len(runs) != 1:
+        fail(f"3.8 {what}: the restarted worker {worker} did not finish (runs: {len(runs)})")
+    rejoined = runs[0]
+    if not kill_at - 1 <= rejoined.join_clock < steps:
+        fail(
+            f"3.8 {what}: the restarted worker {worker} joined at clock {rejoined.join_clock}; "
+            f"expected the current clock (about {kill_at}, where it died, or later)"
+        )
+    initial = list(double_mlp().parameters())
+    if worst(rejoined.first_params, [p.detach() for p in initial]) == 0:
+        fail(f"3.8 {what}: the restarted worker pulled the initial parameters, not the current")
+    if rejoined.clocks and rejoined.clocks[-1] != steps - 1:
+        fail(f"3.8 {what}: the restarted worker stopped at clock {rejoined.clocks[-1]}")
+
+
+@exercise("3.8")
+def test_sync_reforms_after_a_killed_worker() -> None:
+    steps, kill_at = 30, 3
+    job = make_job(
+        mode="sync",
+        servers=2,
+        workers=3,
+        steps=steps,
+        sync_timeout=1.0,
+        step_delay=0.05,
+        kill_worker=2,
+        kill_at=kill_at,
+    )
+    result = run_job(job, "sync with worker 2 killed", restart_killed=True)
+    for report in result.servers:
+        if not any("re-formed" in line for line in report.events):
+            fail(
+                f"3.8 sync: server {report.server_id} never logged a re-formed clock after "
+                f"worker 2 died; its log: {report.events}"
+            )
+        if report.clock != steps:
+            fail(
+                f"3.8 sync: server {report.server_id} closed {report.clock} clocks, "
+                f"expected {steps}"
+            )
+    for worker in (0, 1):
+        clocks = [c for run in result.workers.get(worker, []) for c in run.clocks]
+        if clocks != list(range(steps)):
+            fail(f"3.8 sync: survivor {worker} ran clocks {clocks}, expected 0..{steps - 1}")
+    _check_restarted(result, 2, kill_at, steps, "sync with worker 2 killed")
+    # replay: clock c averaged exactly the workers that completed it on the server
+    pushers = [
+        sorted(w for _, w, c in result.servers[0].clocks_done if c == clock)
+        for clock in range(steps)
+    ]
+    if 2 in pushers[kill_at]:
+        fail(f"3.8 sync: worker 2 died in clock {kill_at} but is recorded as completing it")
+    diff = worst(result.params, replay_sync(pushers, 3, 0.1))
+    if diff > TOLERANCE:
+        fail(
+            f"3.8 sync with worker 2 killed in clock {kill_at}: the parameters differ by "
+            f"{diff:.3g} from data-parallel SGD over the workers that pushed each clock "
+            f"({pushers[kill_at]} in clock {kill_at}): a re-formed clock averages the survivors' "
+            "gradients, dividing by how many pushed, not by W"
+        )
+
+
+@exercise("3.8")
+def test_ssp_goes_on_without_a_killed_worker() -> None:
+    steps, kill_at = 30, 3
+    job = make_job(
+        mode="ssp",
+        staleness=1,
+        servers=2,
+        workers=3,
+        steps=steps,
+        step_delay=0.05,
+        kill_worker=1,
+        kill_at=kill_at,
+    )
+    result = run_job(job, "ssp, s=1, with worker 1 killed", restart_killed=True)
+    for worker in (0, 2):
+        clocks = [c for run in result.workers.get(worker, []) for c in run.clocks]
+        if clocks != list(range(steps)):
+            fail(f"3.8 ssp: survivor {worker} ran clocks {clocks}, expected 0..{steps - 1}")
+    _check_restarted(result, 1, kill_at, steps, "ssp with worker 1 killed")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _hello(sock: socket.socket, server: Any) -> None:
+    proto = protocol_module()
+    sock.sendall(proto.encode_control(proto.MsgType.HELLO, worker=0))
+    try:
+        header, _ = proto.read_frame(sock, 0)
+    except Exception as exc:
+        raise_internal_errors(server)
+        fail(
+            f"3.8: the server answered a valid HELLO with {type(exc).__name__}: {exc}; its "
+            f"log: {server.get_report().events[-2:]}"
+        )
+    if header.type != proto.MsgType.WELCOME:
+        fail(f"3.8: the server answered HELLO with message type {header.type}, not WELCOME")
+
+
+def _malformed_cases() -> dict[str, tuple[bool, bytes]]:
+    """name -> (say HELLO first, the bytes to send). Key 0 is [24, 10] float64 (1920 bytes)."""
+    proto = protocol_module()
+    push = proto.MsgType.PUSH
+    grad = torch.ones(24, 10, dtype=torch.float64)
+    whole = proto.encode_tensor(push, grad, key=0, clock=0)
+    rng = random.Random(8)
+    return {
+        "random bytes": (False, bytes(rng.randrange(256) for _ in range(300))),
+        "random bytes after HELLO": (True, bytes(rng.randrange(256) for _ in range(300))),
+        "a truncated frame (header and half the payload, then the client closes)": (
+            True,
+            whole[: len(whole) - 960],
+        ),
+        "a float32 gradient for the float64 key 0": (
+            True,
+            proto.encode_tensor(push, grad.float(), key=0, clock=0),
+        ),
+        "a [10, 24] gradient for the [24, 10] key 0": (
+            True,
+            proto.encode_tensor(push, grad.reshape(10, 24), key=0, clock=0),
+        ),
+        "a gradient for the unknown key 99": (
+            True,
+            proto.encode_tensor(push, grad, key=99, clock=0),
+        ),
+        "a length header of 2^62 for key 0": (
+            True,
+            proto.pack_header(push, key=0, dtype=torch.float64, shape=(24, 10), length=2**62),
+        ),
+        "dtype code 250": (
+            True,
+            struct.pack(
+                "!4sBBBBIiq4qQ", proto.MAGIC, int(push), 250, 2, 0, 0, 0, 0, 24, 10, 0, 0, 1920
+            ),
+        ),
+    }
+
+
+@exercise("3.8")
+def test_malformed_input_closes_the_connection_and_changes_nothing() -> None:
+    proto = protocol_module()
+    with local_server(read_timeout=1.5) as server:
+        before = server.snapshot()
+        for name, (hello, data) in _malformed_cases().items():
+            logged = len(server.get_report().events)
+            with raw_client(server) as sock:
+                if hello:
+                    _hello(sock, server)
+                sock.sendall(data)
+                if name.startswith("a truncated"):
+                    sock.shutdown(socket.SHUT_WR)
+                closed = closed_by_server(sock, within=4.0)
+            raise_internal_errors(server)
+            if not closed:
+                fail(f"3.8 malformed input: after {name} the server kept the connection open")
+            new = server.get_report().events[logged:]
+            after = server.snapshot()
+            changed = [k for k in before if not torch.equal(before[k], after[k])]
+            if changed:
+                fail(
+                    f"3.8 malformed input: {name} changed the parameters of keys {changed}: "
+                    "a frame must be read whole and checked before anything is applied"
+                )
+            if not new:
+                fail(f"3.8 malformed input: {name}: the connection closed without a logged reason")
+            if any("timed out" in line for line in new):
+                fail(
+                    f"3.8 malformed input: {name} was refused only when the read timed out "
+                    f"({new[-1]}): the header alone shows it is wrong; check it (dtype, shape, "
+                    "length against the key) before reading the payload"
+                )
+        # a silent client: closed by the read timeout, with a reason
+        logged = len(server.get_report().events)
+        with raw_client(server) as sock:
+            _hello(sock, server)
+            closed = closed_by_server(sock, within=5.0)
+        new = server.get_report().events[logged:]
+        if not closed or not any("timed out" in line for line in new):
+            fail(
+                f"3.8: a client that says HELLO and then nothing must be closed after the read "
+                f"timeout (1.5 s here) with a logged reason; closed: {closed}, log: {new}"
+            )
+        # the server still serves, and a valid push does change the parameters (async)
+        with raw_client(server) as sock:
+            _hello(sock, server)
+            for key, value in before.items():
+                sock.sendall(
+                    proto.encode_tensor(proto.MsgType.PUSH, torch.ones_like(value), key=key)
+                )
+            sock.sendall(proto.encode_control(proto.MsgType.CLOCK, clock=0))
+            sock.sendall(proto.encode_control(proto.MsgType.PULL, clock=1))
+            try:
+                proto.read_frame(sock, 1 << 20)  # the first PARAM: the pull was served
+            except Exception as exc:
+                raise_internal_errors(server)
+                fail(f"3.8: a valid PUSH, CLOCK and PULL after the bad frames got {exc!r}")
+        raise_internal_errors(server)
+        after = server.snapshot()
+        if all(torch.equal(before[k], after[k]) for k in before):
+            fail(
+                "3.8: after all the bad frames, a valid async push of ones changed nothing: "
+                "apply_push must take an optimizer step on that key"
+            )
+
+
+@exercise("3.8")
+def test_shared_secret() -> None:
+    proto = protocol_module()
+    ps = ps_module()
+    with pytest.raises(ValueError, match="secret"):
+        ps.check_server_config(ps.ServerConfig(host="0.0.0.0"))
+    secret = os.urandom(16)
+    with local_server(secret=secret) as server:
+        before = server.snapshot()
+        # wrong secret
+        with raw_client(server) as sock:
+            _, nonce = proto.expect(sock, proto.MsgType.CHALLENGE, 0)
+            sock.sendall(
+                proto.encode_control(proto.MsgType.AUTH, payload=proto.auth_digest(b"x", nonce))
+            )
+            if not closed_by_server(sock, 3.0):
+                fail("3.8: a client with the wrong secret was not disconnected")
+        # no AUTH at all: a tensor straight away
+        with raw_client(server) as sock:
+            proto.expect(sock, proto.MsgType.CHALLENGE, 0)
+            sock.sendall(
+                proto.encode_tensor(proto.MsgType.PUSH, torch.ones(24, 10).double(), key=0)
+            )
+            if not closed_by_server(sock, 3.0):
+                fail("3.8: a client that skipped the HMAC answer was not disconnected")
+        raise_internal_errors(server)
+        after = server.snapshot()
+        if any(not torch.equal(before[k], after[k]) for k in before):
+            fail("3.8: an unauthenticated client changed the parameters")
+        events = server.get_report().events
+        if not any("authentication failed" in e for e in events):
+            fail(f"3.8: the wrong secret should be logged as an authentication failure: {events}")
+        # the right secret: a Worker connects and pulls the server's parameters
+        model = double_mlp()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        worker = ps.Worker(0, model, [server.address], [0] * 4, secret=secret, timeout=5.0)
+        worker.connect()
+        worker.pull(0)
+        raise_internal_errors(server)
+        pulled = [p.detach() for p in model.parameters()]
+        if worst(pulled, [before[k] for k in sorted(before)]) != 0:
+            fail("3.8 Worker.pull: the model does not hold the server's parameters after a pull")
+        worker.close()
+
+
+@exercise("3.8")
+@pytest.mark.reference
+def test_instructor_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from grading import impl
+
+    from solutions.phase3_multi_node.ps_launcher import main
+
+    argv = ["--servers", "2", "--workers", "3", "--mode", "ssp", "--staleness", "2"]
+    code = main([*argv, "--slow-worker", "1", "--steps", "15", "--impl", impl()])
+    out = capsys.readouterr()
+    if code != 0:
+        if "not written" in out.err:
+            raise NotImplementedError(out.err.strip().splitlines()[0].replace(" not written", ""))
+        fail(f"3.8: the instructor command exited with {code}: {out.err.strip()[-600:]}")
+    for needed in (
+        "listening on 127.0.0.1:",
+        "worker 1 (slow)",
+        "histogram",
+        "throughput:",
+        "test accuracy:",
+    ):
+        if needed not in out.out:
+            fail(f"3.8: the instructor command's output lacks {needed!r}:\n{out.out}")
