@@ -142,7 +142,7 @@ EXERCISES = [
         "3.8",
         "parameter server",
         "phase3_multi_node",
-        ("ps_protocol", "ps_sharding", "parameter_server"),
+        ("ps_sharding", "ps_protocol", "parameter_server"),
         "38-parameter-server",
     ),
     # Phase 4 (production): checkpoints, recovery under torchrun, elastic training.

@@ -1,0 +1,171 @@
+"""Exercise 4.3: elastic training: the world grows and shrinks, the epoch goes on.
+
+Under ``torchrun --nnodes=1:2 --rdzv-backend=c10d`` a node may join or leave while training
+runs. torchrun does not move a running process into a bigger group: it stops every worker and
+starts new ones in a new rendezvous round with the new world size
+(torch/distributed/elastic/agent/server/api.py: ``num_nodes_waiting() > 0`` triggers
+``_restart_workers``, which does not count against ``--max-restarts``). So a membership change
+is a restart, and the program resumes from its newest checkpoint with a different
+``WORLD_SIZE``. Two things then have to be recomputed, and they are this exercise:
+
+* **the data**: a checkpoint saved by 2 ranks cannot say "rank 1 was at sample 40 of its shard":
+  shards depend on the world size. It stores the *global* position instead (samples of this
+  epoch's permutation already consumed, a multiple of the global batch), and the new world
+  splits what is left of the same permutation. :class:`ElasticSampler` does that: no sample is
+  seen twice or skipped within the epoch, whatever the world sizes along the way.
+* **the batch**: with W ranks and a per-rank micro-batch m, one step sees W·m·A samples for A
+  accumulation steps. :func:`plan_batches` applies one of two documented policies:
+  ``keep-global`` keeps the global batch B fixed and recomputes A = B / (W·m) (the optimisation
+  is the same, only slower or faster; the default), ``scale-lr`` keeps A = 1 and scales the
+  learning rate linearly with the global batch W·m (Goyal et al., "Accurate, Large Minibatch
+  SGD", 2017, the linear scaling rule), which changes the optimisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Sampler
+
+POLICIES = ("keep-global", "scale-lr")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one world size trains: per-rank batch = micro_batch x accumulation_steps."""
+
+    world_size: int
+    micro_batch: int
+    accumulation_steps: int
+    global_batch: int  # samples per optimizer step over all ranks
+    lr: float
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.micro_batch * self.accumulation_steps
+
+
+def plan_batches(
+    global_batch: int,
+    micro_batch: int,
+    world_size: int,
+    base_lr: float,
+    policy: str = "keep-global",
+) -> BatchPlan:
+    """The batch plan of ``world_size`` ranks under ``policy`` (see the module docstring).
+
+    ``global_batch`` and ``base_lr`` are the configured values: under ``scale-lr`` the learning
+    rate is ``base_lr * (world_size * micro_batch) / global_batch``. Raises ValueError naming
+    the values when ``keep-global`` cannot split ``global_batch`` evenly.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is unknown: choose one of {', '.join(POLICIES)}")
+    if min(global_batch, micro_batch, world_size) < 1:
+        raise ValueError(
+            f"global_batch={global_batch}, micro_batch={micro_batch}, world_size={world_size}: "
+            "all must be at least 1"
+        )
+    # TODO 4.3: recompute the accumulation steps (keep-global) or the learning rate (scale-lr).
+    # Invariant: keep-global: world_size x micro_batch x accumulation_steps == global_batch and
+    #   the lr is base_lr; scale-lr: one micro-batch per rank per step, lr proportional to the
+    #   samples per step (base_lr when they equal global_batch).
+    # Hint 1: under keep-global a global batch that world_size x micro_batch does not divide
+    #   cannot be kept: refuse it with a ValueError that names all three numbers.
+    # Hint 2: keep-global: the unit is world_size x micro_batch; refuse a global batch the unit does
+    #   not divide (name the three numbers and a size that works), else the accumulation steps are
+    #   global_batch / unit and the learning rate stays. scale-lr: one micro-batch per rank and
+    #   step, so the samples per step are the unit, and the learning rate is base_lr scaled by unit
+    #   / global_batch.
+    # See guidelines.md#43-elastic-training
+    # >>> solution
+    unit = world_size * micro_batch
+    if policy == "keep-global":
+        if global_batch % unit:
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by world size {world_size} x "
+                f"micro-batch {micro_batch}: with the keep-global policy choose a global batch "
+                f"that every world size divides, e.g. {unit * max(1, global_batch // unit)}"
+            )
+        return BatchPlan(world_size, micro_batch, global_batch // unit, global_batch, base_lr)
+    return BatchPlan(world_size, micro_batch, 1, unit, base_lr * unit / global_batch)
+    # <<< solution
+
+
+class ElasticSampler(Sampler[int]):
+    """This rank's indices of what is left of an epoch, from a *global* sample position.
+
+    The epoch's order is a permutation of the dataset seeded by ``seed + epoch`` (the same on
+    every rank and for every world size), cut to whole global batches. After
+    :meth:`set_position` (``position`` samples of it consumed, a multiple of ``global_batch``),
+    rank ``r`` of ``world_size`` takes, from every following block of ``global_batch`` samples,
+    the samples ``r, r + W, r + 2W, ...``: with a per-rank batch of ``global_batch / W`` the
+    ranks of one step together train on exactly one block.
+    """
+
+    def __init__(
+        self, dataset: Sized, global_batch: int, rank: int, world_size: int, seed: int = 0
+    ) -> None:
+        if global_batch < 1 or global_batch % world_size:
+            raise ValueError(
+                f"global_batch={global_batch} must be a positive multiple of world_size="
+                f"{world_size}: each rank takes the same share of every block"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside [0, {world_size - 1}]")
+        self.size = len(dataset)
+        if self.size < global_batch:
+            raise ValueError(
+                f"the dataset has {self.size} samples, fewer than one global batch ({global_batch})"
+            )
+        self.global_batch, self.rank, self.world_size, self.seed = (
+            global_batch, rank, world_size, seed,
+        )  # fmt: skip
+        self.epoch = 0
+        self.position = 0
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples trained per epoch: whole global batches (the tail is dropped, as drop_last)."""
+        return self.size // self.global_batch * self.global_batch
+
+    def set_position(self, epoch: int, position: int = 0) -> None:
+        """Start ``epoch`` after ``position`` of its samples (all ranks together) were consumed."""
+        if position % self.global_batch or not 0 <= position <= self.epoch_samples:
+            raise ValueError(
+                f"position={position} must be a multiple of the global batch "
+                f"{self.global_batch} in [0, {self.epoch_samples}]: positions are saved at "
+                "optimizer-step boundaries"
+            )
+        self.epoch, self.position = epoch, position
+
+    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+        """TrainingLoop's hook: ``start_index`` counts this rank's samples, as in phase 1."""
+        self.set_position(epoch, start_index * self.world_size)
+
+    def epoch_order(self) -> list[int]:
+        """The whole epoch's order, the same for every world size."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.size, generator=g)[: self.epoch_samples].tolist()
+
+    def shard(self) -> list[int]:
+        """This rank's indices of the rest of the epoch, in training order."""
+        # TODO 4.3: split what is left of the epoch's order over this world, block by block.
+        # Invariant: over all ranks the shards are disjoint and together are exactly
+        #   epoch_order()[position:]; each step's per-rank batches together form one block of
+        #   global_batch consecutive samples of that order.
+        # Hint 1: a block starts at a multiple of global_batch, itself a multiple of world_size,
+        #   so one strided slice of the remaining order does it.
+        # Hint 2: take the epoch's order, drop its first `position` samples, and take every
+        #   world_size-th of the rest starting at this rank's offset: a single strided slice.
+        # See guidelines.md#43-elastic-training
+        # >>> solution
+        return self.epoch_order()[self.position :][self.rank :: self.world_size]
+        # <<< solution
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shard())
+
+    def __len__(self) -> int:
+        return (self.epoch_samples - self.position) // self.world_size

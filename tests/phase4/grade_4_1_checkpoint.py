@@ -1,0 +1,361 @@
+"""Grader of exercise 4.1, atomic and complete checkpoints: ``uv run pytest tests/test_phase4.py -m ex4_1``.
+
+The checks break things on purpose: a write that dies half-way must leave the old file whole; a
+newest checkpoint that is truncated, corrupted or unfinished must be skipped with a log line that
+names it and why; the RNG states of two ranks must come back each to its own rank, through a
+``torch.load(..., weights_only=True)``. The library way is checked beside it: FSDP2 state saved
+with ``torch.distributed.checkpoint`` (also ``async_save``) by 2 ranks, loaded by 1 and by 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from grading import exercise
+from phase4_helpers import fail, module, world
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ckpt() -> Any:
+    return module("checkpoint")
+
+
+# ----------------------------------------------------------------------------- atomic files
+
+
+class Boom(Exception):
+    pass
+
+
+def contents(path: Path) -> bytes | str:
+    return path.read_bytes() if path.exists() else "no file at all"
+
+
+@exercise("4.1")
+def test_a_write_that_dies_half_way_leaves_the_old_file_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = ckpt()
+    target = tmp_path / "state.pt"
+    fsyncs: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):  # the file's, not its directory's
+            fsyncs.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    c.atomic_write(target, lambda f: f.write(b"old contents"))
+    if contents(target) != b"old contents":
+        fail(
+            "4.1 atomic_write: after a successful write the file holds "
+            f"{contents(target)!r}, not what was written (b'old contents')"
+        )
+    if not fsyncs:
+        fail(
+            "4.1 atomic_write: os.fsync was never called; flush and fsync the temporary file "
+            "before the rename, or a power loss can leave the renamed file empty"
+        )
+
+    def dies_half_way(f: Any) -> None:
+        f.write(b"new con")
+        raise Boom("the process died while writing")
+
+    with pytest.raises(Boom):
+        c.atomic_write(target, dies_half_way)
+    if contents(target) != b"old contents":
+        fail(
+            "4.1 atomic_write: a write that failed half-way left "
+            f"{contents(target)!r} where b'old contents' was; write a temporary file next to "
+            "it and os.replace it onto the path only when complete"
+        )
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name != "state.pt")
+    if leftovers:
+        fail(f"4.1 atomic_write: a failed write left {leftovers} behind; remove the temporary file")
+
+
+@exercise("4.1")
+def test_the_temporary_file_is_renamed_in_the_same_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = ckpt()
+    target = tmp_path / "sub" / "state.pt"
+    target.parent.mkdir()
+    renames: list[tuple[str, str]] = []
+    real_replace = os.replace
+
+    def recording_replace(a: str, b: str) -> None:
+        renames.append((str(a), str(b)))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    c.atomic_save({"w": torch.arange(3)}, target)
+    if not renames or Path(renames[-1][1]) != target:
+        fail("4.1 atomic_save: the file was not put in place with os.replace(tmp, path)")
+    if Path(renames[-1][0]).parent != target.parent:
+        fail(
+            f"4.1 atomic_write: the temporary file {renames[-1][0]} is not in {target.parent}; a "
+            "rename is atomic only within one filesystem, so keep it in the same directory"
+        )
+    if not torch.equal(torch.load(target, weights_only=True)["w"], torch.arange(3)):
+        fail("4.1 atomic_save: the saved file does not load back to what was saved")
+
+
+# ----------------------------------------------------------------------------- manifest, fallback
+
+
+def save_three(c: Any, root: Path, logs: list[str]) -> Any:
+    manager = c.CheckpointManager(root, keep=3, log=logs.append)
+    for step in (10, 20, 30, 40):
+        manager.save(step, {"state.pt": {"step": step, "w": torch.full((256,), float(step))}})
+    return manager
+
+
+@exercise("4.1")
+def test_the_manifest_is_written_last_and_only_the_newest_k_are_kept(tmp_path: Path) -> None:
+    c = ckpt()
+    manager = save_three(c, tmp_path, [])
+    names = [p.name for p in manager.checkpoints()]
+    if names != ["step_00000020", "step_00000030", "step_00000040"]:
+        fail(
+            f"4.1 CheckpointManager(keep=3) after saving steps 10..40 left {names}; expected 20, 30, 40"
+        )
+    newest = tmp_path / "step_00000040"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    entry = manifest["files"]["state.pt"]
+    if entry["sha256"] != c.sha256_file(newest / "state.pt"):
+        fail("4.1: the manifest's sha256 of state.pt is not the file's")
+    if c.verify_checkpoint(newest) is not None:
+        fail(
+            f"4.1 verify_checkpoint: an intact checkpoint was refused: {c.verify_checkpoint(newest)!r}"
+        )
+
+
+@exercise("4.1")
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("truncate", "truncated"),
+        ("corrupt", "corrupted"),
+        ("no-manifest", "did not finish"),
+        ("missing", "missing"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_reason(
+    tmp_path: Path, damage: str, reason: str
+) -> None:
+    c = ckpt()
+    logs: list[str] = []
+    manager = save_three(c, tmp_path, logs)
+    newest = tmp_path / "step_00000040"
+    state = newest / "state.pt"
+    if damage == "truncate":
+        state.write_bytes(state.read_bytes()[:-100])
+    elif damage == "corrupt":
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+    elif damage == "no-manifest":
+        (newest / "manifest.json").unlink()
+    else:
+        state.unlink()
+    logs.clear()
+    chosen = manager.latest_valid()
+    if chosen is None or chosen.name != "step_00000030":
+        got = None if chosen is None else chosen.name
+        fail(
+            f"4.1 latest_valid with a {damage} newest checkpoint returned {got}; expected "
+            "step_00000030, the newest one that verifies"
+        )
+    named = [line for line in logs if "step_00000040" in line]
+    if not named or reason not in named[0]:
+        fail(
+            f"4.1 latest_valid: skipping the {damage} step_00000040 should log one line naming "
+            f"it and the reason (containing {reason!r}); the log was {logs}"
+        )
+    for path in manager.checkpoints():
+        (path / "manifest.json").unlink(missing_ok=True)
+    if manager.latest_valid() is not None:
+        fail("4.1 latest_valid: with no complete checkpoint left it must return None")
+
+
+# ----------------------------------------------------------------------------- per-rank RNG
+
+
+def draws() -> list[float]:
+    return [
+        *torch.rand(3).tolist(),
+        *np.random.rand(3).tolist(),
+        *[random.random() for _ in range(3)],
+        random.gauss(0, 1),
+    ]
+
+
+def rng_worker(path: str) -> dict[str, Any]:
+    c = ckpt()
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    np.random.seed(200 + rank)
+    random.seed(300 + rank)
+    random.gauss(0, 1)  # leaves a cached Gaussian in Python's state
+    mine = c.capture_rng(rank)
+    expected = draws()
+    missing = [
+        k for k in ("torch_cpu", "numpy_keys", "python_internal") if f"rank{rank}/{k}" not in mine
+    ]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged = {k: v for states in gathered for k, v in states.items()}
+    if rank == 0:
+        torch.save(merged, path)
+    dist.barrier()
+    loaded = torch.load(path, weights_only=True)  # refuses anything but tensors and numbers
+    draws()  # move every generator on
+    try:
+        c.restore_rng(loaded, rank)
+    except KeyError as err:
+        return {"keys": sorted(mine), "missing": missing, "error": f"KeyError {err}"}
+    again = draws()
+    try:
+        c.restore_rng({k: v for k, v in loaded.items() if k.startswith("rank0/")}, 1)
+        other = "no error"
+    except KeyError as err:
+        other = f"KeyError {err}"
+    return {
+        "keys": sorted(mine),
+        "missing": missing,
+        "error": None,
+        "expected": expected,
+        "again": again,
+        "other": other,
+    }
+
+
+@exercise("4.1")
+def test_each_ranks_rng_comes_back_from_its_own_keys_through_weights_only(tmp_path: Path) -> None:
+    results = world(rng_worker, 2, str(tmp_path / "rng.pt"))
+    for rank, result in enumerate(results):
+        wrong = [k for k in result["keys"] if not k.startswith(f"rank{rank}/")]
+        if wrong or not result["keys"]:
+            fail(
+                f"4.1 capture_rng({rank}) returned keys {result['keys']}; every key must start "
+                f"with 'rank{rank}/' so two ranks' states can share one file"
+            )
+        if result["missing"] or result["error"]:
+            fail(
+                f"4.1 capture_rng({rank}) lacks {result['missing']} (restore_rng raised "
+                f"{result['error']}); capture every generator: torch CPU and CUDA, NumPy "
+                "(rng_state.numpy_state) and Python (rng_state.python_state)"
+            )
+        if result["again"] != result["expected"]:
+            got = ", ".join(f"{v:.4f}" for v in result["again"][:4])
+            want = ", ".join(f"{v:.4f}" for v in result["expected"][:4])
+            fail(
+                f"4.1 restore_rng on rank {rank}: after the restore the generators drew "
+                f"{got}, ...; the saved state draws {want}, ...; restore this rank's own keys "
+                "(rank<r>/...) into every generator: torch CPU and CUDA, NumPy, Python"
+            )
+    if not results[1]["other"].startswith("KeyError"):
+        fail(
+            "4.1 restore_rng(states holding only rank 0's keys, rank=1) did not raise KeyError; a "
+            "rank must never take another rank's generator states"
+        )
+
+
+# ----------------------------------------------------------------------------- no pickles
+
+
+@exercise("4.1")
+@pytest.mark.reference
+def test_no_file_of_the_project_loads_with_weights_only_false() -> None:
+    pattern = re.compile(r"weights_only\s*=\s*False")
+    found = []
+    for folder in ("solutions", "tests", "notebooks", *[p.name for p in ROOT.glob("phase*_*")]):
+        for path in (ROOT / folder).rglob("*.py"):
+            if pattern.search(path.read_text(errors="replace")):
+                found.append(str(path.relative_to(ROOT)))
+    found = [f for f in found if f != "tests/phase4/grade_4_1_checkpoint.py"]
+    if found:
+        fail(f"weights_only=False appears in {found}: store tensors and numbers instead")
+
+
+# ----------------------------------------------------------------------------- the library way
+
+
+def dcp_save_worker(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    import solutions.phase4_production.sharded_checkpoint as sharded
+
+    model, optimizer = sharded.build_sharded(seed=0)
+    sharded.train_steps(model, optimizer, steps=2)
+    sharded.save(model, optimizer, path + "/sync")
+    sharded.save(model, optimizer, path + "/async", use_async=True)
+    saved = sharded.full_model_state(model)
+    sharded.train_steps(model, optimizer, steps=1)  # what the loaded worlds' next step must give
+    return {"saved": saved, "after": sharded.full_model_state(model)}
+
+
+def dcp_load_worker(path: str) -> dict[str, Any]:
+    import solutions.phase4_production.sharded_checkpoint as sharded
+
+    model, optimizer = sharded.build_sharded(seed=1)  # different weights before the load
+    sharded.load(model, optimizer, path)
+    full = sharded.full_model_state(model)
+    local = sum(p.to_local().numel() for p in model.parameters())  # type: ignore[attr-defined]
+    total = sum(p.numel() for p in model.parameters())
+    # the optimizer state came back too: one more step matches the saving world's next step
+    sharded.train_steps(model, optimizer, steps=1)
+    return {"full": full, "local": local, "total": total, "after": sharded.full_model_state(model)}
+
+
+@exercise("4.1")
+@pytest.mark.reference
+def test_dcp_state_saved_by_2_ranks_loads_resharded_at_1_and_4(tmp_path: Path) -> None:
+    """The library way: FSDP2 shards saved with dcp.save and dcp.async_save by a world of 2;
+    the first loaded by a world of 1, the second by a world of 4."""
+    path = str(tmp_path / "dcp")
+    reference = world(dcp_save_worker, 2, path)[0]
+    for world_size, kind in ((1, "sync"), (4, "async")):
+        results = world(dcp_load_worker, world_size, f"{path}/{kind}")
+        label = f"DCP ({kind} save at world 2, loaded at world {world_size})"
+        for rank, result in enumerate(results):
+            for name, tensor in reference["saved"].items():
+                if not torch.equal(result["full"][name], tensor):
+                    fail(f"{label}: {name} differs from what was saved")
+            if world_size > 1 and result["local"] >= result["total"]:
+                fail(f"{label}: rank {rank} holds every parameter, not a shard")
+            for name, tensor in reference["after"].items():
+                if not torch.allclose(result["after"][name], tensor, rtol=1e-5, atol=1e-6):
+                    fail(
+                        f"{label}: one step after the load, {name} differs from world 2's next "
+                        "step: the optimizer state was not resharded with the model"
+                    )
+
+
+def benchmark_worker(impl_args: list[str]) -> int:
+    import solutions.phase4_production.benchmark_checkpoint as bench
+
+    args = ["--width", "64", "--layers", "2", "--saves", "2", "--steps", "1"]
+    return int(bench.main([*args, *impl_args]))
+
+
+@exercise("4.1")
+def test_the_checkpoint_benchmark_runs_on_two_ranks(tmp_path: Path) -> None:
+    """The benchmark times your CheckpointManager too (--impl templates)."""
+    from grading import impl
+
+    # only rank 0 writes: an unwritten TODO there would surface as rank 1's broken barrier
+    ckpt().CheckpointManager(tmp_path).save(1, {"probe.pt": torch.zeros(1)})
+    codes = world(benchmark_worker, 2, ["--impl", impl()])
+    if codes != [0, 0]:
+        fail(f"4.1: benchmark_checkpoint exited with {codes} on 2 ranks; expected [0, 0]")
