@@ -25,6 +25,14 @@ average does not; torch multiplies by 1/world while copying into the bucket (red
 order they are issued on each rank, so every rank must issue them in the same order, whatever
 order its gradients arrive in.
 
+Communication hooks (torch's ``register_comm_hook``, the seam phase 4's compression uses): a
+hook ``hook(state, bucket) -> torch.futures.Future[Tensor]`` replaces a bucket's all-reduce. As in
+torch's Reducer, the bucket then holds the raw local gradients (the hook divides, e.g.
+``default_hooks.fp16_compress_hook`` casts, divides by the world and all-reduces), and the
+tensor the future returns is what the bucket's parameters receive. torch's own hooks
+(``default_hooks``, ``powerSGD_hook``) run unchanged on this class: :class:`HookBucket` offers
+the methods of ``dist.GradBucket`` they call.
+
 Differences from torch, on purpose: torch's first iteration uses one bucket and rebuilds the
 buckets afterwards in the order the gradients arrived; here the buckets are formed at
 construction in reverse registration order, which is what torch ends with whenever gradients
@@ -36,7 +44,7 @@ here parameters without a gradient are marked ready when backward ends. Values a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +79,51 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+
+class HookBucket:
+    """What a communication hook sees of a bucket: the methods of torch's ``dist.GradBucket``
+    (torch/csrc/distributed/c10d/comm.hpp) that torch's hooks call."""
+
+    def __init__(self, bucket: Bucket, params: Sequence[torch.Tensor], is_last: bool) -> None:
+        self._bucket, self._params, self._is_last = bucket, params, is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer of the bucket's gradients (not divided by the world)."""
+        return self._bucket.buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view into :meth:`buffer` per parameter, shaped like it (writes land in the
+        buffer, as PowerSGD's decompression expects)."""
+        return [self._bucket.slot(k) for k in range(len(self._bucket.params))]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._params[i] for i in self._bucket.params]
+
+    def is_last(self) -> bool:
+        """True for the bucket launched last in a backward (hooks count iterations on it)."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.buffer.copy_(tensor)
+
+
+class _HookWork:
+    """A hook's future behind ``dist.Work``'s ``wait()``: its result lands in the bucket."""
+
+    def __init__(self, future: torch.futures.Future[Any], bucket: Bucket) -> None:
+        self.future, self.bucket = future, bucket
+
+    def wait(self) -> bool:
+        result = self.future.wait()
+        if isinstance(result, list):  # a hook may return the all-reduce future's [tensor]
+            result = result[0]
+        if result.data_ptr() != self.bucket.buffer.data_ptr():
+            self.bucket.buffer.copy_(result.view(-1))
+        return True
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
@@ -138,6 +191,8 @@ class DistributedDataParallel(nn.Module):
             for position, index in enumerate(bucket.params):
                 self._locate[index] = (bucket, position)
         self._next_bucket = 0  # the first bucket whose all-reduce is not launched yet
+        self._comm_hook: Any = None  # register_comm_hook's hook and state
+        self._comm_state: Any = None
         self._grad_ready = [False] * len(self.params)
         self._expect_hooks = False  # set by forward: the next backward synchronizes
         self._callback_queued = False
@@ -193,6 +248,34 @@ class DistributedDataParallel(nn.Module):
 
         return hook
 
+    # ----------------------------------------------------------------- communication (given)
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Replace every bucket's all-reduce by ``hook(state, bucket) -> Future[Tensor]``, as
+        torch's ``DistributedDataParallel.register_comm_hook`` does; once, before training."""
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook may only be called once (as in torch's DDP)")
+        if self._next_bucket or any(b.work is not None for b in self.buckets):
+            raise RuntimeError("register_comm_hook must be called before a backward, not during")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable (state, bucket) -> Future, got {hook!r}")
+        self._comm_state, self._comm_hook = state, hook
+
+    @property
+    def _copy_factor(self) -> float:
+        """What a gradient is multiplied by on its way into its bucket: 1/world, so the sum is
+        the average; 1 when a communication hook is registered (the hook divides, as torch's
+        Reducer leaves it to the hook)."""
+        return 1.0 if self._comm_hook is not None else 1.0 / self.world_size
+
+    def _launch(self, bucket: Bucket) -> Any:
+        """Start the bucket's all-reduce without waiting: ``dist.all_reduce(async_op=True)`` on
+        the group, or the registered hook. Returns something with ``wait()``."""
+        if self._comm_hook is None:
+            return dist.all_reduce(bucket.buffer, async_op=True, group=self.group)
+        view = HookBucket(bucket, self.params, is_last=bucket.index == len(self.buckets) - 1)
+        return _HookWork(self._comm_hook(self._comm_state, view), bucket)
+
     # ----------------------------------------------------------------- forward (given)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -234,15 +317,16 @@ class DistributedDataParallel(nn.Module):
         the first bucket not launched yet; ``bucket.work`` keeps the all-reduce's handle.
         """
         # TODO 3.4: copy the gradient into its bucket (divided by the world) and launch buckets.
-        # Invariant: a bucket's all-reduce starts (async, on self.group) as soon as its last
-        #   gradient is in and every earlier bucket has started, never later (overlap) and
+        # Invariant: a bucket's all-reduce starts (async, through self._launch) as soon as its
+        #   last gradient is in and every earlier bucket has started, never later (overlap) and
         #   never out of bucket order; each bucket is all-reduced once per backward.
-        # Hint 1: divide while copying (torch.mul(grad, 1.0 / world, out=slot)), not after the
-        #   sum: n fp16 gradients can overflow when summed, their average cannot.
+        # Hint 1: divide while copying (torch.mul(grad, self._copy_factor, out=slot): 1/world),
+        #   not after the sum: n fp16 gradients can overflow when summed, their average cannot.
         # Hint 2: fill the slot (zeros when .grad is None), count the bucket's pending down,
         #   then loop: while the bucket at self._next_bucket has nothing pending, launch it
-        #   with dist.all_reduce(bucket.buffer, async_op=True, group=self.group), keep the
-        #   returned work on the bucket and move self._next_bucket on. Do not wait here.
+        #   with self._launch(bucket) (dist.all_reduce(..., async_op=True) on self.group, or
+        #   a registered hook), keep the returned work on the bucket and move
+        #   self._next_bucket on. Do not wait here.
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         bucket, position = self._locate[index]
@@ -251,13 +335,13 @@ class DistributedDataParallel(nn.Module):
         if grad is None:
             slot.zero_()
         else:
-            torch.mul(grad, 1.0 / self.world_size, out=slot)
+            torch.mul(grad, self._copy_factor, out=slot)
         bucket.pending -= 1
         while self._next_bucket < len(self.buckets):
             ready = self.buckets[self._next_bucket]
             if ready.pending > 0:
                 break
-            ready.work = dist.all_reduce(ready.buffer, async_op=True, group=self.group)
+            ready.work = self._launch(ready)
             self._next_bucket += 1
         # <<< solution
 

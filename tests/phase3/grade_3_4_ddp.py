@@ -710,3 +710,57 @@ def test_benchmark_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
     table = capsys.readouterr().out
     for row in ("| from scratch", "| torch DDP", "comm hidden behind backward"):
         assert row in table, f"the benchmark table lacks {row!r}:\n{table}"
+
+
+# ----------------------------------------------------------------------------- comm hooks
+
+
+def comm_hook_worker(kind: str, steps: int) -> dict[str, Any]:
+    """Ours and torch's DDP, each with the same torch communication hook, side by side."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    ddp_cls = ddp_module().DistributedDataParallel
+    rank = dist.get_rank()
+    models = [chain_mlp(100 + rank, (10, 30, 20, 5)).float() for _ in range(2)]
+    # PowerSGD all-reduces again from its futures' callbacks, which gloo runs on its own threads
+    # when a collective completes: with several buckets two ranks could issue those collectives
+    # in different orders (torch's DDP as well). One bucket keeps the order fixed.
+    cap = 0.002 if kind == "fp16" else 25.0
+    ours = ddp_cls(models[0], bucket_cap_mb=cap)
+    theirs = TorchDDP(models[1], bucket_cap_mb=cap)
+    for model in (ours, theirs):
+        if kind == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:  # PowerSGD rank 1 after 2 plain steps; the same seed on both sides
+            state = powersgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                min_compression_rate=0.5, random_seed=7,
+            )  # fmt: skip
+            model.register_comm_hook(state, powersgd.powerSGD_hook)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(steps):
+        x, y = batch(step, 8, 10, 5)
+        xs, ys = shard(x, rank, 2).float(), shard(y, rank, 2)
+        for model, optimizer in zip((ours, theirs), optimizers, strict=True):
+            optimizer.zero_grad()
+            LOSS(model(xs), ys).backward()
+            optimizer.step()
+    name, diff = worst(params_of(ours.module), params_of(theirs.module))
+    return {"name": name, "diff": diff}
+
+
+@exercise("3.4")
+@pytest.mark.parametrize("kind", ["fp16", "powersgd"])
+def test_torch_comm_hooks_run_on_our_ddp(kind: str) -> None:
+    results = small_world(comm_hook_worker, 2, kind, 4)
+    hook = {"fp16": "default_hooks.fp16_compress_hook", "powersgd": "powerSGD_hook (rank 1)"}
+    for rank, result in enumerate(results):
+        if result["diff"] > 1e-6:
+            fail(
+                f"3.4 DistributedDataParallel.register_comm_hook with torch's {hook[kind]}: after "
+                f"4 SGD steps rank {rank}'s {result['name']} differs from torch's DDP with the "
+                f"same hook by {result['diff']:.3g}. With a hook registered the bucket must hold "
+                "the raw gradients (self._copy_factor is 1: the hook divides) and every bucket "
+                "must be launched through self._launch, which calls the hook"
+            )
