@@ -1,7 +1,7 @@
 # Exercise template generated from solutions/phase3_multi_node/parameter_server.py.
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
-"""Exercise 3.8: a parameter server (Li et al., "Scaling Distributed Machine Learning with the
+"""Exercise 3.7: a parameter server (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014) with synchronous, asynchronous and bounded-staleness training.
 
 Servers hold the parameters, each a shard of them (ps_sharding.py); workers hold data. One
@@ -190,64 +190,64 @@ class ParameterServer:
 
     def ready_to_serve(self, worker: int, clock: int) -> bool:
         """May ``worker``, about to compute ``clock``, pull the parameters now?"""
-        # TODO 3.8: decide when a pull for `clock` may be served, per mode.
+        # TODO 3.7: decide when a pull for `clock` may be served, per mode.
         # Invariant: self.clock counts the clocks applied so far. sync serves clock c only
         #   after clock c-1 was applied; ssp with staleness s once clock c-s-1 was applied
         #   (s = 0 is sync); async always.
         # Hint 1: a worker about to compute clock c needs the updates of every clock before
         #   c - s; clocks are applied in order, so one comparison with self.clock decides.
-        # More hints: uv run python -m tests.hint 3.8
-        # See guidelines.md#38-parameter-server
+        # More hints: uv run python -m tests.hint 3.7
+        # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.8: decide when a pull for `clock` may be served, per mode "
-            "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+            "TODO 3.7: decide when a pull for `clock` may be served, per mode "
+            "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     def apply_push(self, worker: int, key: int, grad: torch.Tensor, clock: int) -> None:
         """A gradient of ``key`` from ``worker``'s ``clock`` arrived whole and checked."""
-        # TODO 3.8: apply a push now (async) or keep it for its clock (sync, ssp).
+        # TODO 3.7: apply a push now (async) or keep it for its clock (sync, ssp).
         # Invariant: async takes one optimizer step on this key with grad / num_workers. sync
         #   and ssp change no parameter here: they store the gradient under
         #   self.pending[clock][worker][key], and refuse (ProtocolError) a push for a clock
         #   that was already applied (clock < self.clock).
         # Hint 1: self.step_with({key: tensor}) runs the optimizer on just those keys.
-        # More hints: uv run python -m tests.hint 3.8
-        # See guidelines.md#38-parameter-server
+        # More hints: uv run python -m tests.hint 3.7
+        # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.8: apply a push now (async) or keep it for its clock (sync, ssp) "
-            "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+            "TODO 3.7: apply a push now (async) or keep it for its clock (sync, ssp) "
+            "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     def finish_clock(self, worker: int, clock: int) -> None:
         """``worker`` completed ``clock`` (self.completed is already updated), or a member left
         (BYE, or died in ssp) while clock ``clock`` was open."""
-        # TODO 3.8: apply every open clock that every member has completed, oldest first.
+        # TODO 3.7: apply every open clock that every member has completed, oldest first.
         # Invariant: clocks are applied in order, each exactly once, as soon as every worker
         #   in self.members completed it (self.completed[m] > that clock), with the gradients
         #   of every worker that completed it (self.clock_pushers(): a member that said BYE
         #   after pushing counts). async does nothing here.
         # Hint 1: the oldest open clock is self.clock; in ssp a later clock may already be
         #   complete when an older one closes, so keep going.
-        # More hints: uv run python -m tests.hint 3.8
-        # See guidelines.md#38-parameter-server
+        # More hints: uv run python -m tests.hint 3.7
+        # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.8: apply every open clock that every member has completed, oldest first "
-            "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+            "TODO 3.7: apply every open clock that every member has completed, oldest first "
+            "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     def close_clock(self, pushers: Sequence[int]) -> None:
         """Apply the average of ``pushers``' gradients for the oldest open clock as one step."""
-        # TODO 3.8: average the gradients of `pushers` for self.clock, step once, advance.
+        # TODO 3.7: average the gradients of `pushers` for self.clock, step once, advance.
         # Invariant: one optimizer step per clock; the average is summed in worker order (the
         #   same bits every run) over `pushers` only; afterwards self.clock is one more, the
         #   clock's entry is gone from self.pending, and self.pending_since is None when no
         #   later clock has pushes (else the time its wait starts: now).
         # Hint 1: data-parallel SGD averages gradients; here the server does it.
-        # More hints: uv run python -m tests.hint 3.8
-        # See guidelines.md#38-parameter-server
+        # More hints: uv run python -m tests.hint 3.7
+        # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.8: average the gradients of `pushers` for self.clock, step once, advance "
-            "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+            "TODO 3.7: average the gradients of `pushers` for self.clock, step once, advance "
+            "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     # ------------------------------------------------------------------ given helpers
@@ -639,16 +639,16 @@ class Worker:
 
     def pull(self, clock: int) -> None:
         """Ask every server for its parameters for ``clock``; copy them into the model."""
-        # TODO 3.8: pull the current parameters from every server into the model.
+        # TODO 3.7: pull the current parameters from every server into the model.
         # Invariant: afterwards every model parameter holds the bits its server sent for this
         #   clock; a server may hold the answer back (sync, ssp), so wait for it.
         # Hint 1: send a PULL frame (encode_control) to each server, then read its PARAM frames
         #   until END; the key of a frame says which parameter (self.params[key]).
-        # More hints: uv run python -m tests.hint 3.8
-        # See guidelines.md#38-parameter-server
+        # More hints: uv run python -m tests.hint 3.7
+        # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.8: pull the current parameters from every server into the model "
-            "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+            "TODO 3.7: pull the current parameters from every server into the model "
+            "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     def compute(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -661,16 +661,16 @@ class Worker:
 
     def push(self, clock: int) -> None:
         """Send every gradient to the server holding it, then close the clock there."""
-        # TODO 3.8: push this clock's gradients to their servers and close the clock.
+        # TODO 3.7: push this clock's gradients to their servers and close the clock.
         # Invariant: each server gets exactly one PUSH per key it holds, stamped with this
         #   clock and this worker, then one CLOCK frame for the same clock.
         # Hint 1: encode_tensor(MsgType.PUSH, grad, key=..., worker=..., clock=...) builds a
         #   frame; the server refuses a clock it does not expect.
-        # More hints: uv run python -m tests.hint 3.8
-        # See guidelines.md#38-parameter-server
+        # More hints: uv run python -m tests.hint 3.7
+        # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.8: push this clock's gradients to their servers and close the clock "
-            "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+            "TODO 3.7: push this clock's gradients to their servers and close the clock "
+            "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     def close(self) -> None:

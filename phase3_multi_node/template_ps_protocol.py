@@ -1,7 +1,7 @@
 # Exercise template generated from solutions/phase3_multi_node/ps_protocol.py.
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
-"""Exercise 3.8, the parameter server's wire protocol: fixed-size frames over plain TCP.
+"""Exercise 3.7, the parameter server's wire protocol: fixed-size frames over plain TCP.
 
 Every message is one frame: a fixed 64-byte header, then ``length`` raw bytes::
 
@@ -23,7 +23,7 @@ receiver rebuilds it with ``torch.frombuffer`` and never runs code from the netw
 for anyone who can connect), no ``torch.load`` of received bytes.
 
 A server is network-facing, so it must assume any byte it reads was written by an attacker or a
-bug. The rule that makes reading safe (exercise 3.8's protocol TODO, :func:`check_header`):
+bug. The rule that makes reading safe (exercise 3.7's protocol TODO, :func:`check_header`):
 **decide from the header alone whether the frame is acceptable, before reading or allocating
 its payload**. A length field is a number someone else wrote: allocating ``length`` bytes
 because a header said so lets one 64-byte frame ask for 2^62 bytes. The payload is then read
@@ -194,17 +194,17 @@ def check_header(header: Header, max_payload: int) -> None:
     if header.type not in MsgType._value2member_map_:
         raise ProtocolError(f"unknown message type {header.type}")
     msg = MsgType(header.type)
-    # TODO 3.8: refuse a frame from its header alone: dtype, shape and length all bounded.
+    # TODO 3.7: refuse a frame from its header alone: dtype, shape and length all bounded.
     # Invariant: when this returns, `header.length` bytes are safe to read: the length is
     #   exactly numel * itemsize of a valid dtype and shape for tensor frames, the fixed size
     #   for CHALLENGE/AUTH, 0 for the rest, and never more than `max_payload`.
     # Hint 1: every field is a number a stranger chose: the dtype code indexes WIRE_DTYPES,
     #   ndim must fit MAX_DIMS, and a length of 2**62 must be refused here, not allocated.
-    # More hints: uv run python -m tests.hint 3.8
-    # See guidelines.md#38-parameter-server
+    # More hints: uv run python -m tests.hint 3.7
+    # See guidelines.md#37-parameter-server
     raise NotImplementedError(
-        "TODO 3.8: refuse a frame from its header alone: dtype, shape and length all bounded "
-        "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+        "TODO 3.7: refuse a frame from its header alone: dtype, shape and length all bounded "
+        "(see phase3_multi_node/guidelines.md#37-parameter-server)"
     )
 
 

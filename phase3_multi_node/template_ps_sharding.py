@@ -1,7 +1,7 @@
 # Exercise template generated from solutions/phase3_multi_node/ps_sharding.py.
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
-"""Exercise 3.8, sharding: which server holds which parameter, balanced by bytes.
+"""Exercise 3.7, sharding: which server holds which parameter, balanced by bytes.
 
 Every worker pushes and pulls every parameter once per clock, so a server's traffic and its
 optimizer work are proportional to the bytes it holds: the most loaded server sets the pace of
@@ -55,15 +55,15 @@ def balanced_assignment(sizes: Sequence[int], num_servers: int) -> list[int]:
     Deterministic: every process computes the same assignment from the same sizes.
     """
     check_sizes(sizes, num_servers)
-    # TODO 3.8: spread the keys over the servers so the largest load is near total / S.
+    # TODO 3.7: spread the keys over the servers so the largest load is near total / S.
     # Invariant: every key gets exactly one server in 0..S-1; the same sizes always give the
     #   same assignment; the largest load is within lpt_bound(sizes, S).
     # Hint 1: a big tensor placed late has nowhere good to go: place the big ones first.
-    # More hints: uv run python -m tests.hint 3.8
-    # See guidelines.md#38-parameter-server
+    # More hints: uv run python -m tests.hint 3.7
+    # See guidelines.md#37-parameter-server
     raise NotImplementedError(
-        "TODO 3.8: spread the keys over the servers so the largest load is near total / S "
-        "(see phase3_multi_node/guidelines.md#38-parameter-server)"
+        "TODO 3.7: spread the keys over the servers so the largest load is near total / S "
+        "(see phase3_multi_node/guidelines.md#37-parameter-server)"
     )
 
 

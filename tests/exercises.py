@@ -102,7 +102,7 @@ EXERCISES = [
     ),
     # Phase 3 opens with the collectives every later piece uses (3.1-3.3; the alpha-beta cost
     # model belongs to 3.2, where the ring/tree trade-off appears); DDP from scratch, ZeRO, 3D
-    # parallelism and the parameter server follow as 3.4, 3.5, ...
+    # parallelism and the parameter server follow as 3.4, 3.5, 3.6, 3.7.
     Exercise(
         "3.1",
         "ring all-reduce",
@@ -139,13 +139,21 @@ EXERCISES = [
         "35-zero-stages-1-3",
     ),
     Exercise(
-        "3.8",
+        "3.6",
+        "3D parallelism",
+        "phase3_multi_node",
+        ("parallel_3d",),
+        "36-3d-parallelism",
+    ),
+    Exercise(
+        "3.7",
         "parameter server",
         "phase3_multi_node",
         ("ps_sharding", "ps_protocol", "parameter_server"),
-        "38-parameter-server",
+        "37-parameter-server",
     ),
-    # Phase 4 (production): checkpoints, recovery under torchrun, elastic training.
+    # Phase 4 (production): checkpoints, recovery under torchrun, elastic training, compression
+    # hooks, monitoring. The capstone (the ImageNet trainer) is a program, not an exercise.
     Exercise(
         "4.1",
         "atomic, complete checkpoints",
@@ -166,6 +174,20 @@ EXERCISES = [
         "phase4_production",
         ("elastic",),
         "43-elastic-training",
+    ),
+    Exercise(
+        "4.4",
+        "gradient compression hooks",
+        "phase4_production",
+        ("compression",),
+        "44-gradient-compression",
+    ),
+    Exercise(
+        "4.5",
+        "monitoring and stragglers",
+        "phase4_production",
+        ("monitoring",),
+        "45-monitoring-and-profiling",
     ),
 ]
 

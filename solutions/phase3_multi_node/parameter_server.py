@@ -1,4 +1,4 @@
-"""Exercise 3.8: a parameter server (Li et al., "Scaling Distributed Machine Learning with the
+"""Exercise 3.7: a parameter server (Li et al., "Scaling Distributed Machine Learning with the
 Parameter Server", OSDI 2014) with synchronous, asynchronous and bounded-staleness training.
 
 Servers hold the parameters, each a shard of them (ps_sharding.py); workers hold data. One
@@ -187,7 +187,7 @@ class ParameterServer:
 
     def ready_to_serve(self, worker: int, clock: int) -> bool:
         """May ``worker``, about to compute ``clock``, pull the parameters now?"""
-        # TODO 3.8: decide when a pull for `clock` may be served, per mode.
+        # TODO 3.7: decide when a pull for `clock` may be served, per mode.
         # Invariant: self.clock counts the clocks applied so far. sync serves clock c only
         #   after clock c-1 was applied; ssp with staleness s once clock c-s-1 was applied
         #   (s = 0 is sync); async always.
@@ -196,7 +196,7 @@ class ParameterServer:
         # Hint 2: async: True. Otherwise let s = self.config.staleness in ssp and 0 in sync,
         #   and serve when self.clock >= clock - s. Mind the off-by-one: with s = 0 ssp must
         #   behave exactly like sync.
-        # See guidelines.md#38-parameter-server
+        # See guidelines.md#37-parameter-server
         # >>> solution
         if self.config.mode == "async":
             return True
@@ -206,7 +206,7 @@ class ParameterServer:
 
     def apply_push(self, worker: int, key: int, grad: torch.Tensor, clock: int) -> None:
         """A gradient of ``key`` from ``worker``'s ``clock`` arrived whole and checked."""
-        # TODO 3.8: apply a push now (async) or keep it for its clock (sync, ssp).
+        # TODO 3.7: apply a push now (async) or keep it for its clock (sync, ssp).
         # Invariant: async takes one optimizer step on this key with grad / num_workers. sync
         #   and ssp change no parameter here: they store the gradient under
         #   self.pending[clock][worker][key], and refuse (ProtocolError) a push for a clock
@@ -217,7 +217,7 @@ class ParameterServer:
         #   re-formed clock pushes late); store the grad in
         #   self.pending.setdefault(clock, {}).setdefault(worker, {}); set self.pending_since
         #   to time.monotonic() if it is None.
-        # See guidelines.md#38-parameter-server
+        # See guidelines.md#37-parameter-server
         # >>> solution
         if self.config.mode == "async":
             self.step_with({key: grad / self.config.num_workers})
@@ -235,7 +235,7 @@ class ParameterServer:
     def finish_clock(self, worker: int, clock: int) -> None:
         """``worker`` completed ``clock`` (self.completed is already updated), or a member left
         (BYE, or died in ssp) while clock ``clock`` was open."""
-        # TODO 3.8: apply every open clock that every member has completed, oldest first.
+        # TODO 3.7: apply every open clock that every member has completed, oldest first.
         # Invariant: clocks are applied in order, each exactly once, as soon as every worker
         #   in self.members completed it (self.completed[m] > that clock), with the gradients
         #   of every worker that completed it (self.clock_pushers(): a member that said BYE
@@ -244,7 +244,7 @@ class ParameterServer:
         #   complete when an older one closes, so keep going.
         # Hint 2: unless async: while self.pending and every member m has
         #   self.completed[m] > self.clock: self.close_clock(self.clock_pushers()).
-        # See guidelines.md#38-parameter-server
+        # See guidelines.md#37-parameter-server
         # >>> solution
         if self.config.mode == "async":
             return
@@ -254,7 +254,7 @@ class ParameterServer:
 
     def close_clock(self, pushers: Sequence[int]) -> None:
         """Apply the average of ``pushers``' gradients for the oldest open clock as one step."""
-        # TODO 3.8: average the gradients of `pushers` for self.clock, step once, advance.
+        # TODO 3.7: average the gradients of `pushers` for self.clock, step once, advance.
         # Invariant: one optimizer step per clock; the average is summed in worker order (the
         #   same bits every run) over `pushers` only; afterwards self.clock is one more, the
         #   clock's entry is gone from self.pending, and self.pending_since is None when no
@@ -264,7 +264,7 @@ class ParameterServer:
         #   gradient, add the others in order, divide by len(pushers); step_with(all) once
         #   (skip it when nobody pushed); clock += 1; pending_since = time.monotonic() if
         #   self.pending else None.
-        # See guidelines.md#38-parameter-server
+        # See guidelines.md#37-parameter-server
         # >>> solution
         grads = self.pending.pop(self.clock, {})
         if pushers:
@@ -668,7 +668,7 @@ class Worker:
 
     def pull(self, clock: int) -> None:
         """Ask every server for its parameters for ``clock``; copy them into the model."""
-        # TODO 3.8: pull the current parameters from every server into the model.
+        # TODO 3.7: pull the current parameters from every server into the model.
         # Invariant: afterwards every model parameter holds the bits its server sent for this
         #   clock; a server may hold the answer back (sync, ssp), so wait for it.
         # Hint 1: send a PULL frame (encode_control) to each server, then read its PARAM frames
@@ -677,7 +677,7 @@ class Worker:
         #   wait in parallel), then per server loop over self.receive(s): END ends it; a PARAM
         #   for a key in self.keys[s] is copied with payload_tensor into self.params[key]
         #   under torch.no_grad(); anything else raises ProtocolError.
-        # See guidelines.md#38-parameter-server
+        # See guidelines.md#37-parameter-server
         # >>> solution
         for server in range(len(self.sockets)):
             self.send(server, encode_control(MsgType.PULL, worker=self.worker_id, clock=clock))
@@ -704,14 +704,14 @@ class Worker:
 
     def push(self, clock: int) -> None:
         """Send every gradient to the server holding it, then close the clock there."""
-        # TODO 3.8: push this clock's gradients to their servers and close the clock.
+        # TODO 3.7: push this clock's gradients to their servers and close the clock.
         # Invariant: each server gets exactly one PUSH per key it holds, stamped with this
         #   clock and this worker, then one CLOCK frame for the same clock.
         # Hint 1: encode_tensor(MsgType.PUSH, grad, key=..., worker=..., clock=...) builds a
         #   frame; the server refuses a clock it does not expect.
         # Hint 2: for each server s: for key in self.keys[s] send the PUSH of
         #   self.params[key].grad; then send encode_control(MsgType.CLOCK, worker=..., clock=clock).
-        # See guidelines.md#38-parameter-server
+        # See guidelines.md#37-parameter-server
         # >>> solution
         for server in range(len(self.sockets)):
             frames = [

@@ -1,4 +1,4 @@
-"""Run S parameter servers and W workers as processes on one machine (exercise 3.8's launcher).
+"""Run S parameter servers and W workers as processes on one machine (exercise 3.7's launcher).
 
     uv run python -m solutions.phase3_multi_node.parameter_server \\
         --servers 2 --workers 3 --mode ssp --staleness 2 --slow-worker 1

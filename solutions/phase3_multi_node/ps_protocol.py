@@ -1,4 +1,4 @@
-"""Exercise 3.8, the parameter server's wire protocol: fixed-size frames over plain TCP.
+"""Exercise 3.7, the parameter server's wire protocol: fixed-size frames over plain TCP.
 
 Every message is one frame: a fixed 64-byte header, then ``length`` raw bytes::
 
@@ -20,7 +20,7 @@ receiver rebuilds it with ``torch.frombuffer`` and never runs code from the netw
 for anyone who can connect), no ``torch.load`` of received bytes.
 
 A server is network-facing, so it must assume any byte it reads was written by an attacker or a
-bug. The rule that makes reading safe (exercise 3.8's protocol TODO, :func:`check_header`):
+bug. The rule that makes reading safe (exercise 3.7's protocol TODO, :func:`check_header`):
 **decide from the header alone whether the frame is acceptable, before reading or allocating
 its payload**. A length field is a number someone else wrote: allocating ``length`` bytes
 because a header said so lets one 64-byte frame ask for 2^62 bytes. The payload is then read
@@ -191,7 +191,7 @@ def check_header(header: Header, max_payload: int) -> None:
     if header.type not in MsgType._value2member_map_:
         raise ProtocolError(f"unknown message type {header.type}")
     msg = MsgType(header.type)
-    # TODO 3.8: refuse a frame from its header alone: dtype, shape and length all bounded.
+    # TODO 3.7: refuse a frame from its header alone: dtype, shape and length all bounded.
     # Invariant: when this returns, `header.length` bytes are safe to read: the length is
     #   exactly numel * itemsize of a valid dtype and shape for tensor frames, the fixed size
     #   for CHALLENGE/AUTH, 0 for the rest, and never more than `max_payload`.
@@ -202,7 +202,7 @@ def check_header(header: Header, max_payload: int) -> None:
     #   (math.prod; itemsize from torch.empty((), dtype=...).element_size()) and
     #   length <= max_payload; BYTES_TYPES need length == their size; others length == 0.
     #   Each refusal raises ProtocolError naming the field, its value and what was allowed.
-    # See guidelines.md#38-parameter-server
+    # See guidelines.md#37-parameter-server
     # >>> solution
     if header.dtype_code >= len(WIRE_DTYPES):
         raise ProtocolError(

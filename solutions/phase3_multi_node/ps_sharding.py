@@ -1,4 +1,4 @@
-"""Exercise 3.8, sharding: which server holds which parameter, balanced by bytes.
+"""Exercise 3.7, sharding: which server holds which parameter, balanced by bytes.
 
 Every worker pushes and pulls every parameter once per clock, so a server's traffic and its
 optimizer work are proportional to the bytes it holds: the most loaded server sets the pace of
@@ -52,14 +52,14 @@ def balanced_assignment(sizes: Sequence[int], num_servers: int) -> list[int]:
     Deterministic: every process computes the same assignment from the same sizes.
     """
     check_sizes(sizes, num_servers)
-    # TODO 3.8: spread the keys over the servers so the largest load is near total / S.
+    # TODO 3.7: spread the keys over the servers so the largest load is near total / S.
     # Invariant: every key gets exactly one server in 0..S-1; the same sizes always give the
     #   same assignment; the largest load is within lpt_bound(sizes, S).
     # Hint 1: a big tensor placed late has nowhere good to go: place the big ones first.
     # Hint 2: order keys by size, largest first (ties by key index, so it is deterministic);
     #   keep a running load per server; give each key to the least-loaded server (ties: the
     #   lowest server index) and add its size to that server's load.
-    # See guidelines.md#38-parameter-server
+    # See guidelines.md#37-parameter-server
     # >>> solution
     loads = [0] * num_servers
     assignment = [0] * len(sizes)

@@ -1,4 +1,4 @@
-"""Shared pieces of exercise 3.8's grader (tests/phase3/grade_3_8_parameter_server.py).
+"""Shared pieces of exercise 3.7's grader (tests/phase3/grade_3_7_parameter_server.py).
 
 Runs of the parameter server go through :func:`run_job`: servers and workers are processes of the
 launcher (solutions/phase3_multi_node/ps_launcher.py) built from the implementation chosen by
@@ -160,7 +160,7 @@ def run_job(job: Job, what: str, *, restart_killed: bool = False) -> RunResult:
             line, _, function = rest.partition(" in ")
             frames = [Frame(path, int(line), function)] if line.isdigit() else []
             raise RankFailed(failure.index, failure.exc_type, failure.message, frames) from None
-        fail(f"3.8 {what}: {err}")
+        fail(f"3.7 {what}: {err}")
     assert_all_gone(pids, what)
     return result
 
@@ -168,7 +168,7 @@ def run_job(job: Job, what: str, *, restart_killed: bool = False) -> RunResult:
 def assert_all_gone(pids: list[int], what: str) -> None:
     alive = [pid for pid in pids if _alive(pid)]
     if alive:
-        fail(f"3.8 {what}: processes {alive} outlived the run (the launcher must reap them all)")
+        fail(f"3.7 {what}: processes {alive} outlived the run (the launcher must reap them all)")
 
 
 def _alive(pid: int) -> bool:
@@ -240,4 +240,4 @@ def raise_internal_errors(server: Any) -> None:
     for exc_type, message, _where in server.get_report().errors:
         if exc_type == "NotImplementedError":
             raise NotImplementedError(message)
-        fail(f"3.8: the server raised {exc_type}: {message}")
+        fail(f"3.7: the server raised {exc_type}: {message}")
