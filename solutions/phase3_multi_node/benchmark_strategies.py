@@ -1,0 +1,394 @@
+"""Benchmark the training strategies of the course on one model: throughput and memory per rank.
+
+The same MLP (``--layers`` Linear(width, width) layers with ReLU between, float32, one seed) is
+trained with AdamW on the same global batches by every strategy, in one world of ``--world``
+ranks:
+
+* **torch DDP**: ``torch.nn.parallel.DistributedDataParallel``, the baseline (1.000x);
+* **DDP (ours)**: exercise 3.4's ``DistributedDataParallel``, gloo's all-reduce per bucket;
+* **DDP + ring hook (ours)**: the same with a communication hook that runs exercise 3.1's ring
+  all-reduce on each bucket (``ddp.register_comm_hook(group, ring_allreduce_hook(...))``);
+* **pipeline 1F1B (ours)**: exercise 2.5's executor, the layers cut into ``--world`` stages,
+  the global batch in ``--microbatches`` micro-batches (no data parallelism);
+* **ZeRO-2 (ours)**: exercise 3.5's ``zero_wrap(stage=2)``.
+
+Every data-parallel rank takes its slice of the global batch; the pipeline takes it whole. The
+table shows, per strategy, the median step time of the slowest rank (``--steps`` timed steps
+after 2 warm-up steps, the strategies' steps interleaved so that a change of load on the machine
+hits all of them alike), samples per second, and, measured with one strategy in memory at a
+time, the bytes the most loaded rank holds after a step: parameters, gradients and optimizer
+state (distinct tensor storages, as ``zero_accounting.held_bytes`` counts them), the peak of
+activations saved for backward (``SavedTensorMeter``, counted on CPU and GPU alike), DDP's
+bucket buffers (torch's sizes from its logging data), and on GPU
+``torch.cuda.max_memory_allocated``. Ratios are against torch DDP in the same run; the loss
+after the last step shows that every strategy trained the same model.
+
+    uv run python -m solutions.phase3_multi_node.benchmark_strategies
+    uv run python -m solutions.phase3_multi_node.benchmark_strategies --world 4 --layers 8
+    uv run python -m solutions.phase3_multi_node.benchmark_strategies --impl templates
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from solutions.common.cli import parse_config, run_main
+from solutions.common.distributed import current_info
+from solutions.common.impl import IMPLS, load_impl
+from solutions.common.memory import SavedTensorMeter
+from solutions.common.world import WorldError, run_world
+from solutions.phase3_multi_node.zero_accounting import held_bytes
+
+PHASE2, PHASE3 = "phase2_advanced", "phase3_multi_node"
+STRATEGIES = (
+    "torch DDP",
+    "DDP (ours)",
+    "DDP + ring hook (ours)",
+    "pipeline 1F1B (ours)",
+    "ZeRO-2 (ours)",
+)
+MIB = 2**20
+
+
+@dataclass
+class StrategiesConfig:
+    """The benchmark's flags."""
+
+    world: int = field(default=2, metadata={"help": "number of ranks"})
+    width: int = field(default=1024, metadata={"help": "width of each Linear layer"})
+    layers: int = field(default=4, metadata={"help": "Linear layers (a multiple of --world)"})
+    global_batch: int = field(default=64, metadata={"help": "samples per step, all ranks"})
+    microbatches: int = field(default=4, metadata={"help": "the pipeline's micro-batches"})
+    steps: int = field(default=20, metadata={"help": "timed steps per strategy"})
+    lr: float = 1e-3
+    impl: str = field(
+        default="solutions",
+        metadata={"choices": IMPLS, "help": "run the reference or your templates"},
+    )
+
+
+def validate(config: StrategiesConfig) -> None:
+    """Every bad flag at once, naming each and a fix."""
+    problems = [
+        f"--{name.replace('_', '-')} {getattr(config, name)} must be >= {low}"
+        for name, low in (
+            ("world", 2),
+            ("width", 1),
+            ("layers", 1),
+            ("global_batch", 1),
+            ("microbatches", 1),
+            ("steps", 1),
+        )
+        if getattr(config, name) < low
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+    if config.layers % config.world:
+        problems.append(
+            f"--layers {config.layers} does not split into --world {config.world} equal pipeline "
+            f"stages: use a multiple of {config.world} (e.g. {config.world * 2})"
+        )
+    if config.global_batch % config.world:
+        problems.append(
+            f"--global-batch {config.global_batch} does not split over {config.world} ranks: use "
+            f"a multiple of {config.world}"
+        )
+    if config.global_batch % config.microbatches:
+        problems.append(
+            f"--global-batch {config.global_batch} does not cut into --microbatches "
+            f"{config.microbatches} equal micro-batches"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def make_mlp(width: int, layers: int) -> nn.Sequential:
+    """``layers`` Linear(width, width) with ReLU between, from seed 0 (the same on every rank)."""
+    torch.manual_seed(0)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*modules[:-1])
+
+
+def pipeline_stage(model: nn.Sequential, rank: int, world: int) -> nn.Sequential:
+    """Rank ``rank``'s contiguous share of the Linear layers (with the ReLU after each)."""
+    per = (len(model) + 1) // 2 // world
+    start = 2 * rank * per
+    end = len(model) if rank == world - 1 else 2 * (rank + 1) * per
+    return nn.Sequential(*(model[i] for i in range(start, end)))
+
+
+def ring_allreduce_hook(ring_all_reduce: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    """A DDP communication hook ``hook(group, bucket) -> Future`` that averages the bucket with
+    ``ring_all_reduce`` (exercise 3.1). DDP hands a hook the raw, summed-to-be gradients, so it
+    divides by the group's size first; the ring runs synchronously, so the future it returns is
+    already complete (torch's own hooks return the all-reduce's future instead)."""
+
+    def hook(group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(group))
+        ring_all_reduce(buffer, group=group)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    return hook
+
+
+@dataclass
+class Runner:
+    """One strategy on this rank: its step, and what holds its bytes."""
+
+    step: Callable[[torch.Tensor, torch.Tensor], float | None]
+    model: nn.Module
+    optimizer: Any
+    buckets: Callable[[], int] = lambda: 0
+
+
+def build_runner(name: str, config: StrategiesConfig, device: torch.device) -> Runner:
+    """Build strategy ``name`` on this rank (a collective: every rank builds the same one)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_mlp(config.width, config.layers).to(device)
+    share = config.global_batch // world
+    mine = slice(rank * share, (rank + 1) * share)
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=config.lr)
+
+    def data_parallel(wrapped: nn.Module, optimizer: Any) -> Callable[..., float | None]:
+        def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.mse_loss(wrapped(x[mine]), y[mine])
+            loss.backward()
+            optimizer.step()
+            return float(loss.detach())
+
+        return step
+
+    if name == "torch DDP":
+        ddp = TorchDDP(model)
+        optimizer = adamw(ddp.parameters())
+
+        def torch_buckets() -> int:
+            sizes = str(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+            return sum(int(s) for s in sizes.replace(" ", "").split(",") if s)
+
+        return Runner(data_parallel(ddp, optimizer), ddp, optimizer, torch_buckets)
+    if name in ("DDP (ours)", "DDP + ring hook (ours)"):
+        ours = load_impl(PHASE3, "ddp", config.impl).DistributedDataParallel(model)
+        if name == "DDP + ring hook (ours)":
+            ring = load_impl(PHASE3, "ring_allreduce", config.impl)
+            ours.register_comm_hook(None, ring_allreduce_hook(ring.ring_all_reduce))
+        optimizer = adamw(ours.parameters())
+        return Runner(
+            data_parallel(ours, optimizer), ours, optimizer, lambda: sum(ours.bucket_bytes())
+        )
+    if name == "ZeRO-2 (ours)":
+        zero = load_impl(PHASE3, "zero", config.impl)
+        wrapped, optimizer = zero.zero_wrap(model, adamw, stage=2)
+        return Runner(data_parallel(wrapped, optimizer), wrapped, optimizer)
+    if name == "pipeline 1F1B (ours)":
+        executor_impl = load_impl(PHASE2, "pipeline_executor", config.impl)
+        schedules = load_impl(PHASE2, "pipeline_schedules", config.impl)
+        stage = pipeline_stage(model, rank, world)
+        actions = schedules.make_schedule("1f1b", world, config.microbatches)[rank]
+        executor = executor_impl.PipelineExecutor([stage], actions, config.microbatches, F.mse_loss)
+        optimizer = adamw(stage.parameters())
+
+        def pipeline_step(x: torch.Tensor, y: torch.Tensor) -> float | None:
+            optimizer.zero_grad(set_to_none=True)
+            result = executor.step(x if rank == 0 else None, y if rank == world - 1 else None)
+            optimizer.step()
+            return result.loss
+
+        return Runner(pipeline_step, stage, optimizer)
+    raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGIES)}")
+
+
+def batch(step: int, config: StrategiesConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(step)
+    shape = (config.global_batch, config.width)
+    return torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def slowest(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def global_loss(loss: float | None, ddp_like: bool, device: torch.device) -> float:
+    """The whole batch's loss on every rank: the mean of the ranks' (data parallel), or the last
+    stage's (pipeline)."""
+    world = dist.get_world_size()
+    value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=device)
+    dist.all_reduce(value)
+    return float(value.item()) / (world if ddp_like else 1)
+
+
+WARMUP = 2  # steps before measuring (torch DDP rebuilds its buckets after the first one)
+
+
+def memory_of(name: str, config: StrategiesConfig, device: torch.device) -> dict[str, Any]:
+    """Strategy ``name`` alone in memory: the bytes it holds after a step, its activations'
+    peak during one, and (GPU) the peak allocated during one. The runner is freed after."""
+    runner = build_runner(name, config, device)
+    for step in range(WARMUP):
+        runner.step(*batch(step, config, device))
+    params = list(runner.model.parameters())
+    x, y = batch(WARMUP, config, device)
+    _synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with SavedTensorMeter(exclude=params) as meter:
+        runner.step(x, y)
+    _synchronize(device)
+    held = held_bytes(runner.model, runner.optimizer)
+    result = {
+        "params": held.params,
+        "grads": held.grads,
+        "optimizer": held.optimizer,
+        "activations": meter.peak_bytes,
+        "buckets": runner.buckets(),
+        "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+    del runner, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return result
+
+
+def measure_worker(config: StrategiesConfig) -> dict[str, Any]:
+    """Runs on every rank; returns this rank's numbers per strategy.
+
+    Memory is measured with one strategy in memory at a time. Time is measured with all of
+    them built and their steps interleaved (one step of each, in turn, ``--steps`` times), so
+    that a change of load on the machine hits every strategy alike."""
+    device = current_info().device
+    results: dict[str, Any] = {name: memory_of(name, config, device) for name in STRATEGIES}
+    runners = {name: build_runner(name, config, device) for name in STRATEGIES}
+    for step in range(WARMUP):
+        for runner in runners.values():
+            runner.step(*batch(step, config, device))
+    times: dict[str, list[float]] = {name: [] for name in STRATEGIES}
+    last: dict[str, float | None] = {}
+    for step in range(WARMUP, WARMUP + config.steps):
+        x, y = batch(step, config, device)
+        for name, runner in runners.items():
+            dist.barrier()
+            _synchronize(device)
+            start = time.perf_counter()
+            last[name] = runner.step(x, y)
+            _synchronize(device)
+            times[name].append(slowest(time.perf_counter() - start, device))
+    for name in STRATEGIES:
+        results[name]["step"] = statistics.median(times[name])
+        results[name]["loss"] = global_loss(last[name], name != "pipeline 1F1B (ours)", device)
+    results["device"] = str(device)
+    return results
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:.2f}"
+
+
+def total_bytes(row: dict[str, Any]) -> int:
+    return int(
+        row["params"] + row["grads"] + row["optimizer"] + row["activations"] + row["buckets"]
+    )
+
+
+def format_tables(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> str:
+    """The summary table (the most loaded rank's bytes) and the per-rank breakdown."""
+    device = per_rank[0]["device"]
+    gpu = device.startswith("cuda")
+    params = sum(p.numel() for p in make_mlp(config.width, config.layers).parameters())
+    lines = [
+        f"MLP {config.layers} x Linear({config.width}, {config.width}), {params:,} parameters, "
+        f"float32, AdamW; global batch {config.global_batch}, world {config.world} on {device}; "
+        f"pipeline: {config.microbatches} micro-batches; medians of {config.steps} steps, the "
+        f"strategies in turn (slowest rank); bytes in MiB after a step, each strategy alone, "
+        f"on the rank holding the most",
+        "",
+        "| strategy | step ms | samples/s | vs torch DDP | params | grads | optimizer "
+        "| activations (peak) | DDP buckets | total | vs torch DDP |"
+        + (" GPU peak allocated |" if gpu else "")
+        + f" loss at step {WARMUP + config.steps} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|" if gpu else "")
+        + "---:|",
+    ]
+    base = per_rank[0]["torch DDP"]
+    base_total = max(total_bytes(r["torch DDP"]) for r in per_rank)
+    for name in STRATEGIES:
+        rows = [r[name] for r in per_rank]
+        heaviest = max(rows, key=total_bytes)
+        step = rows[0]["step"]
+        rate = config.global_batch / step
+        gpu_cell = f" {_mib(max(r['gpu_peak'] for r in rows))} |" if gpu else ""
+        lines.append(
+            f"| {name} | {1e3 * step:.1f} | {rate:.0f} | {base['step'] / step:.3f}x | "
+            f"{_mib(heaviest['params'])} | {_mib(heaviest['grads'])} | "
+            f"{_mib(heaviest['optimizer'])} | {_mib(heaviest['activations'])} | "
+            f"{_mib(heaviest['buckets'])} | {_mib(total_bytes(heaviest))} | "
+            f"{total_bytes(heaviest) / base_total:.3f}x |{gpu_cell} {rows[0]['loss']:.6f} |"
+        )
+    lines += [
+        "",
+        "per rank (MiB):",
+        "",
+        "| strategy | rank | params | grads | optimizer | activations (peak) | DDP buckets "
+        "| total |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in STRATEGIES:
+        for rank, r in enumerate(per_rank):
+            row = r[name]
+            lines.append(
+                f"| {name} | {rank} | {_mib(row['params'])} | {_mib(row['grads'])} | "
+                f"{_mib(row['optimizer'])} | {_mib(row['activations'])} | "
+                f"{_mib(row['buckets'])} | {_mib(total_bytes(row))} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(StrategiesConfig, argv, __doc__)
+    try:
+        validate(config)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        per_rank = run_world(measure_worker, config.world, (config,), {}, timeout=900)
+    except WorldError as err:  # e.g. an unwritten TODO under --impl templates: one message
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(format_tables(per_rank, config))
+    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
