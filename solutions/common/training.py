@@ -15,7 +15,14 @@ Phase 1's hand-made data-parallel trainer, the phase 2 demos and the phase 4 tra
   steps, and whatever the step reports in ``metrics``) are all-reduced over ``group``, so every
   rank returns the same numbers;
 * **callbacks** (:class:`Callback`): ``on_step_end`` after every optimizer step (metrics, failure
-  injection, checkpoints every N steps) and ``on_epoch_end`` after every epoch.
+  injection, checkpoints every N steps) and ``on_epoch_end`` after every epoch;
+* **timing points** (optional): ``on_step_begin`` before the next batch is drawn and
+  ``on_section_end(section)`` when a part of the step has just ended: ``"data"`` (the batch is
+  on the device), ``"forward"`` and ``"backward"`` (once per micro-batch), ``"sync"`` (after
+  ``sync_gradients``), ``"optimizer"``, and ``"other"`` when the step returns (with a custom
+  ``step``, which marks nothing unless it calls :meth:`TrainingLoop.section_end`, the whole step
+  is "other"). Phase 4's monitor (4.5) times the sections from them. Only callbacks that
+  override one of the two are called, so an unmonitored loop pays one empty loop per point.
 
 ``train_data_parallel`` is the phase 2 demos' entry point: the built-in data, a sampler,
 DistributedDataParallel, evaluation, one line per epoch on rank 0.
@@ -24,6 +31,7 @@ DistributedDataParallel, evaluation, one line per epoch on rank 0.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -91,11 +99,29 @@ class EpochTotals:
 class Callback:
     """Override what you need; the loop calls these on every rank."""
 
+    def on_step_begin(self, loop: TrainingLoop) -> None:
+        """Before the next batch is drawn: the step's clock starts here (timing point).
+
+        At the end of an epoch this is followed by no step (the loader is exhausted).
+        """
+
+    def on_section_end(self, loop: TrainingLoop, section: str) -> None:
+        """A part of the step has just ended (timing point): ``"data"``, ``"forward"``,
+        ``"backward"``, ``"sync"``, ``"optimizer"``, ``"other"`` (see the module docstring)."""
+
     def on_step_end(self, loop: TrainingLoop, event: StepEvent) -> None:
         """After every optimizer step."""
 
     def on_epoch_end(self, loop: TrainingLoop, result: EpochTotals) -> None:
         """After every epoch, once totals are reduced."""
+
+
+SECTIONS = ("data", "forward", "backward", "sync", "optimizer", "other")
+"""The timing points of the default step, in order (forward/backward repeat per micro-batch)."""
+
+
+def _overrides(callback: Callback, name: str) -> bool:
+    return getattr(type(callback), name) is not getattr(Callback, name)
 
 
 class EveryNSteps(Callback):
@@ -208,8 +234,11 @@ class TrainingLoop:
         accumulation_steps: micro-batches per optimizer step (losses weighted by their size;
             DDP's ``no_sync`` skips the all-reduce of all but the last).
         precision: autocast and loss scaling (default: fp32).
-        callbacks: step and epoch callbacks (metrics, checkpoints, failure injection).
+        callbacks: step and epoch callbacks (metrics, checkpoints, failure injection), and
+            timing points (``on_step_begin``, ``on_section_end``) for monitors.
     """
+
+    _timers: Sequence[Callback] = ()  # the callbacks listening to timing points
 
     def __init__(
         self,
@@ -242,6 +271,26 @@ class TrainingLoop:
         self.precision = precision or Precision()
         self.callbacks = list(callbacks)
         self.global_step = 0
+
+    # ----------------------------------------------------------------- timing points
+
+    def _find_timers(self) -> None:
+        """The callbacks that listen to timing points (re-read each epoch: callbacks may change)."""
+        self._timers = [
+            c
+            for c in self.callbacks
+            if _overrides(c, "on_step_begin") or _overrides(c, "on_section_end")
+        ]
+
+    def section_end(self, section: str) -> None:
+        """Timing point: ``section`` of the current step has just ended (custom steps may call
+        it too, e.g. ``loop.section_end("sync")`` after their own all-reduce)."""
+        for callback in self._timers:
+            callback.on_section_end(self, section)
+
+    def _step_begin(self) -> None:
+        for callback in self._timers:
+            callback.on_step_begin(self)
 
     # ----------------------------------------------------------------- the three hooks
 
@@ -277,12 +326,16 @@ class TrainingLoop:
             last = index == len(chunks) - 1
             with self._no_sync(not last), self.precision.autocast():
                 loss = self.loss_fn(self.model(x), y)
+            self.section_end("forward")
             self.precision.backward(loss * (y.shape[0] / total))
+            self.section_end("backward")
             loss_sum += float(loss.detach()) * y.shape[0]
         if self.sync_gradients is not None:
             self.sync_gradients(self.model)
+        self.section_end("sync")
         self.precision.unscale(self.optimizer)
         stepped = self.precision.step(self.optimizer)
+        self.section_end("optimizer")
         return StepOutput(loss_sum / total, total, {"skipped_steps": float(not stepped)})
 
     def reduce_totals(self, totals: dict[str, float]) -> dict[str, float]:
@@ -306,10 +359,19 @@ class TrainingLoop:
     def run_epoch(self, epoch: int, start_index: int = 0) -> EpochTotals:
         """Train one epoch (from this rank's ``start_index``-th sample); totals over the group."""
         self.start_epoch(epoch, start_index)
+        self._find_timers()
         local: dict[str, float] = {"loss_sum": 0.0, "samples": 0.0, "steps": 0.0}
         started = time.perf_counter()
-        for batch_index, (inputs, targets) in enumerate(self._batches()):
+        batches = self._batches()
+        for batch_index in itertools.count():
+            self._step_begin()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            inputs, targets = batch
+            self.section_end("data")
             output = self.train_step(inputs, targets)
+            self.section_end("other")
             self.global_step += 1
             local["loss_sum"] += output.loss * output.samples
             local["samples"] += output.samples

@@ -1,0 +1,622 @@
+"""Grader of exercise 4.5, monitoring and profiling: ``uv run pytest tests/test_phase4.py -m ex4_5``.
+
+The step breakdown is graded on a fake clock (the sections must tile the step, micro-batches add
+up, and on CUDA the clock is read after the kernels finish); the FLOPs against
+``FlopCounterMode``'s forward + backward and the arithmetic of a chain of Linear layers; MFU on
+round numbers; the straggler rule on step times the test chooses, in worlds of 2 and 4 and in
+subgroups (one mistake, one wrong answer: a mean, no all-gather, the group's rank). Then real
+training runs with the monitor attached: a rank that sleeps in its forward is named in every
+report, the others are seen waiting for it in ``sync``, and with ordinary noise nobody is named.
+The given plumbing (the loop's timing points, TensorBoard, JSONL, profiler traces, the demo and
+the plot) is checked beside it (``reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import torch
+from grading import exercise, world
+from monitoring_helpers import (
+    PEAK_FLOPS,
+    FakeClock,
+    RunSpec,
+    Scenario,
+    demo_worker,
+    loop_points_worker,
+    monitored_run,
+    monitoring,
+    read_jsonl,
+    stragglers_worker,
+)
+from phase4_helpers import fail
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+SECTIONS = ("data", "forward", "backward", "sync", "optimizer", "other")
+
+
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms"
+
+
+# ----------------------------------------------------------------------------- the step breakdown
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    for name in ("perf_counter", "monotonic", "time", "process_time"):
+        monkeypatch.setattr(time, name, fake)
+    for name in ("perf_counter_ns", "monotonic_ns", "time_ns"):
+        monkeypatch.setattr(time, name, fake.ns)
+    return fake
+
+
+# one step: (seconds the section runs, the timing point that closes it); two micro-batches
+PLAN = [
+    (0.030, "data"),
+    (0.010, "forward"),
+    (0.020, "backward"),
+    (0.010, "forward"),
+    (0.020, "backward"),
+    (0.005, "sync"),
+    (0.003, "optimizer"),
+    (0.0005, "other"),
+]
+EXPECTED = {
+    "data": 0.030,
+    "forward": 0.020,
+    "backward": 0.040,
+    "sync": 0.005,
+    "optimizer": 0.003,
+    "other": 0.0005,
+}
+
+
+def run_plan(timer: Any, clock: FakeClock, plan: list[tuple[float, str]]) -> Any:
+    timer.start()
+    for seconds, section in plan:
+        clock.advance(seconds)
+        timer.mark(section)
+    return timer.finish()
+
+
+def describe(sections: dict[str, float]) -> str:
+    return ", ".join(f"{k} {ms(v)}" for k, v in sections.items())
+
+
+@exercise("4.5")
+def test_the_sections_tile_the_step(clock: FakeClock) -> None:
+    timer = monitoring().StepTimer("cpu")
+    for attempt in range(2):
+        clock.advance(0.250)  # time between steps (callbacks) belongs to no step
+        times = run_plan(timer, clock, PLAN)
+        got = {k: float(v) for k, v in times.sections.items()}
+        wall = sum(seconds for seconds, _ in PLAN)
+        total = sum(got.values())
+        if total > times.total + 1e-9 or total > wall + 1e-9:
+            fail(
+                f"4.5 StepTimer.mark: the sections add up to {ms(total)} but the step took "
+                f"{ms(wall)}: they overlap. Each timing point closes only the section since the "
+                f"previous point (self.last), not since start(); got {describe(got)}"
+            )
+        if got.get("forward") == pytest.approx(0.010) or got.get("backward") == pytest.approx(0.02):
+            fail(
+                "4.5 StepTimer.mark: forward and backward ran twice in this step (two "
+                f"micro-batches) and must add up (20 ms and 40 ms); got {describe(got)}"
+            )
+        wrong = {
+            k: v for k, v in EXPECTED.items() if not math.isclose(got.get(k, -1), v, abs_tol=1e-9)
+        }
+        if wrong or set(got) != set(EXPECTED):
+            fail(
+                f"4.5 StepTimer.mark (step {attempt + 1}): expected {describe(EXPECTED)}; got "
+                f"{describe(got)}. A mark adds the time since the previous timing point to its "
+                "section, then makes now the previous point"
+            )
+        if not math.isclose(times.total, wall, abs_tol=1e-9):
+            fail(
+                f"4.5 StepTimer: the step took {ms(wall)} from start() to the last mark, but "
+                f"finish() says {ms(times.total)}: mark must move self.last to now"
+            )
+
+
+@exercise("4.5")
+def test_on_cuda_the_clock_is_read_after_the_kernels_finish(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    syncs: list[float] = []
+
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        clock.advance(0.007)  # the kernels queued so far take 7 ms more to finish
+        syncs.append(clock.now)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    timer = monitoring().StepTimer(torch.device("cuda", 0))
+    times = run_plan(timer, clock, [(0.010, "forward"), (0.020, "backward")])
+    got = {k: float(v) for k, v in times.sections.items()}
+    want = {"forward": 0.017, "backward": 0.027}
+    if len(syncs) < 3:
+        fail(
+            f"4.5 StepTimer.mark on a CUDA device called torch.cuda.synchronize {len(syncs) - 1} "
+            "times for 2 marks: kernels run asynchronously, so without it a section's kernels "
+            f"are timed in whichever later section waits for them; got {describe(got)}"
+        )
+    if any(not math.isclose(got.get(k, -1), v, abs_tol=1e-9) for k, v in want.items()):
+        fail(
+            f"4.5 StepTimer.mark on CUDA: expected {describe(want)} (each section's own 7 ms of "
+            f"kernels included); got {describe(got)}. Synchronize first, then read the clock"
+        )
+
+
+# ----------------------------------------------------------------------------- FLOPs and MFU
+
+
+def chain(batch_norm: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU()]
+    if batch_norm:
+        layers.append(nn.BatchNorm1d(5))
+    layers.append(nn.Linear(5, 3))
+    return nn.Sequential(*layers)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(x) + self.b(z)
+        return out
+
+
+def library_count(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss: Any) -> float:
+    with FlopCounterMode(display=False) as counter:
+        loss(model(*inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
+@exercise("4.5")
+def test_training_flops_are_forward_plus_backward_counted_once() -> None:
+    ex = monitoring()
+    batch = 4
+    x, y = torch.randn(batch, 6), torch.tensor([0, 1, 2, 0])
+
+    def ce(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)
+
+    model = chain(batch_norm=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = ex.count_training_flops(model, x, ce)
+    # a matmul of [B, i] x [i, o] is 2·B·i·o FLOPs; backward computes the weight gradient of
+    # every layer and the input gradient of every layer but the first (x needs no gradient)
+    dims = [(6, 7), (7, 5), (5, 3)]
+    forward = sum(2 * batch * i * o for i, o in dims)
+    want = forward + forward + sum(2 * batch * i * o for i, o in dims[1:])
+    if got == forward:
+        fail(
+            f"4.5 count_training_flops returned {got:.0f}, the forward pass alone; a training "
+            f"step runs forward and backward ({want}): run loss.backward() inside the counter"
+        )
+    if got in (3 * want, 3 * forward, 2 * want):
+        fail(
+            f"4.5 count_training_flops returned {got:.0f} for a step of {want} FLOPs: "
+            "FlopCounterMode already counts the backward pass; multiply by nothing"
+        )
+    if got != want:
+        fail(
+            f"4.5 count_training_flops: Linear 6-7-5-3 on a batch of {batch} is {forward} FLOPs "
+            f"forward and {want} forward + backward; got {got}"
+        )
+    grads = [n for n, p in model.named_parameters() if p.grad is not None]
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    if grads or changed:
+        fail(
+            "4.5 count_training_flops changed the model it was given (gradients on "
+            f"{grads[:3]}, state changed: {changed[:3]}): count on the scratch copy"
+        )
+    two = TwoInputs()
+    inputs = (torch.randn(batch, 6), torch.randn(batch, 3))
+    try:
+        got = ex.count_training_flops(two, inputs, lambda out: out.square().mean())
+    except TypeError as err:
+        fail(
+            "4.5 count_training_flops(model, (x, z), loss_fn) with a model of two inputs raised "
+            f"TypeError: {err}; example_inputs may be a tuple: call scratch(*inputs)"
+        )
+    want_two = library_count(TwoInputs(), inputs, lambda out: out.square().mean())
+    if got != want_two:
+        fail(
+            "4.5 count_training_flops(model, (x, z), loss_fn) with a model of two inputs "
+            f"returned {got}; FlopCounterMode says {want_two}: call scratch(*inputs)"
+        )
+
+
+@exercise("4.5")
+def test_mfu_is_model_flops_per_second_over_the_peak() -> None:
+    ex = monitoring()
+    cases = [
+        (3e12, 0.5, 12e12, 0.5),
+        (6.2e7, 0.050, 8.0e10, 0.0155),
+        (9.894e14, 1.0, 989.4e12, 1.0),
+    ]
+    for flops, seconds, peak, want in cases:
+        got = float(ex.model_flops_utilization(flops, seconds, peak))
+        if math.isclose(got, want, rel_tol=1e-9):
+            continue
+        hint = ""
+        ratio = got / want if want else math.inf
+        if math.isclose(ratio, 1e-3, rel_tol=1e-6) or math.isclose(ratio, 1e3, rel_tol=1e-6):
+            hint = " (off by 1000: seconds are seconds, not milliseconds)"
+        elif math.isclose(ratio, 3, rel_tol=1e-6) or math.isclose(ratio, 1 / 3, rel_tol=1e-6):
+            hint = " (off by 3: flops_per_step already counts forward + backward)"
+        elif math.isclose(ratio, 1e12, rel_tol=1e-6) or math.isclose(ratio, 1e-12, rel_tol=1e-6):
+            hint = " (off by 1e12: peak_flops is in FLOP/s, not TFLOP/s)"
+        fail(
+            f"4.5 model_flops_utilization({flops:g} FLOPs, {seconds:g} s, peak {peak:g} FLOP/s) "
+            f"returned {got:g}; expected {want:g} = flops / seconds / peak{hint}"
+        )
+
+
+# ----------------------------------------------------------------------------- the straggler rule
+
+
+def windows(*per_rank: list[float]) -> dict[int, list[float]]:
+    return dict(enumerate(per_rank))
+
+
+TWO = [
+    ("rank 1 four times slower", Scenario(windows([10.0] * 4, [40.0] * 4)), [1]),
+    ("rank 1 three times slower", Scenario(windows([10.0] * 4, [30.0] * 4)), [1]),
+    ("one hiccup on rank 0", Scenario(windows([10, 10, 10, 200, 10], [11.0] * 5)), []),
+    ("ordinary noise", Scenario(windows([10, 12, 9, 11], [12, 10, 13, 11])), []),
+]
+FOUR = [
+    (
+        "ranks 2 and 3 slow",
+        Scenario(windows([10.0] * 3, [11.0] * 3, [17.0] * 3, [100.0] * 3)),
+        [2, 3],
+    ),
+    (
+        "ranks 2 and 3 slow, a higher threshold",
+        Scenario(windows([10.0] * 3, [11.0] * 3, [17.0] * 3, [100.0] * 3), threshold=3.0),
+        [3],
+    ),
+    ("rank 0 much faster", Scenario(windows([2.0] * 3, [10.0] * 3, [10.5] * 3, [11.0] * 3)), []),
+    (
+        "groups (0, 2) and (1, 3), rank 3 slow",
+        Scenario(windows([10.0] * 3, [10.0] * 3, [11.0] * 3, [40.0] * 3), groups=((0, 2), (1, 3))),
+        {0: [], 2: [], 1: [3], 3: [3]},
+    ),
+]
+
+
+def lower_median(values: list[float]) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).median())
+
+
+def check_scenarios(results: list[list[dict[str, Any]]], cases: list[Any], world_size: int) -> None:
+    """Every scenario's answer on every rank; the most telling mistake is reported first."""
+    wrong: list[tuple[str, Scenario, int, list[int], list[int]]] = []
+    for index, (name, scenario, want) in enumerate(cases):
+        per_rank = {rank: results[rank][index] for rank in range(world_size)}
+        for rank, got in per_rank.items():
+            if got["crossing"]:
+                fail(
+                    f"4.5 find_stragglers ({name}): rank {rank} talked outside its group: "
+                    f"{got['crossing'][0]}; pass group=group to the collective"
+                )
+        named = {rank: got["named"] for rank, got in per_rank.items()}
+        if scenario.groups is None and len({tuple(v) for v in named.values()}) > 1:
+            fail(
+                f"4.5 find_stragglers ({name}): the ranks disagree, each rank was told {named}. A "
+                "rank knows only its own times: all-gather the ranks' medians over the group, so "
+                "that every rank applies the rule to the same numbers and names the same ranks"
+            )
+        expected = want if isinstance(want, dict) else dict.fromkeys(range(world_size), want)
+        wrong += [
+            (name, scenario, rank, named[rank], expected[rank])
+            for rank in range(world_size)
+            if named[rank] != expected[rank]
+        ]
+    if not wrong:
+        for index, (name, scenario, _) in enumerate(cases):
+            details = [d for answers in results for d in answers[index]["details"]]
+            for straggler, seconds, _median in details:
+                own = lower_median(scenario.windows_ms[straggler]) / 1e3
+                if not math.isclose(seconds, own, rel_tol=1e-9):
+                    fail(
+                        f"4.5 find_stragglers ({name}): Straggler({straggler}).seconds is "
+                        f"{ms(seconds)}; that rank's median step is {ms(own)}"
+                    )
+        return
+
+    def remark(case: tuple[str, Scenario, int, list[int], list[int]], hint: str) -> NoReturn:
+        name, scenario, rank, got, want = case
+        fail(
+            f"4.5 find_stragglers ({name}, threshold {scenario.threshold}x): step times (ms) "
+            f"per rank {scenario.windows_ms}; rank {rank} was told {got}, expected {want}: {hint}"
+        )
+
+    for case in wrong:
+        told, windows_ms = case[3], case[1].windows_ms
+        medians = {r: lower_median(w) for r, w in windows_ms.items()}
+        typical = lower_median(list(medians.values()))
+        if any(medians.get(r, typical) < typical for r in told):
+            remark(case, "a straggler is slower than threshold x the median rank, never faster")
+    for case in wrong:
+        if case[1].groups is not None and case[3] == [1]:
+            remark(
+                case,
+                "1 is rank 3's rank inside its group; name global ranks "
+                "(dist.get_global_rank(group, r))",
+            )
+    for case in wrong:
+        if case[0] == "one hiccup on rank 0":
+            remark(
+                case,
+                "one slow step must not make a straggler: take the median of a rank's window, "
+                "not its mean",
+            )
+    for case in wrong:
+        if case[0] == "ranks 2 and 3 slow" and case[3] == [3]:
+            remark(
+                case,
+                "the median across ranks is 11 ms, so 17 ms is 1.55x; the mean across ranks "
+                "(34.5 ms) lets one very slow rank hide another",
+            )
+    names = {case[0] for case in wrong}
+    for case in wrong:
+        if case[0] == "rank 1 three times slower" and "rank 1 four times slower" not in names:
+            remark(
+                case,
+                "torch.median of [10, 30] is 10, the lower middle value; the average of the two "
+                "middle values, 20, makes 30 ms only 1.5x",
+            )
+    for case in wrong:
+        if "higher threshold" in case[0]:
+            remark(case, "use the threshold you are given")
+    remark(
+        wrong[0],
+        "compare each rank's median step (over its window) with threshold x the median of all "
+        "the ranks' medians (all-gathered over the group)",
+    )
+
+
+@exercise("4.5")
+def test_the_straggler_rule_in_a_world_of_two() -> None:
+    results = world(stragglers_worker, 2, [case[1] for case in TWO])
+    check_scenarios(results, TWO, 2)
+    line = results[0][0]["lines"][0]
+    if not line.startswith("rank 1 is a straggler: median step 40.0 ms vs 10.0 ms across ranks"):
+        fail(f"4.5: the straggler's log line reads {line!r}")
+
+
+@exercise("4.5")
+def test_the_straggler_rule_in_a_world_of_four_and_in_subgroups() -> None:
+    results = world(stragglers_worker, 4, [case[1] for case in FOUR])
+    check_scenarios(results, FOUR, 4)
+
+
+# ----------------------------------------------------------------------------- monitored runs
+
+
+def check_run(results: list[dict[str, Any]], spec: RunSpec, world_size: int) -> None:
+    expected = [spec.slow_rank] if spec.slow_rank >= 0 else []
+    report_steps = list(range(spec.every, spec.steps + 1, spec.every))
+    what = (
+        f"{world_size} ranks, rank {spec.slow_rank} sleeping {spec.slow_ms:.0f} ms more per forward"
+        if expected
+        else f"{world_size} ranks with ordinary noise ({spec.base_ms:.0f} ms +- {100 * spec.noise:.0f}%)"
+    )
+    for result in results:
+        by_step = {
+            step: sorted(r for s, r in result["named"] if s == step) for step in report_steps
+        }
+        wrong = {step: ranks for step, ranks in by_step.items() if ranks != expected}
+        if wrong:
+            fail(
+                f"4.5 monitor ({what}): rank {result['rank']} was told the stragglers at steps "
+                f"{by_step}; expected {expected} at every report"
+            )
+    writer = results[0]
+    if expected and not any(f"rank {spec.slow_rank} is a straggler" in x for x in writer["lines"]):
+        fail(f"4.5 monitor ({what}): rank 0 logged {writer['lines']}, naming nobody")
+    records = writer["reports"]
+    if len(records) != world_size * len(report_steps):
+        fail(
+            f"4.5 monitor: {len(records)} records for {len(report_steps)} reports of "
+            f"{world_size} ranks"
+        )
+    for record in records:
+        parts = record["breakdown_ms"]
+        negative = {k: v for k, v in parts.items() if v < -1e-9}
+        total = sum(parts.values())
+        if negative or not math.isclose(total, record["step_ms"], rel_tol=1e-6, abs_tol=1e-6):
+            fail(
+                f"4.5 StepTimer in a real run (rank {record['rank']}, step {record['step']}): the "
+                f"sections {parts} add up to {total:.3f} ms, the step took "
+                f"{record['step_ms']:.3f} ms; the sections must tile the step"
+            )
+        flops = results[record["rank"]]["flops"]
+        want = flops / (record["step_ms"] / 1e3) / PEAK_FLOPS
+        if record["mfu"] is None or not math.isclose(record["mfu"], want, rel_tol=1e-6):
+            fail(
+                f"4.5 monitor: rank {record['rank']}'s MFU at step {record['step']} is "
+                f"{record['mfu']}; {flops:.0f} FLOPs per step in {record['step_ms']:.2f} ms on "
+                f"a peak of {PEAK_FLOPS:g} FLOP/s is {want:.3g}"
+            )
+        if expected and record["step"] > spec.every:
+            parts = record["breakdown_ms"]
+            if record["rank"] == spec.slow_rank and parts["forward"] < spec.slow_ms:
+                fail(
+                    f"4.5 monitor: the slow rank's forward took {parts['forward']:.1f} ms per "
+                    f"step; it sleeps {spec.slow_ms:.0f} ms in every forward"
+                )
+            if record["rank"] != spec.slow_rank and parts["sync"] < spec.slow_ms / 2:
+                fail(
+                    f"4.5 monitor: rank {record['rank']} spent {parts['sync']:.1f} ms per step in "
+                    f"sync; it waits there for the slow rank (about {spec.slow_ms:.0f} ms)"
+                )
+
+
+@exercise("4.5")
+def test_a_slowed_rank_is_named_in_every_report_world_of_two() -> None:
+    spec = RunSpec(slow_rank=1)
+    check_run(world(monitored_run, 2, spec), spec, 2)
+
+
+@exercise("4.5")
+def test_a_slowed_rank_is_named_in_every_report_world_of_three() -> None:
+    spec = RunSpec(slow_rank=0)
+    check_run(world(monitored_run, 3, spec), spec, 3)
+
+
+@exercise("4.5")
+def test_nobody_is_named_with_ordinary_noise_world_of_four() -> None:
+    spec = RunSpec(slow_rank=-1)
+    check_run(world(monitored_run, 4, spec), spec, 4)
+
+
+# ----------------------------------------------------------------------------- the given plumbing
+
+
+@exercise("4.5")
+@pytest.mark.reference
+def test_the_training_loop_announces_its_timing_points() -> None:
+    default, custom = (
+        world(loop_points_worker, 1, 2, False)[0],
+        world(loop_points_worker, 1, 1, True)[0],
+    )
+    step = [
+        "begin",
+        "data",
+        "forward",
+        "backward",
+        "forward",
+        "backward",
+        "sync",
+        "optimizer",
+        "other",
+    ]
+    assert default == [step, step, step, ["begin"]], default
+    assert custom == [["begin", "data", "other"]] * 3 + [["begin"]], custom
+
+
+@exercise("4.5")
+@pytest.mark.reference
+def test_tensorboard_jsonl_and_profiler_traces(tmp_path: Path) -> None:
+    spec = RunSpec(
+        slow_rank=1,
+        base_ms=5.0,
+        slow_ms=20.0,
+        steps=6,
+        every=3,
+        output_dir=str(tmp_path),
+        tensorboard=True,
+        profile=(2, 4),
+        impl="solutions",
+    )
+    results = world(monitored_run, 2, spec)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["rank"]) for r in records] == [(3, 0), (3, 1), (6, 0), (6, 1)]
+    keys = {"step", "rank", "step_ms", "busy_ms", "breakdown_ms", "samples_per_second", "mfu"}
+    assert keys <= set(records[0]) and {"peak_memory_bytes", "straggler", "stragglers"} <= set(
+        records[0]
+    )
+    assert set(records[0]["breakdown_ms"]) == set(SECTIONS)
+    assert records == results[0]["reports"]
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert any(name.startswith("aten::") for name in names), sorted(names)[:20]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("step_ms/rank0", "step_ms/rank1", "breakdown_ms/sync/rank0", "mfu/rank1"):
+        assert tag in tags, sorted(tags)
+    assert [e.step for e in events.Scalars("step_ms/rank1")] == [3, 6]
+
+
+@exercise("4.5")
+@pytest.mark.reference
+def test_the_demo_names_the_slow_rank_and_plots(tmp_path: Path) -> None:
+    args = ["--epochs", "1", "--train-samples", "256", "--global-batch-size", "32"]
+    args += ["--every-n-steps", "4", "--slow-rank", "1", "--slow-ms", "40", "--peak-tflops", "1"]
+    outputs = world(demo_worker, 2, args, str(tmp_path))
+    printed = outputs[0]
+    assert printed.startswith("exit 0"), printed
+    assert "rank 1 is a straggler" in printed, printed
+    assert (
+        "| rank | data ms |" in printed and "straggler: rank 1, named in 2 of 2 reports" in printed
+    )
+    assert (tmp_path / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ddp = world(demo_worker, 2, [*args, "--ddp", "--no-plot"], str(tmp_path / "ddp"))[0]
+    assert "torch DDP: sections compared between ranks leave out sync, backward" in ddp, ddp
+    assert "rank 1 is a straggler" in ddp, ddp
+
+
+@exercise("4.5")
+@pytest.mark.reference
+def test_the_demo_refuses_bad_flags_all_at_once() -> None:
+    from solutions.phase4_production import monitoring_demo as demo
+
+    config = demo.DemoConfig(slow_rank=2, slow_ms=-1.0, every_n_steps=0)
+    with pytest.raises(ValueError) as err:
+        demo.validate(config, 2)
+    for flag in ("--slow-rank 2", "--slow-ms -1.0", "--every-n-steps 0"):
+        assert flag in str(err.value), str(err.value)
+
+
+@exercise("4.5")
+@pytest.mark.reference
+def test_plot_metrics_draws_a_png(tmp_path: Path) -> None:
+    from solutions.phase4_production import plot_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = []
+    for step in (4, 8):
+        for rank in (0, 1):
+            parts = dict.fromkeys(SECTIONS, 1.0) | {"forward": 30.0 if rank else 5.0}
+            record = {
+                "step": step,
+                "rank": rank,
+                "breakdown_ms": parts,
+                "step_ms": sum(parts.values()),
+            }
+            lines.append(json.dumps(record | {"busy_ms": 10.0, "straggler": rank == 1}))
+    path.write_text("\n".join(lines) + "\n")
+    assert plot_metrics.main(["--jsonl", str(path)]) == 0
+    assert (tmp_path / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no such file"):
+        plot_metrics.load_records(tmp_path / "missing.jsonl")
+
+
+@exercise("4.5")
+@pytest.mark.reference
+def test_peak_flops_come_from_the_flag_the_datasheet_or_a_measurement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from solutions.phase4_production import monitoring as m
+
+    assert m.peak_flops_per_second("cpu", override=5e9) == (5e9, "given")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert m.peak_flops_per_second("cuda:0", torch.bfloat16)[0] == 989.4e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert m.peak_flops_per_second("cuda:0", torch.bfloat16)[0] == 312e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 PCIe")
+    assert m.peak_flops_per_second("cuda:0", torch.float16)[0] == 756e12
+    assert m.measure_matmul_flops(torch.device("cpu"), size=64, repeats=2) > 0
+    assert m.peak_memory_bytes("cpu") >= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
