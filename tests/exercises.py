@@ -179,7 +179,7 @@ EXERCISES = [
         "4.4",
         "gradient compression hooks",
         "phase4_production",
-        ("compression",),
+        ("compression", "compression_topk", "compression_powersgd"),
         "44-gradient-compression",
     ),
     Exercise(

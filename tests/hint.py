@@ -23,12 +23,18 @@ from solutions.common.template_maker import (  # noqa: E402
     solution_files,
     template_path,
 )
+from tests.exercises import BY_ID  # noqa: E402
 
 
 def hints_for(exercise_id: str) -> list[str]:
     """Paragraphs, one per TODO of the exercise, in course order."""
     paragraphs = []
-    for solution in solution_files():
+    modules = BY_ID[exercise_id].modules if exercise_id in BY_ID else ()
+
+    def course_order(solution: Path) -> int:  # the exercise's modules in the order it lists them
+        return modules.index(solution.stem) if solution.stem in modules else len(modules)
+
+    for solution in sorted(solution_files(), key=course_order):
         for todo, hints in later_hints(solution):
             if todo.exercise != exercise_id:
                 continue

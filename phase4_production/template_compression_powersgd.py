@@ -1,0 +1,255 @@
+# Exercise template generated from solutions/phase4_production/compression_powersgd.py.
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
+"""Exercise 4.4, part 3: PowerSGD, low-rank gradient compression, as a DDP communication hook.
+
+Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization" (NeurIPS 2019), Algorithm 1; the same steps as torch's
+``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``. Each gradient matrix M (n x m:
+a layer's weight, viewed as ``shape[0] x rest``) is replaced by the group's average of a rank-r
+approximation, found by one step of power iteration that every rank takes together::
+
+    P = M Q            (n x r)   all-reduce P (sum)     then orthogonalize P's columns
+    Q = Mᵀ P           (m x r)   all-reduce Q, / world
+    M ≈ P Qᵀ
+
+Because the products are linear in M, all-reducing P and Q gives the factors of the *average*
+gradient's approximation: a rank sends (n + m)·r numbers instead of n·m. Q is kept for the next
+step (warm start: one power-iteration step per training step, converging over the steps), and
+what the approximation missed is kept locally and added to the next gradient (error feedback,
+as in top-k). A matrix is compressed only if (n + m)·r·min_compression_rate < n·m; the others
+(biases, small layers) are all-reduced as they are. The first ``start_iter`` steps use a plain
+all-reduce, as torch's hook does.
+
+Unlike torch's hook, which issues the Q all-reduce from the P all-reduce's future callback, this
+one issues every collective from the hook call itself, in a fixed order: under gloo a future's
+callbacks run on gloo's threads, so with several buckets two ranks could issue their collectives
+in different orders and hang (compression.py explains the trade-off: less overlap).
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class PowerSGDState:
+    """PowerSGD's settings and memory, shared by all buckets (torch's ``PowerSGDState``).
+
+    Args:
+        group: the data-parallel group (None: the default group).
+        rank: r, the rank of the approximation (torch's ``matrix_approximation_rank``).
+        start_iter: plain all-reduce for the first ``start_iter`` steps (``start_powerSGD_iter``;
+            at least 2 with error feedback or warm start: torch's DDP rebuilds its buckets after
+            the first step).
+        min_compression_rate: compress a matrix only if it shrinks by more than this.
+        use_error_feedback, warm_start: as in the paper; both on by default.
+        orthogonalization_epsilon: added to each column's norm (0: none).
+        seed: seeds the draws of the first Q of each bucket, the same on every rank (torch draws
+            its seeds with ``numpy.random.RandomState(seed)``; so does this class, so both hooks
+            start from the same Q).
+
+    Memory per bucket index: ``errors`` (flat, the bucket's size), ``p_memory`` and
+    ``q_memory`` (flat: every compressed matrix's P, resp. Q, one after the other).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        rank: int = 1,
+        start_iter: int = 10,
+        min_compression_rate: float = 2.0,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank {rank} must be >= 1 (1, 2 or 4 are typical)")
+        if (use_error_feedback or warm_start) and start_iter <= 1:
+            raise ValueError(
+                f"start_iter {start_iter} must be >= 2 with error feedback or warm start: torch's "
+                "DDP rebuilds its buckets after the first step, so memory kept before that would "
+                "not fit the new buckets"
+            )
+        self.group = group
+        self.rank = rank
+        self.start_iter = start_iter
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = orthogonalization_epsilon
+        self.rng = np.random.RandomState(seed)
+        self.errors: dict[int, torch.Tensor] = {}
+        self.p_memory: dict[int, torch.Tensor] = {}
+        self.q_memory: dict[int, torch.Tensor] = {}
+        self.iter = 0
+        self.total_numel_before_compression = 0
+        self.total_numel_after_compression = 0
+
+    def compression_stats(self) -> tuple[float, int, int]:
+        """(compress rate, numel before, numel after) summed over every compressed step and
+        bucket, as torch's ``PowerSGDState.compression_stats()`` (rate 0 before any)."""
+        before, after = self.total_numel_before_compression, self.total_numel_after_compression
+        return (before / after if after > 0 else 0, before, after)
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count a step when the last bucket of a backward is handled (torch's rule)."""
+        if bucket.is_last():
+            self.iter += 1
+
+    def fill_random(self, qs: Sequence[torch.Tensor]) -> None:
+        """Fill each Q with standard normal draws from one seed per call, drawn from
+        ``self.rng``: the same values on every rank, and the same as torch's hook draws."""
+        generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+        for q in qs:
+            q.copy_(torch.randn(*q.shape, generator=generator, dtype=q.dtype))
+
+
+def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether a rows x cols matrix is worth sending as rank-``rank`` factors (torch's rule)."""
+    # TODO 4.4: decide whether the factors are small enough to be worth it.
+    # Invariant: compress exactly when (rows + cols)·rank·min_compression_rate < rows·cols,
+    #   the rule of torch's _should_compress (strictly less).
+    # Hint 1: P has rows·rank numbers and Q cols·rank: compare what the factors cost, times
+    #   the minimum rate, with the matrix itself.
+    # See guidelines.md#44-gradient-compression
+    raise NotImplementedError(
+        "TODO 4.4: decide whether the factors are small enough to be worth it "
+        "(see phase4_production/guidelines.md#44-gradient-compression)"
+    )
+
+
+def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
+    """Make the columns of ``matrix`` (n x r, r <= n) orthonormal, in place, by Gram-Schmidt.
+
+    Column i is divided by its norm (+ ``epsilon``), then its projection is removed from every
+    later column: the columns span the same space as before, as ``torch.linalg.qr``'s Q does.
+    """
+    # TODO 4.4: Gram-Schmidt on the columns, in place.
+    # Invariant: afterwards matrixᵀ·matrix is the identity (to rounding) and the first j
+    #   columns span what the first j columns spanned before.
+    # Hint 1: one column at a time, left to right: normalize it, then subtract its component
+    #   from the columns to its right (they are orthogonalized later).
+    # More hints: uv run python -m tests.hint 4.4
+    # See guidelines.md#44-gradient-compression
+    raise NotImplementedError(
+        "TODO 4.4: Gram-Schmidt on the columns, in place "
+        "(see phase4_production/guidelines.md#44-gradient-compression)"
+    )
+
+
+def factor_views(memory: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """Consecutive views of the flat ``memory``, one per (rows, r) shape (P's or Q's)."""
+    views, start = [], 0
+    for rows, rank in shapes:
+        views.append(memory[start : start + rows * rank].view(rows, rank))
+        start += rows * rank
+    return views
+
+
+def low_rank_average(
+    state: PowerSGDState,
+    index: int,
+    matrices: Sequence[torch.Tensor],
+    ranks: Sequence[int],
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Overwrite each of ``matrices`` (views into bucket ``index``) with P Qᵀ, the group's
+    average of its rank-``ranks[i]`` approximations, by one step of power iteration.
+
+    ``state.p_memory[index]`` and ``state.q_memory[index]`` hold every matrix's P and Q, flat, in
+    the order of ``matrices`` (see :func:`factor_views`); Q survives to the next step.
+    """
+    world = dist.get_world_size(group)
+    p_shapes = [(m.shape[0], r) for m, r in zip(matrices, ranks, strict=True)]
+    q_shapes = [(m.shape[1], r) for m, r in zip(matrices, ranks, strict=True)]
+    # TODO 4.4: warm-start Q, then P = MQ, all-reduce P, orthogonalize, Q = MᵀP, all-reduce Q.
+    # Invariant: every matrix ends as P·Qᵀ with P the orthogonalized sum over ranks of M·Q and
+    #   Q the average over ranks of Mᵀ·P; Q is reused from the previous step when
+    #   state.warm_start (fresh random Q, state.fill_random, only the first time); P's
+    #   all-reduce before Q's, on group (one flat tensor each: one latency, not one per matrix).
+    # Hint 1: keep P and Q in state.p_memory[index] / state.q_memory[index] (flat, allocated
+    #   when missing or when not warm-starting) and work on factor_views of them, so that one
+    #   all-reduce sends every matrix's P (then every Q).
+    # More hints: uv run python -m tests.hint 4.4
+    # See guidelines.md#44-gradient-compression
+    raise NotImplementedError(
+        "TODO 4.4: warm-start Q, then P = MQ, all-reduce P, orthogonalize, Q = MᵀP, all-reduce Q "
+        "(see phase4_production/guidelines.md#44-gradient-compression)"
+    )
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def _split(
+    state: PowerSGDState, gradients: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
+    """(matrices to compress, their ranks, tensors to all-reduce as they are), counting the
+    statistics as torch does. Matrices are grouped by shape in order of first appearance, the
+    order torch's hook gives them (so the random first Qs are drawn in the same order)."""
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    uncompressed = []
+    for tensor in gradients:
+        matrix = tensor.view(tensor.shape[0], -1)
+        n, m = matrix.shape
+        rank = min(n, m, state.rank)
+        state.total_numel_before_compression += n * m
+        if should_compress(n, m, rank, state.min_compression_rate):
+            by_shape.setdefault((n, m), []).append(matrix)
+            state.total_numel_after_compression += (n + m) * rank
+        else:
+            uncompressed.append(tensor)
+            state.total_numel_after_compression += n * m
+    matrices = [matrix for group in by_shape.values() for matrix in group]
+    ranks = [min(*matrix.shape, state.rank) for matrix in matrices]
+    return matrices, ranks, uncompressed
+
+
+def powersgd_hook(
+    state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: PowerSGD on the bucket's matrices, a plain average for the rest.
+
+    Register with ``ddp_model.register_comm_hook(PowerSGDState(group, rank=2), powersgd_hook)``
+    (torch's DDP or ours). Every collective is issued and waited for here, in the same order on
+    every rank; the returned future is already complete.
+    """
+    group = state.group
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    if state.iter < state.start_iter:
+        state.maybe_increase_iter(bucket)
+        buffer.div_(world)
+        dist.all_reduce(buffer, group=group)
+        return _completed(buffer)
+    index = bucket.index()
+    if state.use_error_feedback and index in state.errors:
+        buffer.add_(state.errors[index])
+    before = buffer.clone() if state.use_error_feedback else None  # what this rank would send
+    matrices, ranks, uncompressed = _split(state, bucket.gradients())
+    flat = torch.cat([tensor.view(-1) for tensor in uncompressed]) if uncompressed else None
+    # the plain part starts first and finishes while P and Q travel
+    pending = dist.all_reduce(flat, group=group, async_op=True) if flat is not None else None
+    if matrices:
+        low_rank_average(state, index, matrices, ranks, group=group)
+    if flat is not None and pending is not None:
+        pending.wait()
+        flat.div_(world)
+        for tensor, part in zip(
+            uncompressed, flat.split([t.numel() for t in uncompressed]), strict=True
+        ):
+            tensor.copy_(part.view_as(tensor))
+    if before is not None:
+        state.errors[index] = before - buffer
+    if not state.warm_start:
+        state.p_memory.clear()
+        state.q_memory.clear()
+    state.maybe_increase_iter(bucket)
+    return _completed(buffer)
