@@ -10,6 +10,8 @@ value`` (or plain ``python -m``). What is the same everywhere lives here once:
 * :func:`refuse_before_start`: bad values are refused *before* the process group exists: each
   rank checks them against torchrun's WORLD_SIZE, rank 0 prints why, every rank exits with 2.
   Failing later, inside a collective, would leave the other ranks waiting.
+* :func:`benchmark_main`: a benchmark's ``main``: flags, refusals, the measurement (one line
+  when a world fails, e.g. on an unwritten TODO), the table, and how long it took.
 * :func:`run_main`: the entry point. A template whose TODO is still ``raise
   NotImplementedError("TODO x.y: ...")`` prints one line on rank 0 ("TODO 2.5 not written: ...
   at phase2_advanced/template_pipeline_executor.py:120 in PipelineExecutor.step") instead of one
@@ -36,6 +38,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +47,7 @@ from typing import Any, NoReturn, TypeVar
 from solutions.common.distributed import env_int
 
 ConfigT = TypeVar("ConfigT")
+ResultT = TypeVar("ResultT")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -51,7 +55,7 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-class _RankZeroParser(argparse.ArgumentParser):
+class RankZeroParser(argparse.ArgumentParser):
     """An ArgumentParser whose messages (usage errors, --help) appear once, on rank 0."""
 
     def _print_message(self, message: str, file: Any = None) -> None:
@@ -68,7 +72,7 @@ def parse_config(
 ) -> ConfigT:
     """Parse ``argv`` into ``config_class``, a dataclass whose defaults are the flags' defaults."""
     summary = (description or "").strip().split("\n\n")[0]
-    parser = _RankZeroParser(description=summary)
+    parser = RankZeroParser(description=summary)
     defaults: Any = config_class()
     for field in dataclasses.fields(defaults):
         value = getattr(defaults, field.name)
@@ -102,6 +106,43 @@ def refuse_before_start(validate: Callable[[int], object]) -> int | None:
             print(f"error: {err}", file=sys.stderr)
         return 2
     return None
+
+
+def benchmark_main(
+    config_class: type[ConfigT],
+    argv: Sequence[str] | None,
+    description: str | None,
+    *,
+    validate: Callable[[ConfigT], object],
+    measure: Callable[[ConfigT], ResultT],
+    report: Callable[[ResultT, ConfigT], str],
+) -> int:
+    """The ``main`` of a benchmark that starts its own worlds (``run_world``), not torchrun.
+
+    ``validate(config)`` raises ValueError for bad flags (exit 2, before any process starts);
+    ``measure(config)`` runs the worlds; a :class:`WorldError` (a rank raised, e.g. on an
+    unwritten TODO under ``--impl templates``, or hung) is one line on stderr and exit 1;
+    otherwise ``report(results, config)`` is printed, then the seconds it took.
+    """
+    import torch
+
+    from solutions.common.world import WorldError
+
+    config = parse_config(config_class, argv, description)
+    try:
+        validate(config)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        results = measure(config)
+    except WorldError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(report(results, config))
+    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
+    return 0
 
 
 def _learner_frame(exc: BaseException) -> str:

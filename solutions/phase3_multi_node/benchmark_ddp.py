@@ -22,7 +22,6 @@ when DDP costs no more than backward alone, 0% when it costs backward plus all t
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from solutions.common.cli import parse_config, run_main
+from solutions.common.cli import benchmark_main, run_main
 from solutions.common.impl import IMPLS, load_impl
-from solutions.common.world import WorldError, run_world
+from solutions.common.world import run_world
 
 PHASE = "phase3_multi_node"
 
@@ -189,25 +188,17 @@ def format_table(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> 
     return "\n".join(lines)
 
 
+def measure(config: BenchmarkConfig) -> Any:
+    return [
+        run_world(measure_worker, config.world, (config, cap), {}, timeout=900)[0]
+        for cap in parse_caps(config.caps)
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(BenchmarkConfig, argv, __doc__)
-    try:
-        validate(config)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    started = time.perf_counter()
-    try:
-        results = [
-            run_world(measure_worker, config.world, (config, cap), {}, timeout=900)[0]
-            for cap in parse_caps(config.caps)
-        ]
-    except WorldError as err:  # e.g. an unwritten TODO under --impl templates: one message
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(format_table(results, config))
-    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
-    return 0
+    return benchmark_main(
+        BenchmarkConfig, argv, __doc__, validate=validate, measure=measure, report=format_table
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,11 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from solutions.common.cli import parse_config, run_main
+from solutions.common.cli import benchmark_main, run_main
 from solutions.common.distributed import current_info
 from solutions.common.impl import IMPLS, load_impl
 from solutions.common.memory import SavedTensorMeter
-from solutions.common.world import WorldError, run_world
+from solutions.common.world import run_world
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 
 PHASE2, PHASE3 = "phase2_advanced", "phase3_multi_node"
@@ -372,22 +371,14 @@ def format_tables(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) 
     return "\n".join(lines)
 
 
+def measure(config: StrategiesConfig) -> Any:
+    return run_world(measure_worker, config.world, (config,), {}, timeout=900)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(StrategiesConfig, argv, __doc__)
-    try:
-        validate(config)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    started = time.perf_counter()
-    try:
-        per_rank = run_world(measure_worker, config.world, (config,), {}, timeout=900)
-    except WorldError as err:  # e.g. an unwritten TODO under --impl templates: one message
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(format_tables(per_rank, config))
-    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
-    return 0
+    return benchmark_main(
+        StrategiesConfig, argv, __doc__, validate=validate, measure=measure, report=format_tables
+    )
 
 
 if __name__ == "__main__":

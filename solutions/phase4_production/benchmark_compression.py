@@ -24,7 +24,6 @@ method, the table shows:
 
 import contextlib
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,13 +35,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from solutions.common.cli import parse_config, run_main
+from solutions.common.cli import benchmark_main, run_main
 from solutions.common.comm_counter import CommCounter, CommRecord
 from solutions.common.datasets import PatternSpec, make_pattern_dataset
 from solutions.common.impl import IMPLS, load_impl
 from solutions.common.models import MLP, BabyCNN
 from solutions.common.training import StepOutput, TrainingLoop, check_global_batch, evaluate
-from solutions.common.world import WorldError, run_world
+from solutions.common.world import run_world
 
 PHASE = "phase4_production"
 # (row label, make_comm_hook name, its keyword arguments)
@@ -257,22 +256,14 @@ def format_table(results: Sequence[MethodResult], config: BenchmarkConfig) -> st
     return "\n".join(lines)
 
 
+def measure(config: BenchmarkConfig) -> Any:
+    return run(config)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(BenchmarkConfig, argv, __doc__)
-    try:
-        validate(config)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    started = time.perf_counter()
-    try:
-        results = run(config)
-    except WorldError as err:  # e.g. an unwritten TODO under --impl templates: one message
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(format_table(results, config))
-    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
-    return 0
+    return benchmark_main(
+        BenchmarkConfig, argv, __doc__, validate=validate, measure=measure, report=format_table
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from solutions.common.cli import _RankZeroParser, run_main
+from solutions.common.cli import RankZeroParser, run_main
 from solutions.common.distributed import cleanup_distributed, setup_distributed
 from solutions.common.failure_injection import maybe_fail
 from solutions.common.impl import load_impl
@@ -91,7 +91,7 @@ class Launch:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[str, list[str], bool]:
-    parser = _RankZeroParser(description=(__doc__ or "").strip().split("\n\n")[0])
+    parser = RankZeroParser(description=(__doc__ or "").strip().split("\n\n")[0])
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
