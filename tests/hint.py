@@ -15,15 +15,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "tests"):  # the project, and tests/ as pytest's pythonpath has it
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from exercises import BY_ID  # noqa: E402
 
 from solutions.common.template_maker import (  # noqa: E402
     later_hints,
     solution_files,
     template_path,
 )
-from tests.exercises import BY_ID  # noqa: E402
 
 
 def hints_for(exercise_id: str) -> list[str]:
