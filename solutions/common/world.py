@@ -64,6 +64,9 @@ _HARNESS_FILE = str(Path(__file__).resolve())
 _EXIT = b"exit"
 
 
+MAX_UNMATCHED_SHOWN = 12  # a hang report lists at most this many unmatched messages
+
+
 def world_timeout() -> float:
     """Seconds a world may run before it is reported as hung: ``DTFS_WORLD_TIMEOUT`` or 20.
 
@@ -171,7 +174,14 @@ class WorldHung(WorldError):
                 lines.append(f"      waiting for its {current.message} posted at {site}")
         if self.unmatched:
             lines.append("  point-to-point messages never matched:")
-            lines += [f"    {op.describe(_relative)} — {what}" for op, what in self.unmatched]
+            described = [f"    {op.describe(_relative)} — {what}" for op, what in self.unmatched]
+            shown = list(dict.fromkeys(described))  # a loop posts the same message many times
+            lines += shown[:MAX_UNMATCHED_SHOWN]
+            if len(described) > MAX_UNMATCHED_SHOWN:
+                lines.append(
+                    f"    ... {len(described)} in all ({len(shown)} different); the first "
+                    f"{min(len(shown), MAX_UNMATCHED_SHOWN)} different ones are listed"
+                )
         super().__init__("\n".join(lines))
 
 

@@ -45,7 +45,7 @@ PHASE = "phase3_multi_node"
 KIB, MIB = 1024, 2**20
 ALGORITHMS = ("ring", "halving_doubling", "hierarchical", "dist.all_reduce")
 # --algorithms may also name these, for the ablation of the ring's speed (ring_variants.py)
-EXTRA_ALGORITHMS = ("ring_plain", "ring_unpipelined")
+EXTRA_ALGORITHMS = ("ring_plain", "ring_unpipelined", "ring_fused")
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,16 @@ def _functions(impl: str, topology: Topology, segment_bytes: int) -> dict[str, C
     ring = load_impl(PHASE, "ring_allreduce", impl)
     tree = load_impl(PHASE, "tree_allreduce", impl)
     hierarchical = load_impl(PHASE, "hierarchical_allreduce", impl)
-    from solutions.phase3_multi_node.ring_variants import plain_ring_all_reduce
+    from solutions.phase3_multi_node.ring_variants import (
+        fused_ring_all_reduce,
+        plain_ring_all_reduce,
+    )
 
     return {
         "ring": lambda t: ring.ring_all_reduce(t, segment_bytes=segment_bytes),
         "ring_plain": plain_ring_all_reduce,
         "ring_unpipelined": lambda t: ring.ring_all_reduce(t, segment_bytes=2**62),
+        "ring_fused": lambda t: fused_ring_all_reduce(t, segment_bytes=segment_bytes),
         "halving_doubling": tree.halving_doubling_all_reduce,
         "hierarchical": lambda t: hierarchical.hierarchical_all_reduce(t, topology),
         "dist.all_reduce": dist.all_reduce,
