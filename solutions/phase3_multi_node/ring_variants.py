@@ -1,6 +1,7 @@
-"""Slower rings, for the benchmark's ablation: what pipelining, avoiding copies and reusing buffers
-each buy. Not an exercise; ``benchmark_collectives --algorithms ring_plain,ring_unpipelined,ring,ring_fused``
-runs them beside the exercise's ring.
+"""Other rings, for the benchmark's ablation: what pipelining, avoiding copies, reusing buffers and
+overlapping the two halves each buy. Not an exercise;
+``benchmark_collectives --algorithms ring_plain,ring_unpipelined,ring,ring_fused`` runs them
+beside the exercise's ring.
 
 * :func:`plain_ring_all_reduce` is the first ring most people write: each step sends a copy of the
   chunk and receives into a freshly allocated buffer, waits for both, then reduces; the all-gather
