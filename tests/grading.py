@@ -105,3 +105,22 @@ def ranks_agree(values: Sequence[Any]) -> bool:
         elif first != other:
             return False
     return True
+
+
+def assert_bitwise_equal(
+    got: Mapping[str, Any], want: Mapping[str, Any], what: str, advice: str
+) -> None:
+    """Fail, as a teacher's remark, unless every tensor of ``want`` is in ``got`` and
+    ``torch.equal`` to it (resumed runs against uninterrupted ones); ``advice`` says what a resume
+    must restore."""
+    import torch
+
+    for name, ref in want.items():
+        if name not in got:
+            pytest.fail(f"{what}: the final model has no {name!r}", pytrace=False)
+        if not torch.equal(got[name], ref):
+            diff = (got[name].double() - ref.double()).abs().max().item()
+            pytest.fail(
+                f"{what}: {name} differs from the uninterrupted run by up to {diff:.3e}; {advice}",
+                pytrace=False,
+            )

@@ -39,7 +39,7 @@ from capstone_helpers import (
     overrides,
     train_worker,
 )
-from grading import world
+from grading import assert_bitwise_equal, world
 
 from solutions.common.torchrun_runner import alive, run_torchrun
 from solutions.phase4_production import imagenet_config as cfgmod
@@ -70,16 +70,11 @@ def reference_run(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def compare_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    for name, ref in want.items():
-        if name not in got:
-            fail(f"{what}: the final model has no {name!r}")
-        if not torch.equal(got[name], ref):
-            diff = (got[name].double() - ref.double()).abs().max().item()
-            fail(
-                f"{what}: {name} differs from the uninterrupted run by up to {diff:.3e}; a resume "
-                "must restore model, optimizer, LR schedule, scaler, sample position and every "
-                "rank's RNG, and augmentations must depend on (seed, epoch, index) only"
-            )
+    assert_bitwise_equal(
+        got, want, what,
+        "a resume must restore model, optimizer, LR schedule, scaler, sample position and every "
+        "rank's RNG, and augmentations must depend on (seed, epoch, index) only",
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- configuration

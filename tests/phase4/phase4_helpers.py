@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import pytest
 import torch
 import torch.distributed as dist
-from grading import impl, load, world
+from grading import assert_bitwise_equal, impl, load, world
 
 from solutions.common.torchrun_runner import TorchrunRun, alive, run_torchrun
 
@@ -96,16 +96,11 @@ def final_weights(checkpoint_dir: Path) -> tuple[dict[str, torch.Tensor], dict[s
 
 def compare_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     """Fail unless every tensor is ``torch.equal`` (bitwise) to the reference."""
-    for name, ref in want.items():
-        if name not in got:
-            fail(f"{what}: the final model has no {name!r}")
-        if not torch.equal(got[name], ref):
-            diff = (got[name].double() - ref.double()).abs().max().item()
-            fail(
-                f"{what}: {name} differs from the uninterrupted run by up to {diff:.3e}; a resume "
-                "must be bitwise: restore model, optimizer, scheduler, scaler, the sample position "
-                "and this rank's RNG states (dropout draws from them)"
-            )
+    assert_bitwise_equal(
+        got, want, what,
+        "a resume must be bitwise: restore model, optimizer, scheduler, scaler, the sample "
+        "position and this rank's RNG states (dropout draws from them)",
+    )  # fmt: skip
 
 
 def raise_if_todo(run: TorchrunRun) -> None:
