@@ -41,12 +41,17 @@ import torch.distributed.distributed_c10d as c10d
 SENDS = ("send", "isend")
 RECEIVES = ("recv", "irecv")
 LEDGER_FILE = str(Path(__file__).resolve())
+# A module that only wraps isend/irecv (ring_links.RingLinks) sets this global to True, so that
+# a message is reported at the line that called the wrapper, which is the line a learner wrote.
+TRANSPARENT_FLAG = "__p2p_ledger_transparent__"
 DISABLE_ENV = "DTFS_P2P_LEDGER"  # "0" turns the ledger off (to measure what it costs)
 BLOCKING_SEND_ADVICE = (
-    "every hung rank is blocked in a send: every rank sends before it receives, and with "
-    "messages larger than the transport buffers each send waits for a matching recv. Post the "
+    "every hung rank is blocked in a send. Either every rank sends before it receives, and with "
+    "messages larger than the transport buffers each send waits for a matching recv: post the "
     "irecv first, or alternate by rank parity (even ranks send first, odd ranks receive first); "
-    "see phase1_data_parallel/guidelines.md#13-all-reduce-from-send-and-recv"
+    "see phase1_data_parallel/guidelines.md#13-all-reduce-from-send-and-recv. Or a rank sends "
+    "one message more than its peer receives (a step too many): compare the sends listed below "
+    "with the receives your code posts"
 )
 
 
@@ -104,7 +109,11 @@ class _Ledger:
         frame = sys._getframe(2)
         while frame is not None:
             filename = frame.f_code.co_filename
-            if filename != LEDGER_FILE and self.is_project_frame(filename):
+            if (
+                filename != LEDGER_FILE
+                and not frame.f_globals.get(TRANSPARENT_FLAG)
+                and self.is_project_frame(filename)
+            ):
                 return filename, frame.f_lineno, frame.f_code.co_name
             frame = frame.f_back  # type: ignore[assignment]
         return "<unknown>", 0, "?"

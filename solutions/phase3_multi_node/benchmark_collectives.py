@@ -45,7 +45,7 @@ PHASE = "phase3_multi_node"
 KIB, MIB = 1024, 2**20
 ALGORITHMS = ("ring", "halving_doubling", "hierarchical", "dist.all_reduce")
 # --algorithms may also name these, for the ablation of the ring's speed (ring_variants.py)
-EXTRA_ALGORITHMS = ("ring_plain", "ring_unpipelined", "ring_fused")
+EXTRA_ALGORITHMS = ("ring_plain", "ring_unpipelined", "ring_unfused", "ring_one_connection")
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,19 @@ def _functions(impl: str, topology: Topology, segment_bytes: int) -> dict[str, C
     tree = load_impl(PHASE, "tree_allreduce", impl)
     hierarchical = load_impl(PHASE, "hierarchical_allreduce", impl)
     from solutions.phase3_multi_node.ring_variants import (
-        fused_ring_all_reduce,
+        one_connection_ring_all_reduce,
         plain_ring_all_reduce,
+        unfused_ring_all_reduce,
     )
 
     return {
         "ring": lambda t: ring.ring_all_reduce(t, segment_bytes=segment_bytes),
         "ring_plain": plain_ring_all_reduce,
         "ring_unpipelined": lambda t: ring.ring_all_reduce(t, segment_bytes=2**62),
-        "ring_fused": lambda t: fused_ring_all_reduce(t, segment_bytes=segment_bytes),
+        "ring_unfused": lambda t: unfused_ring_all_reduce(t, segment_bytes=segment_bytes),
+        "ring_one_connection": lambda t: one_connection_ring_all_reduce(
+            t, segment_bytes=segment_bytes
+        ),
         "halving_doubling": tree.halving_doubling_all_reduce,
         "hierarchical": lambda t: hierarchical.hierarchical_all_reduce(t, topology),
         "dist.all_reduce": dist.all_reduce,
@@ -141,7 +145,7 @@ def run_benchmark(
     *,
     impl: str = "solutions",
     nodes: int = 2,
-    segment_bytes: int = MIB,
+    segment_bytes: int = 2 * MIB,
     scale: float = 1.0,
 ) -> list[Row]:
     """Every (world, size, algorithm) median, worlds one after the other."""
@@ -353,7 +357,7 @@ class BenchmarkConfig:
         metadata={"help": f"from {', '.join(ALGORITHMS + EXTRA_ALGORITHMS)}"},
     )
     nodes: int = field(default=2, metadata={"help": "simulated nodes (hierarchical)"})
-    segment_kib: int = field(default=1024, metadata={"help": "ring segment size, KiB"})
+    segment_kib: int = field(default=2048, metadata={"help": "ring segment size, KiB"})
     repeat_scale: float = field(default=1.0, metadata={"help": "multiply the repeats by this"})
     impl: str = field(default="solutions", metadata={"choices": IMPLS, "help": "whose code"})
     json: str = field(default="", metadata={"help": "write the rows and fits to this file"})

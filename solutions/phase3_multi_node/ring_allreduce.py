@@ -23,12 +23,20 @@ not necessarily the bits of ``dist.all_reduce``, whose order of additions differ
 the reduction runs and the CPU idle while the bytes travel. Here each chunk is cut into segments
 of ``segment_bytes``: a segment is reduced as soon as it arrives and forwarded at once, while the
 next segments are still on the wire (the pipelining of NCCL's and gloo's rings: gloo/allreduce.cc
-and NCCL's ``NCCL_BUFFSIZE`` slices); the receives of the next step are posted before the current
-one is reduced; reductions write straight into the output view and the all-gather receives
-straight into the output, so nothing is copied; receive buffers live in a pool reused across calls.
+and NCCL's ``NCCL_BUFFSIZE`` slices); every receive is posted before the first send, so data can
+land the moment it is sent; reductions write straight into the output view and the all-gather
+receives straight into the output, so nothing is copied; receive buffers live in a pool reused
+across calls. :func:`ring_all_reduce` also overlaps the two halves at their seam: the
+all-gather's receives are posted before the reduce-scatter starts, under their own tag, and each
+segment of this rank's own chunk leaves as the all-gather's first step the moment its reduction
+is done (gloo's ring finishes the whole reduce-scatter first). Messages travel on
+:class:`~solutions.phase3_multi_node.ring_links.RingLinks`, which gives each direction of a link
+its own gloo connection (ring_links.py says why that matters with two ranks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,16 +47,21 @@ from solutions.phase3_multi_node.collective_support import (
     check_reduce_args,
     combine_,
     group_and_size,
-    peer,
     segments,
     wait_all,
 )
+from solutions.phase3_multi_node.ring_links import RingLinks
 
-# 1 MiB segments: small enough that the reduction of one hides behind the transfer of the next,
-# large enough that the ~50 us of Python and gloo per message stay a few percent (measured with
-# benchmark_collectives --segment-kib; see guidelines.md#speed).
-SEGMENT_BYTES = 1 << 20
-_POOL = BufferPool()  # receive buffers of the reduce-scatter, kept between calls
+# 2 MiB segments: small enough that the reduction of one hides behind the transfer of the next,
+# large enough that the ~50 us of Python and gloo per message stay a few percent (1 MiB was 3-8%
+# slower with 4 ranks on 2 cores, 256 KiB 10-30%: benchmark_collectives --segment-kib; see
+# guidelines.md#speed).
+SEGMENT_BYTES = 2 << 20
+REDUCE_SCATTER_TAG = 0
+ALL_GATHER_TAG = 1  # own tag: the all-gather's receives are posted while reduce-scatter runs
+_POOL = BufferPool()  # the reduce-scatter's receive buffers, one per step, kept between calls
+
+Receives = list[list[tuple[torch.Tensor, "dist.Work | None"]]]  # per step: (place, its irecv)
 
 
 def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
@@ -79,6 +92,157 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     # <<< solution
 
 
+@dataclass(frozen=True)
+class RingPlan:
+    """One call's layout: the flat tensor, its n chunks, this rank's links, the segment size.
+
+    Every rank builds the same plan from the same arguments, so sender and receiver cut a chunk
+    into the same segments and no message needs a header.
+    """
+
+    flat: torch.Tensor
+    bounds: list[tuple[int, int]]
+    links: RingLinks
+    per_segment: int  # elements per segment
+
+    @classmethod
+    def build(
+        cls,
+        flat: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        segment_bytes: int,
+        *,
+        per_direction: bool = True,
+    ) -> RingPlan:
+        """The plan for ``flat`` on ``group``; ``per_direction``: see :class:`RingLinks`."""
+        links = RingLinks.of(group, per_direction=per_direction)
+        per_segment = max(1, segment_bytes // flat.element_size())
+        return cls(flat, chunk_bounds(flat.numel(), links.size), links, per_segment)
+
+    @property
+    def rank(self) -> int:
+        return self.links.rank
+
+    @property
+    def n(self) -> int:
+        return self.links.size
+
+    def chunk(self, index: int) -> torch.Tensor:
+        """Chunk ``index % n`` of the flat tensor (a view)."""
+        start, stop = self.bounds[index % self.n]
+        return self.flat[start:stop]
+
+    def pieces(self, index: int) -> list[tuple[int, int]]:
+        """The ``[lo, hi)`` element ranges of chunk ``index % n``'s segments (none when empty)."""
+        return segments(*self.bounds[index % self.n], self.per_segment)
+
+
+def _reduce_scatter_steps(
+    plan: RingPlan, op: object, *, forward_own: bool
+) -> list[dist.Work | None]:
+    """Run the n-1 reduce-scatter steps on ``plan.flat``; return the sends still in flight.
+
+    Afterwards chunk r of ``plan.flat`` holds the reduction over every rank. With
+    ``forward_own=True`` each segment of chunk r is also sent on to the right, under
+    ``ALL_GATHER_TAG``, the moment its last reduction is done: the all-gather's first step.
+    """
+    flat, links, rank, n = plan.flat, plan.links, plan.rank, plan.n
+    # TODO 3.1: the n-1 reduce-scatter steps: send a chunk right, reduce the one from the left.
+    # Invariant: at step s rank r sends chunk (r-1-s) % n and receives chunk (r-2-s) % n, which
+    #   it reduces into flat with combine_; after step n-2 flat's chunk r holds every rank's
+    #   contribution. Never block in a send: every rank sends at the same time.
+    # Hint 1: post the irecv (into a separate buffer: flat's chunk still holds your own value)
+    #   and the isend with links.irecv / links.isend (tag REDUCE_SCATTER_TAG), then wait, then
+    #   reduce. Return the isends' works without waiting for them: the caller does.
+    # Hint 2: the chunk you send at step s+1 is the one you reduced at step s, so forward it
+    #   from flat right after reducing; at the last step forward it only if forward_own, under
+    #   ALL_GATHER_TAG. To be fast, post every step's irecvs before the first isend (step s
+    #   into _POOL.get(size, flat, slot=s)), cut each chunk into segments with
+    #   plan.pieces(index), and forward each segment as soon as it is reduced.
+    # See guidelines.md#31-the-ring-all-reduce
+    # >>> solution
+    incoming = []  # per step: (this rank's view of the chunk, its receive buffer, the irecv)
+    for step in range(n - 1):  # every receive first: data can land the moment it is sent
+        start, stop = plan.bounds[(rank - 2 - step) % n]
+        buffer = _POOL.get(stop - start, flat, slot=step)
+        incoming.append(
+            [
+                (
+                    flat[lo:hi],
+                    buffer[lo - start : hi - start],
+                    links.irecv(buffer[lo - start : hi - start], REDUCE_SCATTER_TAG),
+                )
+                for lo, hi in plan.pieces(rank - 2 - step)
+            ]
+        )
+    sends = [links.isend(flat[lo:hi], REDUCE_SCATTER_TAG) for lo, hi in plan.pieces(rank - 1)]
+    for step, posted in enumerate(incoming):
+        for mine, received, work in posted:
+            if work is not None:
+                work.wait()
+            combine_(mine, received, op)  # this rank's value (op) the partial from the left
+            if step < n - 2:  # the next step sends exactly this segment: forward it now
+                sends.append(links.isend(mine, REDUCE_SCATTER_TAG))
+            elif forward_own:  # chunk r's segment is final: the all-gather's first step
+                sends.append(links.isend(mine, ALL_GATHER_TAG))
+    return sends
+    # <<< solution
+
+
+def _post_all_gather_receives(plan: RingPlan) -> Receives:
+    """Post every irecv of the all-gather, step by step, straight into ``plan.flat``."""
+    # TODO 3.1: post the all-gather's receives, each into its final place in flat.
+    # Invariant: at step s rank r receives chunk (r-1-s) % n, every segment of it, under
+    #   ALL_GATHER_TAG; nothing is sent here and nothing waited for.
+    # Hint 1: one list per step of (the view of flat, plan.links.irecv(view, ALL_GATHER_TAG))
+    #   for each segment of plan.pieces(r - 1 - s). Receive into flat itself: no buffer.
+    # See guidelines.md#31-the-ring-all-reduce
+    # >>> solution
+    rank, n = plan.rank, plan.n
+    return [
+        [
+            (plan.flat[lo:hi], plan.links.irecv(plan.flat[lo:hi], ALL_GATHER_TAG))
+            for lo, hi in plan.pieces(rank - 1 - step)
+        ]
+        for step in range(n - 1)
+    ]
+    # <<< solution
+
+
+def _finish_all_gather(
+    plan: RingPlan, receives: Receives, sends: list[dist.Work | None]
+) -> None:
+    """Wait for the all-gather's receives in order, forwarding each; then for every send.
+
+    ``sends`` already holds the first step's sends (this rank's own chunk), in flight.
+    """
+    # TODO 3.1: the all-gather's steps: pass every received chunk on to the right, once.
+    # Invariant: what rank r receives at step s it sends at step s+1, as it is (copied, never
+    #   reduced again: every rank ends with the same bits); the last step's chunk is not sent
+    #   on (its right neighbour started it). Every isend is waited for before returning: the
+    #   caller may overwrite the tensor at once.
+    # Hint 1: walk receives step by step and segment by segment: wait for the segment and,
+    #   except at the last step, send it on with plan.links.isend(view, ALL_GATHER_TAG); then
+    #   wait_all(sends).
+    # See guidelines.md#31-the-ring-all-reduce
+    # >>> solution
+    for step, posted in enumerate(receives):
+        for piece, work in posted:
+            if work is not None:
+                work.wait()
+            if step + 1 < plan.n - 1:
+                sends.append(plan.links.isend(piece, ALL_GATHER_TAG))
+    wait_all(sends)
+    # <<< solution
+
+
+def _send_own_chunk(plan: RingPlan) -> list[dist.Work | None]:
+    """The all-gather's first step on its own: this rank's chunk, segment by segment."""
+    return [
+        plan.links.isend(plan.flat[lo:hi], ALL_GATHER_TAG) for lo, hi in plan.pieces(plan.rank)
+    ]
+
+
 def reduce_scatter_ring(
     tensor: torch.Tensor,
     op: object = ReduceOp.SUM,
@@ -95,59 +259,11 @@ def reduce_scatter_ring(
     it, and its other chunks are left holding partial reductions. Sends (n-1)/n·S bytes.
     """
     check_reduce_args(tensor, op)
-    group, rank, n = group_and_size(group)
     flat = (tensor if inplace else tensor.clone()).view(-1)
-    bounds = chunk_bounds(flat.numel(), n)
-    if n == 1:
-        return flat
-    right, left = peer(group, (rank + 1) % n), peer(group, (rank - 1) % n)
-    per_segment = max(1, segment_bytes // flat.element_size())
-
-    # TODO 3.1: the n-1 reduce-scatter steps: send a chunk right, reduce the one from the left.
-    # Invariant: at step s rank r sends chunk (r-1-s) % n and receives chunk (r-2-s) % n, which
-    #   it reduces into flat with combine_; after step n-2 flat's chunk r holds every rank's
-    #   contribution. Never block in a send: every rank sends at the same time.
-    # Hint 1: post the irecv (into a separate buffer: flat's chunk still holds your own value)
-    #   and the isend, then wait, then reduce. Peers are global ranks: right and left above.
-    # Hint 2: the chunk you send at step s+1 is the one you reduced at step s, so forward it
-    #   from flat right after reducing. To be fast, cut each chunk with segments(start, stop,
-    #   per_segment), forward each segment as soon as it is reduced, post the next step's irecvs
-    #   (into a second buffer: _POOL.get(size, flat, slot=step % 2)) before reducing this one,
-    #   and wait for every isend before returning.
-    # See guidelines.md#31-the-ring-all-reduce
-    # >>> solution
-    def post_receives(step: int) -> list[tuple[torch.Tensor, torch.Tensor, dist.Work | None]]:
-        """Post the irecvs of one step's chunk, segment by segment, into a pooled buffer."""
-        start, stop = bounds[(rank - 2 - step) % n]
-        buffer = _POOL.get(stop - start, flat, slot=step % 2)
-        return [
-            (
-                flat[lo:hi],
-                buffer[lo - start : hi - start],
-                dist.irecv(buffer[lo - start : hi - start], src=left, group=group),
-            )
-            for lo, hi in segments(start, stop, per_segment)
-        ]
-
-    pending = post_receives(0)  # receives first: the data can land the moment it is sent
-    start, stop = bounds[(rank - 1) % n]
-    sends = [
-        dist.isend(flat[lo:hi], dst=right, group=group)
-        for lo, hi in segments(start, stop, per_segment)
-    ]
-    for step in range(n - 1):
-        following = post_receives(step + 1) if step + 1 < n - 1 else []
-        for mine, incoming, work in pending:
-            if work is not None:
-                work.wait()
-            combine_(mine, incoming, op)  # this rank's value (op) the partial from the left
-            if step + 1 < n - 1:  # next step sends exactly this chunk: forward it now
-                sends.append(dist.isend(mine, dst=right, group=group))
-        pending = following
-    wait_all(sends)
-    # <<< solution
-    start, stop = bounds[rank]
-    return flat[start:stop]
+    plan = RingPlan.build(flat, group, segment_bytes)
+    if plan.n > 1:
+        wait_all(_reduce_scatter_steps(plan, op, forward_own=False))
+    return plan.chunk(plan.rank)
 
 
 def all_gather_ring(
@@ -167,8 +283,7 @@ def all_gather_ring(
     check_reduce_args(chunk, ReduceOp.SUM, "chunk")
     group, rank, n = group_and_size(group)
     flat = out.view(-1)
-    bounds = chunk_bounds(flat.numel(), n)
-    start, stop = bounds[rank]
+    start, stop = chunk_bounds(flat.numel(), n)[rank]
     if chunk.numel() != stop - start or chunk.dtype != out.dtype or chunk.device != out.device:
         raise ValueError(
             f"chunk ({chunk.numel()} elements, {chunk.dtype}, {chunk.device}) must be rank "
@@ -178,42 +293,11 @@ def all_gather_ring(
     own = flat[start:stop]
     if own.numel() and chunk.data_ptr() != own.data_ptr():
         own.copy_(chunk.view(-1))
-    if n == 1:
-        return out
-    right, left = peer(group, (rank + 1) % n), peer(group, (rank - 1) % n)
-    per_segment = max(1, segment_bytes // flat.element_size())
-    # TODO 3.1: the n-1 all-gather steps: pass every reduced chunk once around the ring.
-    # Invariant: at step s rank r sends chunk (r-s) % n and receives chunk (r-1-s) % n straight
-    #   into its place in flat; chunks are copied, never reduced again, so every rank ends with
-    #   the same bits. Never block in a send.
-    # Hint 1: at step 0 you send your own chunk; what you receive at step s is what you send at
-    #   step s+1. Receive into flat itself: no buffer is needed.
-    # Hint 2: post every irecv up front (each chunk has its own place in flat), then send your
-    #   own chunk's segments, then walk the steps in order: wait for each received segment and, but
-    #   at the last step, forward it to the right at once. Wait for every isend before returning.
-    # See guidelines.md#31-the-ring-all-reduce
-    # >>> solution
-    receives = []
-    for step in range(n - 1):
-        lo_chunk, hi_chunk = bounds[(rank - 1 - step) % n]
-        receives.append(
-            [
-                (flat[lo:hi], dist.irecv(flat[lo:hi], src=left, group=group))
-                for lo, hi in segments(lo_chunk, hi_chunk, per_segment)
-            ]
-        )
-    sends = [
-        dist.isend(flat[lo:hi], dst=right, group=group)
-        for lo, hi in segments(start, stop, per_segment)
-    ]
-    for step, posted in enumerate(receives):
-        for piece, work in posted:
-            if work is not None:
-                work.wait()
-            if step + 1 < n - 1:
-                sends.append(dist.isend(piece, dst=right, group=group))
-    wait_all(sends)
-    # <<< solution
+    plan = RingPlan.build(flat, group, segment_bytes)
+    if plan.n > 1:
+        receives = _post_all_gather_receives(plan)
+        sends = _send_own_chunk(plan)
+        _finish_all_gather(plan, receives, sends)
     return out
 
 
@@ -231,13 +315,23 @@ def ring_all_reduce(
     S - |chunk r| + S - |chunk r+1| when n does not divide the size).
     """
     check_reduce_args(tensor, op)
-    # TODO 3.1: compose the two halves, in place and without copying the tensor.
-    # Invariant: afterwards tensor holds the reduction on every rank, bitwise the same.
-    # Hint 1: reduce_scatter_ring(..., inplace=True) returns a view of tensor's own chunk, and
-    #   all_gather_ring accepts that view as its chunk.
+    plan = RingPlan.build(tensor.view(-1), group, segment_bytes)
+    if plan.n == 1:
+        return tensor
+    # TODO 3.1: compose the two halves in place, the all-gather starting at the seam.
+    # Invariant: afterwards tensor holds the reduction on every rank, bitwise the same, and
+    #   every rank sent 2(n-1)/n·S bytes, all to its right.
+    # Hint 1: the helpers above are the two halves: _reduce_scatter_steps leaves chunk r
+    #   reduced in plan.flat, _post_all_gather_receives + _finish_all_gather pass the chunks
+    #   around (see all_gather_ring for them used alone).
+    # Hint 2: post the all-gather's receives first (their tag keeps them apart from the
+    #   reduce-scatter's messages, and no all-gather data can arrive before the chunk it belongs
+    #   to is final everywhere), then run the reduce-scatter with forward_own=True: its sends
+    #   include your own chunk's, which replace all_gather_ring's _send_own_chunk.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
-    chunk = reduce_scatter_ring(tensor, op, group, inplace=True, segment_bytes=segment_bytes)
-    all_gather_ring(chunk, tensor, group, segment_bytes=segment_bytes)
+    receives = _post_all_gather_receives(plan)
+    sends = _reduce_scatter_steps(plan, op, forward_own=True)
+    _finish_all_gather(plan, receives, sends)
     return tensor
     # <<< solution

@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from solutions.phase3_multi_node.ring_variants import fused_ring_all_reduce, plain_ring_all_reduce
+from solutions.phase3_multi_node.ring_variants import (
+    one_connection_ring_all_reduce,
+    plain_ring_all_reduce,
+    unfused_ring_all_reduce,
+)
 
 
 def variants_equal_all_reduce(sizes: list[int]) -> list[str]:
@@ -18,9 +22,14 @@ def variants_equal_all_reduce(sizes: list[int]) -> list[str]:
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
             want = x.clone()
             dist.all_reduce(want, op=op)
-            fused = fused_ring_all_reduce(x.clone(), op=op, segment_bytes=4096)
-            plain = plain_ring_all_reduce(x.clone(), op=op)
-            for name, got in (("fused", fused), ("plain", plain)):
+            got_by_name = {
+                "plain": plain_ring_all_reduce(x.clone(), op=op),
+                "unfused": unfused_ring_all_reduce(x.clone(), op=op, segment_bytes=4096),
+                "one-connection": one_connection_ring_all_reduce(
+                    x.clone(), op=op, segment_bytes=4096
+                ),
+            }
+            for name, got in got_by_name.items():
                 if not torch.equal(got, want):
                     problems.append(f"{name} ring, size {size}, {op}: differs from dist.all_reduce")
     return problems
