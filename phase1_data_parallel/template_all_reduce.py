@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase1_data_parallel/all_reduce.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase1.py
 """Exercise 1.3: all-reduce built from point-to-point messages.

@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase2_advanced/pipeline_comm.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
 """Exercise 2.5 (messages): what pipeline stages send each other, over point-to-point messages.
@@ -19,7 +19,7 @@ executor (``pipeline_executor.py``) decides *when*; this module says *how*:
   of a step share one and the receiver asks for exactly the message it means. (gloo matches by
   source and tag; NCCL ignores tags and matches in posting order, which the schedules keep the
   same at both ends of every link.)
-* **Headers first.** Before the data of a step, a header (``solutions/common/tensor_header.py``,
+* **Headers first.** Before the data of a step, a header (``course/tensor_header.py``,
   the one format exercise 2.4 uses too) walks the stages in order with the shape and dtype of the
   *whole batch* at each boundary, so every stage knows its buffers, and every rank, not only
   the ones holding the batch, can check that the batch splits into m equal micro-batches before
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from solutions.common.tensor_header import HEADER_SLOTS, TensorMeta, decode_header, encode_header
-from solutions.phase2_advanced.pipeline_layout import stage_rank
+from course.tensor_header import HEADER_SLOTS, TensorMeta, decode_header, encode_header
+from phase2_advanced.pipeline_layout import stage_rank
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2  # the kinds of message; headers travel forward
 HEADER_META = TensorMeta((HEADER_SLOTS,), torch.int64)  # what a header's receive buffer is

@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase2_advanced/pipeline_schedules.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
 """Exercise 2.5 (schedules): which forward and backward each pipeline stage runs, in what order.

@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase2_advanced/tensor_parallel.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
 """Exercise 2.6, part 3: Megatron's parallel MLP and self-attention.

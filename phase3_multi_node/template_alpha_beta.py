@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase3_multi_node/alpha_beta.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
 """Exercise 3.2 (second part): what each all-reduce costs in the alpha-beta(-gamma) model, and

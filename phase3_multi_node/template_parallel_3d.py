@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase3_multi_node/parallel_3d.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
 """Exercise 3.6: 3D parallelism, data x tensor x pipeline, on the groups of one ``Topology``.
@@ -8,7 +8,7 @@ tensor parallelism all-reduces activations in every layer (fine inside a node, t
 nodes), pipeline parallelism idles (p-1)/(m+p-1) of each step in its bubble. Megatron-LM's
 "PTD-P" (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC 2021, sections 2-3) combines the three, each on its own process groups of the
-(pp, dp, tp) grid that ``solutions/common/topology.py`` lays out:
+(pp, dp, tp) grid that ``course/topology.py`` lays out:
 
 * **tensor** (tp, innermost, adjacent ranks): every block of a stage is phase 2's
   ``ParallelMLP`` on ``topology.tp_group``: fc1 column-parallel, fc2 row-parallel, one
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from solutions.common.topology import RankGrid, Topology
+from course.topology import RankGrid, Topology
 from phase1_data_parallel.template_trainer import average_gradients
 from phase2_advanced.template_pipeline_executor import PipelineExecutor
 from phase2_advanced.template_pipeline_schedules import make_schedule

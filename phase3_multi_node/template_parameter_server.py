@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase3_multi_node/parameter_server.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
 """Exercise 3.7: a parameter server (Li et al., "Scaling Distributed Machine Learning with the
@@ -711,7 +711,7 @@ def default_secret() -> bytes | None:
 
 
 if __name__ == "__main__":
-    from solutions.common.cli import run_main
-    from solutions.phase3_multi_node.ps_launcher import main
+    from course.cli import run_main
+    from phase3_multi_node.ps_launcher import main
 
     run_main(main)

@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase3_multi_node/ps_sharding.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
 """Exercise 3.7, sharding: which server holds which parameter, balanced by bytes.

@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase4_production/checkpoint.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
 """Exercise 4.1: checkpoints that survive crashes, and hold everything a bitwise resume needs.
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.phase4_production import rng_state
+from phase4_production import rng_state
 
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step_"

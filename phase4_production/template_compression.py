@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase4_production/compression.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
 """Exercise 4.4: gradient compression as DDP communication hooks (part 1: fp16/bf16, the factory).

@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase4_production/compression_topk.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
 """Exercise 4.4, part 2: top-k sparsification with error feedback, as a DDP communication hook.

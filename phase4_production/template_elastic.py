@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase4_production/elastic.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
 """Exercise 4.3: elastic training: the world grows and shrinks, the epoch goes on.

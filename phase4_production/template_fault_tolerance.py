@@ -1,4 +1,4 @@
-# Exercise template generated from solutions/phase4_production/fault_tolerance.py.
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
 """Exercise 4.2: automatic recovery: after a restart, load the newest valid checkpoint and go on.
@@ -19,7 +19,7 @@ Saving is given (:func:`save_training_state`): every rank hands its RNG states t
 writes one ``train_state.pt`` and the manifest; the others wait at a barrier, so no rank runs
 ahead of a checkpoint that might still fail.
 
-Failures to recover from come from :mod:`solutions.common.failure_injection` (SIGKILL, an
+Failures to recover from come from :mod:`course.failure_injection` (SIGKILL, an
 exception, a hang caught by a short collective timeout); see guidelines.md, section 4.2.
 """
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.training import StepEvent
+from course.training import StepEvent
 from phase4_production.template_checkpoint import CheckpointManager, gather_rng, restore_rng
 
 STATE_FILE = "train_state.pt"

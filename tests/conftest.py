@@ -4,7 +4,7 @@
 * A failure caused by an unwritten TODO reads as one line naming the TODO and its guidelines
   section; later tests of the same exercise that stop at the same wall are reported as skipped
   ("blocked by TODO 1.1"), so each open exercise shows up once. Rank failures and hangs from
-  :func:`solutions.common.world.run_world` are shown as their own short message, not as harness
+  :func:`course.world.run_world` are shown as their own short message, not as harness
   tracebacks.
 * After a world of an exercise hangs, the exercise's later worlds are skipped before they start
   ("blocked by the hang above (test_x)"): a hung exercise costs one timeout, not one per test.
@@ -26,7 +26,7 @@ import pytest
 from exercises import BY_ID, EXERCISES, PHASE_TITLES, Exercise
 from grading import IMPL_ENV, LoadError, block_worlds
 
-from solutions.common.world import RankFailed, WorldError, WorldHung
+from course.world import RankFailed, WorldError, WorldHung
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from exercises import BY_ID
 
-from solutions.common.world import run_world
+from course.world import run_world
 
 IMPL_ENV = "DTFS_IMPL"
 IMPLS = ("templates", "solutions")
@@ -83,8 +83,8 @@ def world(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with the same ``--impl`` as the tests.
 
-    ``timeout`` defaults to :func:`solutions.common.world.world_timeout`; ``nodes`` lays the ranks
-    out as simulated nodes (see :func:`solutions.common.world.run_world`). Skips, before any rank
+    ``timeout`` defaults to :func:`course.world.world_timeout`; ``nodes`` lays the ranks
+    out as simulated nodes (see :func:`course.world.run_world`). Skips, before any rank
     starts, when an earlier world of the same exercise hung (see :func:`block_worlds`).
     """
     if _blocked_reason is not None:

@@ -21,7 +21,7 @@ for path in (ROOT, ROOT / "tests"):  # the project, and tests/ as pytest's pytho
 
 from exercises import BY_ID  # noqa: E402
 
-from solutions.common.template_maker import (  # noqa: E402
+from course.template_maker import (  # noqa: E402
     later_hints,
     solution_files,
     template_path,

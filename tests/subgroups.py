@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from solutions.common.comm_counter import CommCounter
+from course.comm_counter import CommCounter
 
 
 @dataclass(frozen=True)

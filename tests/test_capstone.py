@@ -41,7 +41,7 @@ from capstone_helpers import (
 )
 from grading import assert_bitwise_equal, world
 
-from solutions.common.torchrun_runner import alive, run_torchrun
+from course.torchrun_runner import alive, run_torchrun
 from solutions.phase4_production import imagenet_config as cfgmod
 from solutions.phase4_production import imagenet_data as data
 from solutions.phase4_production import imagenet_recipe as recipe

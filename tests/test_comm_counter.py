@@ -14,7 +14,7 @@ import torch.distributed as dist
 from grading import world
 from subgroups import SubgroupInfo, assert_no_crossing, split_into_groups
 
-from solutions.common.comm_counter import CommCounter, CommRecord
+from course.comm_counter import CommCounter, CommRecord
 
 pytestmark = pytest.mark.harness
 

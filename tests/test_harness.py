@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from solutions.common.world import (
+from course.world import (
     RankDied,
     RankFailed,
     WorldHung,
@@ -271,8 +271,8 @@ def test_batched_point_to_point_still_works_under_the_ledger() -> None:
 
 
 def test_the_ledger_costs_microseconds_per_message(tmp_path: Path) -> None:
-    from solutions.common import p2p_ledger
-    from solutions.common.world import _is_project_frame
+    from course import p2p_ledger
+    from course.world import _is_project_frame
 
     ledger = p2p_ledger._Ledger(str(tmp_path / "ledger.json"), 0, _is_project_frame)
     tensor = torch.zeros(4)

@@ -53,7 +53,7 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 def test_ring_variants_equal_dist_all_reduce(world_size: int) -> None:
     from workers.ring_variants_worker import variants_equal_all_reduce
 
-    from solutions.common.world import run_world
+    from course.world import run_world
 
     sizes = [1, world_size - 1, 3 * world_size + 1, 4099, 20000]
     results = run_world(variants_equal_all_reduce, world_size, (sizes,), {})

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from workers.ring_links_worker import describe_links
 
-from solutions.common.world import run_world
+from course.world import run_world
 
 pytestmark = pytest.mark.harness
 

@@ -1,7 +1,7 @@
 """Templates and solutions stay in step: same public API, TODOs that teach, no stubs shipped.
 
 Templates are generated from the solutions' marked TODO regions by
-``solutions.common.template_maker``; these checks run under both ``--impl`` values, except the
+``course.template_maker``; these checks run under both ``--impl`` values, except the
 byte-for-byte comparison with the generator, which only makes sense on an untouched checkout
 (learners edit their templates, and may commit their work) and so runs only where
 ``DTFS_CHECK_TEMPLATES=1`` says the templates are the maintainers' (``.ci/run`` sets it).
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from exercises import BY_ID
 
-from solutions.common import template_maker
+from course import template_maker
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = template_maker.solution_files()
@@ -157,7 +157,7 @@ def test_committed_template_is_what_the_generator_makes(solution: Path) -> None:
     if template.read_text() != template_maker.make_template(solution):
         pytest.fail(
             f"{template.relative_to(ROOT)} drifted from {solution.relative_to(ROOT)}. "
-            "Maintainers: `uv run python -m solutions.common.template_maker --write` regenerates "
+            "Maintainers: `uv run python -m course.template_maker --write` regenerates "
             "every phase*/template_*.py from the solutions, overwriting whatever is in them "
             "(never run it in a checkout where someone is doing the exercises); then commit.",
             pytrace=False,

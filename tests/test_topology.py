@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from solutions.common.comm_counter import CommCounter
-from solutions.common.topology import GROUP_NAMES, Coords, RankGrid, Topology
-from solutions.common.world import run_world
+from course.comm_counter import CommCounter
+from course.topology import GROUP_NAMES, Coords, RankGrid, Topology
+from course.world import run_world
 
 pytestmark = pytest.mark.harness
 
@@ -256,7 +256,7 @@ def test_device_mesh_has_the_same_groups(topology_world: list[dict[str, Any]]) -
 
 
 def test_ranks_per_node_comes_from_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from solutions.common.topology import ranks_per_node_from_env
+    from course.topology import ranks_per_node_from_env
 
     for key in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.delenv(key, raising=False)

@@ -1,7 +1,7 @@
 """Real torchrun agents in subprocesses: restarts, two agents as two nodes, a hard time bound.
 
 These start torchrun's elastic agent (``python -m torch.distributed.run``) through
-:func:`solutions.common.torchrun_runner.run_torchrun`; each scenario takes 8-15 s on a 2-core
+:func:`course.torchrun_runner.run_torchrun`; each scenario takes 8-15 s on a 2-core
 machine. Deselect them with ``-m 'not torchrun'``.
 """
 
@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 from workers.restart_worker import STEPS, uninterrupted
 
-from solutions.common.failure_injection import (
+from course.failure_injection import (
     FailureSpec,
     InjectedFailure,
     failure_from_env,
     maybe_fail,
     parse_failure,
 )
-from solutions.common.torchrun_runner import TorchrunRun, alive, run_torchrun
+from course.torchrun_runner import TorchrunRun, alive, run_torchrun
 
 pytestmark = [pytest.mark.harness]
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.distributed import current_info
-from solutions.common.world import run_world
+from course.cli import parse_config, run_main
+from course.distributed import current_info
+from course.world import run_world
 from solutions.phase1_data_parallel.all_reduce import (
     direct_exchange_all_reduce,
     reduce_broadcast_all_reduce,

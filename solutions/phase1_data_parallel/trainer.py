@@ -10,7 +10,7 @@ on Accelerating Data Parallel Training", VLDB 2020), minus its bucketing and ove
 
 Every function takes ``group=`` (None: the default group), so the same code trains inside a
 data-parallel subgroup; ranks given as arguments (``src``) are ranks within that group. The epoch
-loop itself is the course's one loop, ``solutions/common/training.py``; 1.4 plugs phase 1's parts
+loop itself is the course's one loop, ``course/training.py``; 1.4 plugs phase 1's parts
 into it (:class:`DataParallelLoop`).
 
 Run it (instructor command; any world size that divides the global batch):
@@ -33,17 +33,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.comm_counter import CommCounter
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import (
+from course.cli import parse_config, refuse_before_start, run_main
+from course.comm_counter import CommCounter
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import (
     current_info,
     distributed_session,
 )
-from solutions.common.models import MLP, BabyCNN
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
-from solutions.common.training import Callback, StepOutput, TrainingLoop, evaluate
+from course.models import MLP, BabyCNN
+from course.rank_logging import log0
+from course.seeding import seed_everything
+from course.training import Callback, StepOutput, TrainingLoop, evaluate
 from solutions.phase1_data_parallel.all_reduce import (
     direct_exchange_all_reduce,
     reduce_broadcast_all_reduce,
@@ -295,7 +295,7 @@ def build_model(config: TrainConfig, spec: PatternSpec) -> nn.Module:
 
 
 class DataParallelLoop(TrainingLoop):
-    """The course's training loop (solutions/common/training.py) with phase 1's parts.
+    """The course's training loop (course/training.py) with phase 1's parts.
 
     The loop is given: it moves each batch to ``device``, adds up what every step returns, and
     calls callbacks. This class says how an epoch starts (:meth:`start_epoch`), what one step

@@ -22,13 +22,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.distributed import distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import BabyCNN
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, check_global_batch, train_data_parallel
+from course.cli import parse_config, refuse_before_start, run_main
+from course.distributed import distributed_session
+from course.impl import IMPLS, load_impl
+from course.models import BabyCNN
+from course.rank_logging import log0
+from course.seeding import seed_everything
+from course.training import LoopConfig, check_global_batch, train_data_parallel
 
 PHASE = "phase2_advanced"
 

@@ -22,9 +22,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.memory import SavedTensorMeter
+from course.cli import parse_config, run_main
+from course.impl import IMPLS, load_impl
+from course.memory import SavedTensorMeter
 from solutions.phase2_advanced.checkpointing_demo import deep_mlp
 
 PHASE = "phase2_advanced"

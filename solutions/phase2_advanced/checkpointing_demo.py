@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.memory import SavedTensorMeter
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
-from solutions.common.training import LoopConfig, check_global_batch, train_data_parallel
+from course.cli import parse_config, refuse_before_start, run_main
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import distributed_session
+from course.impl import IMPLS, load_impl
+from course.memory import SavedTensorMeter
+from course.rank_logging import log0
+from course.seeding import seed_everything
+from course.training import LoopConfig, check_global_batch, train_data_parallel
 
 PHASE = "phase2_advanced"
 

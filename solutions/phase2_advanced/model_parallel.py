@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.distributed import current_info
-from solutions.common.tensor_header import decode_header, empty_header, encode_header
+from course.distributed import current_info
+from course.tensor_header import decode_header, empty_header, encode_header
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -85,7 +85,7 @@ def stage_bounds(num_layers: int, world_size: int, rank: int) -> tuple[int, int]
 
 
 # ----------------------------------------------------------------------------- the messages
-# The header format (dtype code, ndim, sizes) is solutions/common/tensor_header.py, shared with
+# The header format (dtype code, ndim, sizes) is course/tensor_header.py, shared with
 # the pipeline executor of exercise 2.5: encode_header(tensor) makes one, empty_header(device) is
 # a buffer to receive one into, decode_header(header) gives back a TensorMeta (.shape, .dtype)
 # whose .empty(device) allocates the buffer the data lands in.

@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.comm_counter import CommCounter
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import current_info, distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import MLP, BabyCNN
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
+from course.cli import parse_config, refuse_before_start, run_main
+from course.comm_counter import CommCounter
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import current_info, distributed_session
+from course.impl import IMPLS, load_impl
+from course.models import MLP, BabyCNN
+from course.rank_logging import log0
+from course.seeding import seed_everything
 
 PHASE = "phase2_advanced"
 MODELS = ("mlp", "cnn")

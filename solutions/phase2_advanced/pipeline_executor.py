@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from solutions.common.events import Event, EventRecorder
-from solutions.common.tensor_header import TensorMeta
+from course.events import Event, EventRecorder
+from course.tensor_header import TensorMeta
+from phase2_advanced.pipeline_layout import rank_chunks, stage_chunk, virtual_stage
 from solutions.phase2_advanced.activation_checkpointing import checkpoint
 from solutions.phase2_advanced.pipeline_comm import (
     ACTIVATION,
@@ -50,7 +51,6 @@ from solutions.phase2_advanced.pipeline_comm import (
     wait_all,
     walk_headers,
 )
-from solutions.phase2_advanced.pipeline_layout import rank_chunks, stage_chunk, virtual_stage
 from solutions.phase2_advanced.pipeline_schedules import FORWARD, Action
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

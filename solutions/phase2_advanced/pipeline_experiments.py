@@ -16,8 +16,8 @@ from typing import Any
 
 from matplotlib.patches import Patch
 
-from solutions.common.events import Event
-from solutions.common.world import run_world
+from course.events import Event
+from course.world import run_world
 from solutions.phase2_advanced.pipeline_parallel import (
     PipelineConfig,
     PipelineRun,

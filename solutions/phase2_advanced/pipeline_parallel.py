@@ -21,7 +21,7 @@ Instructor commands (any --nproc_per_node from 2; interleaved needs m a multiple
         --impl templates
 
 Stage bubbles are measured on one time axis: ``time.perf_counter`` is one clock for all the
-processes of a machine (see ``solutions/common/events.py``). On a machine with fewer cores than
+processes of a machine (see ``course/events.py``). On a machine with fewer cores than
 ranks the stages also wait for a core, which the timelines count as work.
 """
 
@@ -38,14 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import current_info, distributed_session, env_int
-from solutions.common.events import Event, idle_fraction
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import MLP
-from solutions.common.rank_logging import log0
-from solutions.phase2_advanced.pipeline_layout import rank_chunks, stage_rank
+from course.cli import parse_config, refuse_before_start, run_main
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import current_info, distributed_session, env_int
+from course.events import Event, idle_fraction
+from course.impl import IMPLS, load_impl
+from course.models import MLP
+from course.rank_logging import log0
+from phase2_advanced.pipeline_layout import rank_chunks, stage_rank
 from solutions.phase2_advanced.pipeline_schedules import BACKWARD, FORWARD, SCHEDULE_NAMES
 from solutions.phase2_advanced.pipeline_simulation import gpipe_bubble, interleaved_bubble
 

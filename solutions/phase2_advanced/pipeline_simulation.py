@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from solutions.phase2_advanced.pipeline_layout import virtual_stage
+from phase2_advanced.pipeline_layout import virtual_stage
 from solutions.phase2_advanced.pipeline_schedules import FORWARD, Action
 
 _Key = tuple[str, int, int]  # (kind, virtual stage, micro-batch)

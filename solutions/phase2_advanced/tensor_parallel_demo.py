@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.comm_counter import CommCounter
-from solutions.common.distributed import current_info, distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
+from course.cli import parse_config, refuse_before_start, run_main
+from course.comm_counter import CommCounter
+from course.distributed import current_info, distributed_session
+from course.impl import IMPLS, load_impl
+from course.rank_logging import log0
+from course.seeding import seed_everything
 from solutions.phase2_advanced.tensor_parallel_library import library_parallel_mlp, local_grads
 
 PHASE = "phase2_advanced"

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from solutions.common.distributed import current_info
+from course.distributed import current_info
 
 
 def tensor_parallel_mesh(group: dist.ProcessGroup | None = None) -> DeviceMesh:

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.topology import Topology
-from solutions.common.world import run_world
+from course.cli import parse_config, run_main
+from course.impl import IMPLS, load_impl
+from course.topology import Topology
+from course.world import run_world
 
 PHASE = "phase3_multi_node"
 KIB, MIB = 1024, 2**20

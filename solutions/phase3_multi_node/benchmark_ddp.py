@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from solutions.common.cli import benchmark_main, run_main
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.world import run_world
+from course.cli import benchmark_main, run_main
+from course.impl import IMPLS, load_impl
+from course.world import run_world
 
 PHASE = "phase3_multi_node"
 

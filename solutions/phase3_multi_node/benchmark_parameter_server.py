@@ -24,9 +24,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.impl import IMPLS
-from solutions.phase3_multi_node.ps_launcher import PSConfig, run
+from course.cli import parse_config, run_main
+from course.impl import IMPLS
+from phase3_multi_node.ps_launcher import PSConfig, run
 
 STRAGGLERS = ("none", "worker 1", "random")
 

@@ -43,11 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from solutions.common.cli import benchmark_main, run_main
-from solutions.common.distributed import current_info
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.memory import SavedTensorMeter
-from solutions.common.world import run_world
+from course.cli import benchmark_main, run_main
+from course.distributed import current_info
+from course.impl import IMPLS, load_impl
+from course.memory import SavedTensorMeter
+from course.world import run_world
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 
 PHASE2, PHASE3 = "phase2_advanced", "phase3_multi_node"

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.comm_counter import CommCounter
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import MLP
-from solutions.common.world import run_world
+from course.cli import parse_config, run_main
+from course.comm_counter import CommCounter
+from course.impl import IMPLS, load_impl
+from course.models import MLP
+from course.world import run_world
 from solutions.phase3_multi_node import zero_accounting as acc
 from solutions.phase3_multi_node import zero_library as lib
 

@@ -16,7 +16,7 @@ Each rank sends 2(N-1)/N·S/k bytes across nodes, all ranks at once on their own
 what uses every NIC of a node (NCCL's trees and rings across nodes are built per GPU for the same
 reason; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; Jia et al., "Highly scalable deep learning
 training system with mixed-precision", 2018, 2D/hierarchical all-reduce). The groups come from
-the :class:`~solutions.common.topology.Topology` built once for the run; nothing here decides
+the :class:`~course.topology.Topology` built once for the run; nothing here decides
 which ranks share a node.
 """
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from solutions.common.topology import Topology
-from solutions.phase3_multi_node.collective_support import ReduceOp, check_reduce_args
+from course.topology import Topology
+from phase3_multi_node.collective_support import ReduceOp, check_reduce_args
 from solutions.phase3_multi_node.ring_allreduce import (
     all_gather_ring,
     reduce_scatter_ring,
@@ -44,7 +44,7 @@ def hierarchical_all_reduce(
     check_reduce_args(tensor, op)
     if not isinstance(topology, Topology):
         raise TypeError(
-            f"topology must be a solutions.common.topology.Topology (Topology.build(...) on every "
+            f"topology must be a course.topology.Topology (Topology.build(...) on every "
             f"rank), got {type(topology).__name__}"
         )
     # TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node.

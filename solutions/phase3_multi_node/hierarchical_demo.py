@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.comm_counter import CommCounter
-from solutions.common.distributed import cleanup_distributed, setup_distributed
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.topology import Topology
+from course.cli import parse_config, run_main
+from course.comm_counter import CommCounter
+from course.distributed import cleanup_distributed, setup_distributed
+from course.impl import IMPLS, load_impl
+from course.topology import Topology
 
 PHASE = "phase3_multi_node"
 

@@ -5,7 +5,7 @@ tensor parallelism all-reduces activations in every layer (fine inside a node, t
 nodes), pipeline parallelism idles (p-1)/(m+p-1) of each step in its bubble. Megatron-LM's
 "PTD-P" (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC 2021, sections 2-3) combines the three, each on its own process groups of the
-(pp, dp, tp) grid that ``solutions/common/topology.py`` lays out:
+(pp, dp, tp) grid that ``course/topology.py`` lays out:
 
 * **tensor** (tp, innermost, adjacent ranks): every block of a stage is phase 2's
   ``ParallelMLP`` on ``topology.tp_group``: fc1 column-parallel, fc2 row-parallel, one
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from solutions.common.topology import RankGrid, Topology
+from course.topology import RankGrid, Topology
 from solutions.phase1_data_parallel.trainer import average_gradients
 from solutions.phase2_advanced.pipeline_executor import PipelineExecutor
 from solutions.phase2_advanced.pipeline_schedules import make_schedule

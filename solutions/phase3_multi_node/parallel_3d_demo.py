@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.comm_counter import POINT_TO_POINT_OPS, CommCounter, CommRecord
-from solutions.common.distributed import distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.rank_logging import log0
-from solutions.common.topology import Topology
+from course.cli import parse_config, refuse_before_start, run_main
+from course.comm_counter import POINT_TO_POINT_OPS, CommCounter, CommRecord
+from course.distributed import distributed_session
+from course.impl import IMPLS, load_impl
+from course.rank_logging import log0
+from course.topology import Topology
 from solutions.phase3_multi_node.parallel_3d import SCHEDULES, StackConfig, check_layout
 
 PHASE = "phase3_multi_node"

@@ -766,7 +766,7 @@ def default_secret() -> bytes | None:
 
 
 if __name__ == "__main__":
-    from solutions.common.cli import run_main
-    from solutions.phase3_multi_node.ps_launcher import main
+    from course.cli import run_main
+    from phase3_multi_node.ps_launcher import main
 
     run_main(main)

@@ -30,7 +30,7 @@ across calls. :func:`ring_all_reduce` also overlaps the two halves at their seam
 all-gather's receives are posted before the reduce-scatter starts, under their own tag, and each
 segment of this rank's own chunk leaves as the all-gather's first step the moment its reduction
 is done (gloo's ring finishes the whole reduce-scatter first). Messages travel on
-:class:`~solutions.phase3_multi_node.ring_links.RingLinks`, which gives each direction of a link
+:class:`~phase3_multi_node.ring_links.RingLinks`, which gives each direction of a link
 its own gloo connection (ring_links.py says why that matters with two ranks).
 """
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from solutions.phase3_multi_node.collective_support import (
+from phase3_multi_node.collective_support import (
     BufferPool,
     ReduceOp,
     check_reduce_args,
@@ -50,7 +50,7 @@ from solutions.phase3_multi_node.collective_support import (
     segments,
     wait_all,
 )
-from solutions.phase3_multi_node.ring_links import RingLinks
+from phase3_multi_node.ring_links import RingLinks
 
 # 2 MiB segments: small enough that the reduction of one hides behind the transfer of the next,
 # large enough that the ~50 us of Python and gloo per message stay a few percent (1 MiB was 3-8%

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from solutions.common.impl import load_impl
-from solutions.common.world import run_world
+from course.impl import load_impl
+from course.world import run_world
 from solutions.phase3_multi_node.benchmark_collectives import Fit, Row, fit_models, run_benchmark
 
 PHASE = "phase3_multi_node"

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from solutions.phase3_multi_node import ring_allreduce as ring
-from solutions.phase3_multi_node.collective_support import (
+from phase3_multi_node.collective_support import (
     ReduceOp,
     check_reduce_args,
     combine_,
@@ -30,6 +29,7 @@ from solutions.phase3_multi_node.collective_support import (
     peer,
     wait_all,
 )
+from solutions.phase3_multi_node import ring_allreduce as ring
 
 
 def plain_ring_all_reduce(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from solutions.phase3_multi_node.collective_support import (
+from phase3_multi_node.collective_support import (
     BufferPool,
     ReduceOp,
     check_reduce_args,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from solutions.common.comm_counter import CommRecord
+from course.comm_counter import CommRecord
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.distributed import distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.rank_logging import log0
+from course.cli import parse_config, run_main
+from course.distributed import distributed_session
+from course.impl import IMPLS, load_impl
+from course.rank_logging import log0
 from solutions.phase4_production.sharded_checkpoint import writer_group
 
 PHASE = "phase4_production"

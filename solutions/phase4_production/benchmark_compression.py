@@ -35,13 +35,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from solutions.common.cli import benchmark_main, run_main
-from solutions.common.comm_counter import CommCounter, CommRecord
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import MLP, BabyCNN
-from solutions.common.training import StepOutput, TrainingLoop, check_global_batch, evaluate
-from solutions.common.world import run_world
+from course.cli import benchmark_main, run_main
+from course.comm_counter import CommCounter, CommRecord
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.impl import IMPLS, load_impl
+from course.models import MLP, BabyCNN
+from course.training import StepOutput, TrainingLoop, check_global_batch, evaluate
+from course.world import run_world
 
 PHASE = "phase4_production"
 # (row label, make_comm_hook name, its keyword arguments)

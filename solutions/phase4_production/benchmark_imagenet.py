@@ -45,9 +45,9 @@ import torch
 import torchvision
 from torch import nn
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.impl import IMPLS
-from solutions.common.training import AutocastPrecision, Precision, TrainingLoop
+from course.cli import parse_config, run_main
+from course.impl import IMPLS
+from course.training import AutocastPrecision, Precision, TrainingLoop
 from solutions.phase4_production.imagenet_config import CapstoneConfig
 from solutions.phase4_production.imagenet_data import (
     DeviceLoader,

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.phase4_production import rng_state
+from phase4_production import rng_state
 
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step_"

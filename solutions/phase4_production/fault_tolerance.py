@@ -16,7 +16,7 @@ Saving is given (:func:`save_training_state`): every rank hands its RNG states t
 writes one ``train_state.pt`` and the manifest; the others wait at a barrier, so no rank runs
 ahead of a checkpoint that might still fail.
 
-Failures to recover from come from :mod:`solutions.common.failure_injection` (SIGKILL, an
+Failures to recover from come from :mod:`course.failure_injection` (SIGKILL, an
 exception, a hang caught by a short collective timeout); see guidelines.md, section 4.2.
 """
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from solutions.common.training import StepEvent
+from course.training import StepEvent
 from solutions.phase4_production.checkpoint import CheckpointManager, gather_rng, restore_rng
 
 STATE_FILE = "train_state.pt"

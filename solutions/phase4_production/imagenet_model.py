@@ -26,7 +26,7 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from solutions.common.impl import load_impl
+from course.impl import load_impl
 from solutions.phase4_production.imagenet_config import CapstoneConfig
 
 PHASE = "phase4_production"

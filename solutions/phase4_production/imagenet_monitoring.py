@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from solutions.common.training import Callback, EpochTotals, StepEvent, TrainingLoop
+from course.training import Callback, EpochTotals, StepEvent, TrainingLoop
 from solutions.phase4_production.imagenet_config import CapstoneConfig
 
 
@@ -85,8 +85,8 @@ def monitor_callbacks(config: CapstoneConfig, trainer: Any) -> list[Callback]:
     import torch
     from torch import nn
 
-    from solutions.common.impl import load_impl
-    from solutions.phase4_production.training_monitor import TrainingMonitor
+    from course.impl import load_impl
+    from phase4_production.training_monitor import TrainingMonitor
 
     monitoring = load_impl("phase4_production", "monitoring", config.impl)
     size, batch = config.data.image_size, config.rank_batch()

@@ -14,7 +14,7 @@ On 2 nodes of 8 GPUs with ImageNet (the same command on every node; NCCL is chos
 What comes from where: the sampler is phase 1's (``set_epoch(epoch, start_index)``), the fp16 loss
 scaler phase 2's, DDP is torch's (phase 3.4 built it), checkpoints and the resume are 4.1's and
 4.2's (atomic, sha256 manifest, newest valid wins, every rank's RNG), failure injection is
-``DTFS_FAIL`` (solutions/common/failure_injection.py), the loop is the course's
+``DTFS_FAIL`` (course/failure_injection.py), the loop is the course's
 ``TrainingLoop``. ``--set key=value`` (or a bare ``key=value``) overrides the YAML; everything
 is validated before the process group starts. Run the same command again after a crash (or let
 ``--max-restarts`` do it): training resumes from the newest valid checkpoint, mid-epoch too,
@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from solutions.common.cli import RankZeroParser, run_main
-from solutions.common.distributed import cleanup_distributed, setup_distributed
-from solutions.common.failure_injection import maybe_fail
-from solutions.common.impl import load_impl
-from solutions.common.rank_logging import log0
-from solutions.common.training import (
+from course.cli import RankZeroParser, run_main
+from course.distributed import cleanup_distributed, setup_distributed
+from course.failure_injection import maybe_fail
+from course.impl import load_impl
+from course.rank_logging import log0
+from course.training import (
     AutocastPrecision,
     Callback,
     EpochTotals,

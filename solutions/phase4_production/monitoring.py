@@ -3,7 +3,7 @@
 Three measurements answer the questions asked of every slow training run:
 
 * **Where does the step go?** :class:`StepTimer` splits each optimizer step into the sections the
-  training loop announces (solutions/common/training.py: ``data``, ``forward``, ``backward``,
+  training loop announces (course/training.py: ``data``, ``forward``, ``backward``,
   ``sync``, ``optimizer``, ``other``). The sections tile the step: each timing point closes the
   section that ran since the previous one, so they never overlap and always add up to the step.
   On a GPU, kernels run asynchronously: the clock is read after ``torch.cuda.synchronize``, or the
@@ -26,7 +26,7 @@ Three measurements answer the questions asked of every slow training run:
   unusually fast rank (a smaller last batch, an idle neighbour) does not make the others slow.
 
 The callback that wires these into the training loop, TensorBoard, a JSONL file, the profiler and
-a progress bar is given: solutions/phase4_production/training_monitor.py.
+a progress bar is given: phase4_production/training_monitor.py.
 """
 
 from __future__ import annotations

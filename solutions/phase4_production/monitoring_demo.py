@@ -28,15 +28,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import distributed_session
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import BabyCNN
-from solutions.common.rank_logging import log0
-from solutions.common.seeding import seed_everything
-from solutions.common.training import TrainingLoop, check_global_batch
-from solutions.phase4_production.training_monitor import TrainingMonitor, breakdown_table
+from course.cli import parse_config, refuse_before_start, run_main
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import distributed_session
+from course.impl import IMPLS, load_impl
+from course.models import BabyCNN
+from course.rank_logging import log0
+from course.seeding import seed_everything
+from course.training import TrainingLoop, check_global_batch
+from phase4_production.training_monitor import TrainingMonitor, breakdown_table
 
 PHASE = "phase4_production"
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.training import SECTIONS
+from course.cli import parse_config, run_main
+from course.training import SECTIONS
 
 COLORS = {
     "data": "#8c8c8c",

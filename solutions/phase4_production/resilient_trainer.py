@@ -7,7 +7,7 @@ run ends with the same weights, bit for bit on CPU, as a run that never failed::
     uv run torchrun --standalone --nproc_per_node=2 --max-restarts=2 \
         -m solutions.phase4_production.resilient_trainer --fail kill:rank=1:step=30
 
-``--fail`` takes failure specs (solutions/common/failure_injection.py), comma-separated: the i-th
+``--fail`` takes failure specs (course/failure_injection.py), comma-separated: the i-th
 one fires on restart attempt i, so ``--fail kill:rank=1:step=6,raise:rank=0:step=13,
 hang:rank=1:step=17`` crashes three attempts in a row. ``hang`` is caught by the collective
 timeout (``--collective-timeout``, seconds): the waiting rank's all-reduce fails, torchrun
@@ -43,9 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from solutions.common.cli import parse_config, refuse_before_start, run_main
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import (
+from course.cli import parse_config, refuse_before_start, run_main
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import (
     DEFAULT_TIMEOUT_SECONDS,
     DistInfo,
     choose_backend,
@@ -53,9 +53,9 @@ from solutions.common.distributed import (
     current_info,
     setup_distributed,
 )
-from solutions.common.failure_injection import ATTEMPT_ENV, FAIL_ENV, maybe_fail, parse_failure
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.training import (
+from course.failure_injection import ATTEMPT_ENV, FAIL_ENV, maybe_fail, parse_failure
+from course.impl import IMPLS, load_impl
+from course.training import (
     AutocastPrecision,
     Callback,
     EpochTotals,

@@ -27,7 +27,7 @@ from phase1_helpers import (
 )
 from subgroups import SubgroupInfo
 
-from solutions.common.comm_counter import CommCounter
+from course.comm_counter import CommCounter
 
 STRATEGIES = ["reduce_broadcast_all_reduce", "direct_exchange_all_reduce"]
 

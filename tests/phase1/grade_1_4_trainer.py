@@ -402,12 +402,12 @@ class _Stop(Exception):
 
 
 def course_loop_worker() -> dict[str, Any]:
-    """The loop 1.4 plugs into (solutions/common/training.py, given code): micro-batches equal
+    """The loop 1.4 plugs into (course/training.py, given code): micro-batches equal
     one big batch; a run stopped mid-epoch and resumed from a checkpoint with start_index equals
     an uninterrupted one; callbacks fire when they say."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from solutions.common.training import (
+    from course.training import (
         Callback,
         EveryNSteps,
         FailureInjection,
@@ -491,7 +491,7 @@ def course_loop_worker() -> dict[str, Any]:
 @exercise("1.4")
 def test_the_course_loop_accumulates_resumes_and_calls_back() -> None:
     for rank, result in enumerate(small_world(course_loop_worker, 2)):
-        where = f"solutions/common/training.py TrainingLoop, rank {rank}"
+        where = f"course/training.py TrainingLoop, rank {rank}"
         for name in ("accumulated", "resumed"):
             for got, want in zip(result[name], result["straight"], strict=True):
                 if not torch.allclose(got, want, rtol=0, atol=1e-12):

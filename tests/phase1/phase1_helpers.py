@@ -23,8 +23,8 @@ import torch.distributed as dist
 from grading import load, world
 from subgroups import SubgroupInfo, split_into_groups
 
-from solutions.common.comm_counter import CommCounter, CommRecord
-from solutions.common.world import WorldHung
+from course.comm_counter import CommCounter, CommRecord
+from course.world import WorldHung
 
 PHASE = "phase1_data_parallel"
 ROOT = Path(__file__).resolve().parents[2]

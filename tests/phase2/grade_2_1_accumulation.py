@@ -29,7 +29,7 @@ from subgroups import split_into_groups
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from solutions.common.comm_counter import CommCounter
+from course.comm_counter import CommCounter
 
 TOLERANCE = 1e-12
 

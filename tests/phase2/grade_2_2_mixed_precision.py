@@ -28,9 +28,9 @@ from phase2_group_helpers import (
 from subgroups import split_into_groups
 from torch import nn
 
-from solutions.common.comm_counter import CommCounter
-from solutions.common.distributed import current_info
-from solutions.common.training import LoopConfig, train_data_parallel
+from course.comm_counter import CommCounter
+from course.distributed import current_info
+from course.training import LoopConfig, train_data_parallel
 
 
 def precision_module() -> Any:
@@ -319,7 +319,7 @@ def precision_training_worker(dtype_name: str) -> dict[str, float]:
         return float(loss)
 
     torch.manual_seed(0)
-    from solutions.common.models import MLP
+    from course.models import MLP
 
     config = LoopConfig(epochs=2, global_batch_size=64, train_samples=1536, test_samples=512)
     summaries = train_data_parallel(MLP(256), step, config, current_info())

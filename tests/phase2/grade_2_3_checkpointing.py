@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
-from solutions.common.memory import SavedTensorMeter
+from course.memory import SavedTensorMeter
 
 
 def checkpointing_module() -> Any:

@@ -27,8 +27,8 @@ from p2p_grading import fail, only_inside, remarks, run, run_in_subgroups
 from subgroups import SubgroupInfo
 from torch import nn
 
-from solutions.common.comm_counter import COLLECTIVE_OPS, SENDING_OPS, CommCounter
-from solutions.common.models import MLP, BabyCNN
+from course.comm_counter import COLLECTIVE_OPS, SENDING_OPS, CommCounter
+from course.models import MLP, BabyCNN
 
 PHASE = "phase2_advanced"
 F64 = torch.float64

@@ -26,9 +26,9 @@ from p2p_grading import fail, only_inside, remarks, run, run_in_subgroups
 from subgroups import SubgroupInfo
 from torch import nn
 
-from solutions.common.comm_counter import CommCounter, CommRecord
+from course.comm_counter import CommCounter, CommRecord
+from phase2_advanced.pipeline_layout import rank_chunks, stage_rank, virtual_stage
 from solutions.phase2_advanced import pipeline_parallel
-from solutions.phase2_advanced.pipeline_layout import rank_chunks, stage_rank, virtual_stage
 from solutions.phase2_advanced.pipeline_simulation import (
     ScheduleDeadlock,
     gpipe_bubble,

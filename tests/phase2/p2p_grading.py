@@ -20,8 +20,8 @@ import torch.distributed as dist
 from grading import world
 from subgroups import SubgroupInfo, split_into_groups
 
-from solutions.common.comm_counter import CommCounter, CommRecord
-from solutions.common.world import RankDied, WorldHung
+from course.comm_counter import CommCounter, CommRecord
+from course.world import RankDied, WorldHung
 
 F = TypeVar("F", bound=Callable[..., Any])
 SUBGROUP_WORLD, SUBGROUP_SIZE = 4, 2

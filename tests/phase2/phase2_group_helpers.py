@@ -19,7 +19,7 @@ import torch.distributed as dist
 from grading import impl, load, world
 from subgroups import SubgroupInfo
 
-from solutions.common.comm_counter import CommCounter
+from course.comm_counter import CommCounter
 
 PHASE = "phase2_advanced"
 SUBGROUP_WORLD, SUBGROUP_SIZE = 4, 2

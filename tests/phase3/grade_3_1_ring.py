@@ -31,7 +31,7 @@ from phase3_helpers import (
     values_problems,
 )
 
-from solutions.common.comm_counter import CommCounter
+from course.comm_counter import CommCounter
 
 
 def ring() -> Any:

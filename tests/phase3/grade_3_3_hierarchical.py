@@ -15,8 +15,8 @@ import torch
 from grading import exercise, impl
 from phase3_helpers import fail, first_problems, module, small_world
 
-from solutions.common.topology import Topology
-from solutions.common.torchrun_runner import run_torchrun
+from course.topology import Topology
+from course.torchrun_runner import run_torchrun
 from solutions.phase3_multi_node.hierarchical_demo import check_hierarchical
 
 DEMO = "solutions.phase3_multi_node.hierarchical_demo"

@@ -49,8 +49,8 @@ from subgroups import split_into_groups
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from solutions.common.comm_counter import CommCounter
-from solutions.common.events import EventRecorder
+from course.comm_counter import CommCounter
+from course.events import EventRecorder
 
 STEPS = 5
 LOSS = nn.functional.cross_entropy

@@ -52,8 +52,8 @@ from parallel_3d_helpers import (
 from phase3_helpers import fail, first_problems, small_world
 from torch import nn
 
-from solutions.common.tensor_header import HEADER_SLOTS
-from solutions.common.world import WorldHung
+from course.tensor_header import HEADER_SLOTS
+from course.world import WorldHung
 
 CASES = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 2, 2)]
 IDS = [f"dp{dp}-tp{tp}-pp{pp}" for dp, tp, pp in CASES]

@@ -295,7 +295,7 @@ def test_ssp_bounds_the_fastest_worker() -> None:
 
 @exercise("3.7")
 def test_async_converges() -> None:
-    from solutions.phase3_multi_node.ps_launcher import make_model, test_accuracy
+    from phase3_multi_node.ps_launcher import make_model, test_accuracy
 
     steps = 80
     job = make_job(
@@ -329,7 +329,7 @@ def test_async_converges() -> None:
 
 
 def _mlp() -> torch.nn.Module:
-    from solutions.phase3_multi_node.ps_launcher import make_model
+    from phase3_multi_node.ps_launcher import make_model
 
     return make_model("mlp")
 
@@ -600,7 +600,7 @@ def test_shared_secret() -> None:
 def test_instructor_command(capsys: pytest.CaptureFixture[str]) -> None:
     from grading import impl
 
-    from solutions.phase3_multi_node.ps_launcher import main
+    from phase3_multi_node.ps_launcher import main
 
     argv = ["--servers", "2", "--workers", "3", "--mode", "ssp", "--staleness", "2"]
     code = main([*argv, "--slow-worker", "1", "--steps", "15", "--impl", impl()])

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from grading import load
 from torch import nn
 
-from solutions.common.comm_counter import CommCounter
-from solutions.common.topology import Topology
+from course.comm_counter import CommCounter
+from course.topology import Topology
 from solutions.phase2_advanced.tensor_parallel import DenseMLP
 
 PHASE = "phase3_multi_node"

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from grading import load, world
 
-from solutions.common.comm_counter import CommCounter, CommRecord
-from solutions.common.world import RankDied, RankFailed, WorldHung
+from course.comm_counter import CommCounter, CommRecord
+from course.world import RankDied, RankFailed, WorldHung
 
 PHASE = "phase3_multi_node"
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)

@@ -1,7 +1,7 @@
 """Shared pieces of exercise 3.7's grader (tests/phase3/grade_3_7_parameter_server.py).
 
 Runs of the parameter server go through :func:`run_job`: servers and workers are processes of the
-launcher (solutions/phase3_multi_node/ps_launcher.py) built from the implementation chosen by
+launcher (phase3_multi_node/ps_launcher.py) built from the implementation chosen by
 ``--impl``; every process is checked gone afterwards. A child that stopped at an unwritten TODO is
 reported as that TODO (the scoreboard's "not written yet"), any other failure as one short
 teacher's remark that includes the servers' logged reasons for closing connections.
@@ -27,8 +27,8 @@ import torch
 from grading import impl, load
 from torch import nn
 
-from solutions.common.world import Frame, RankFailed
-from solutions.phase3_multi_node.ps_launcher import ClusterError, Job, RunResult, train
+from course.world import Frame, RankFailed
+from phase3_multi_node.ps_launcher import ClusterError, Job, RunResult, train
 
 PHASE = "phase3_multi_node"
 TOLERANCE = 1e-12
@@ -140,7 +140,7 @@ def make_job(
 
 
 def pattern_batches(batch_size: int = 32, samples: int = 2048) -> Any:
-    from solutions.phase3_multi_node.ps_launcher import pattern_batch
+    from phase3_multi_node.ps_launcher import pattern_batch
 
     return functools.partial(pattern_batch, batch_size=batch_size, samples=samples)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from grading import load
 from torch import nn
 
-from solutions.common.comm_counter import CommCounter
+from course.comm_counter import CommCounter
 from solutions.phase3_multi_node import zero_accounting as acc
 
 PHASE = "phase3_multi_node"

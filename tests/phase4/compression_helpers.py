@@ -23,8 +23,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from solutions.common.comm_counter import CommCounter, CommRecord
-from solutions.common.world import WorldHung
+from course.comm_counter import CommCounter, CommRecord
+from course.world import WorldHung
 
 PHASE = "phase4_production"
 TOLERANCE = 1e-9  # float64; PowerSGD: other matmul kernels or norms differ in the last bits

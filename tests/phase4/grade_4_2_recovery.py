@@ -33,7 +33,7 @@ from phase4_helpers import (
     world,
 )
 
-from solutions.common.training import StepEvent, StepOutput
+from course.training import StepEvent, StepOutput
 
 _REFERENCE: dict[str, Any] = {}
 

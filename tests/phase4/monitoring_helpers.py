@@ -24,8 +24,8 @@ from grading import impl, load
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from solutions.common.comm_counter import CommCounter
-from solutions.common.impl import load_impl
+from course.comm_counter import CommCounter
+from course.impl import load_impl
 
 PHASE = "phase4_production"
 PEAK_FLOPS = 1e12  # a round peak for the runs' MFU (no measurement)
@@ -137,8 +137,8 @@ class RunSpec:
 
 def monitored_run(spec: RunSpec) -> dict[str, Any]:
     """Train ``spec.steps`` steps with the monitor; what the writing rank recorded, and more."""
-    from solutions.common.training import TrainingLoop
-    from solutions.phase4_production.training_monitor import TrainingMonitor
+    from course.training import TrainingLoop
+    from phase4_production.training_monitor import TrainingMonitor
 
     rank, world = dist.get_rank(), dist.get_world_size()
     which = spec.impl or impl()
@@ -193,7 +193,7 @@ def monitored_run(spec: RunSpec) -> dict[str, Any]:
 
 def loop_points_worker(accumulation: int, custom_step: bool) -> list[list[str]]:
     """The timing points a recording callback sees, one list per step (world of 1)."""
-    from solutions.common.training import Callback, StepOutput, TrainingLoop
+    from course.training import Callback, StepOutput, TrainingLoop
 
     class Recorder(Callback):
         def __init__(self) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from grading import assert_bitwise_equal, impl, load, world
 
-from solutions.common.torchrun_runner import TorchrunRun, alive, run_torchrun
+from course.torchrun_runner import TorchrunRun, alive, run_torchrun
 
 PHASE = "phase4_production"
 TRAINER = "solutions.phase4_production.resilient_trainer"

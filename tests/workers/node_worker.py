@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from solutions.common.distributed import cleanup_distributed, setup_distributed
+from course.distributed import cleanup_distributed, setup_distributed
 
 VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
 

@@ -2,7 +2,7 @@
 
 ``uv run torchrun --standalone --nproc-per-node=2 -m tests.workers.restart_worker`` prints one
 ``RESULT {...}`` line per rank. ``DTFS_FAIL=kill:rank=1:step=2`` makes rank 1 die at step 2 of
-restart attempt 0 (see solutions/common/failure_injection.py); under ``--max-restarts=1`` the
+restart attempt 0 (see course/failure_injection.py); under ``--max-restarts=1`` the
 next attempt starts again from step 0 and must print what an uninterrupted run prints.
 """
 
@@ -14,8 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from solutions.common.distributed import cleanup_distributed, setup_distributed
-from solutions.common.failure_injection import maybe_fail
+from course.distributed import cleanup_distributed, setup_distributed
+from course.failure_injection import maybe_fail
 
 STEPS = 4
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from solutions.phase3_multi_node.ring_links import RingLinks, second_connection
+from phase3_multi_node.ring_links import RingLinks, second_connection
 
 
 def describe_links(members: list[int] | None) -> dict[str, Any]:

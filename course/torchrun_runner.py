@@ -1,6 +1,6 @@
 """Run real ``torchrun`` agents as subprocesses within a hard time bound, leaving no process behind.
 
-:func:`solutions.common.world.run_world` forks ranks directly and is fast; some behaviour only
+:func:`course.world.run_world` forks ranks directly and is fast; some behaviour only
 exists with torchrun's elastic agent: restarts under ``--max-restarts``, several agents meeting at
 a c10d rendezvous as "nodes", membership changes under ``--nnodes 1:2``. :func:`run_torchrun`
 starts one agent (``--standalone``) or several on 127.0.0.1 (``--rdzv-backend c10d``; with c10d
@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _POLL = 0.2
 
 

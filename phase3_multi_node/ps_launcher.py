@@ -3,8 +3,8 @@
     uv run python -m solutions.phase3_multi_node.parameter_server \\
         --servers 2 --workers 3 --mode ssp --staleness 2 --slow-worker 1
 
-(the same as ``-m solutions.phase3_multi_node.ps_launcher``) trains on the built-in dataset
-(solutions/common/datasets.py) and prints the address each server listens on, the clocks each
+(the same as ``-m phase3_multi_node.ps_launcher``) trains on the built-in dataset
+(course/datasets.py) and prints the address each server listens on, the clocks each
 worker ran, the staleness histogram (how far ahead of the slowest live worker each pull was
 served), throughput and test accuracy. ``--impl templates`` runs your own code.
 
@@ -43,14 +43,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from solutions.common.cli import parse_config, run_main
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.impl import IMPLS, load_impl
-from solutions.common.models import MLP, BabyCNN
+from course.cli import parse_config, run_main
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.impl import IMPLS, load_impl
+from course.models import MLP, BabyCNN
 
 PHASE = "phase3_multi_node"
 MODES = ("sync", "async", "ssp")
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 BatchFn = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
 

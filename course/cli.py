@@ -7,6 +7,11 @@ value`` (or plain ``python -m``). What is the same everywhere lives here once:
   (``snake_case`` -> ``--kebab-case``; booleans become ``--x/--no-x`` switches; a field's
   ``metadata`` may give ``choices`` and ``help``). Under torchrun every rank parses the same
   argv, so a usage error is printed by rank 0 only, and every rank exits with status 2.
+* Every number is checked while it is parsed: a float must be finite (``inf``/``nan`` are
+  refused for every flag), and a field's ``metadata`` may bound it with ``ge``, ``gt``, ``le``,
+  ``lt`` (as pydantic's ``Field``) and say the fix with ``fix``: ``--lr -1.0: must be > 0
+  (fix: a positive learning rate, e.g. --lr 0.05)`` is one line on rank 0, exit 2, before any
+  process group exists.
 * :func:`refuse_before_start`: bad values are refused *before* the process group exists: each
   rank checks them against torchrun's WORLD_SIZE, rank 0 prints why, every rank exits with 2.
   Failing later, inside a collective, would leave the other ranks waiting.
@@ -21,7 +26,7 @@ Example::
 
     @dataclass
     class DemoConfig:
-        steps: int = 10
+        steps: int = field(default=10, metadata={"ge": 1})
         impl: str = field(default="solutions", metadata={"choices": IMPLS, "help": "..."})
 
     def main(argv: Sequence[str] | None = None) -> int:
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -44,11 +50,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from solutions.common.distributed import env_int
+from course.distributed import env_int
 
 ConfigT = TypeVar("ConfigT")
 ResultT = TypeVar("ResultT")
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _is_rank_zero() -> bool:
@@ -67,10 +73,36 @@ class RankZeroParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+BOUNDS = {"ge": (">=", float.__ge__), "gt": (">", float.__gt__), "le": ("<=", float.__le__),
+          "lt": ("<", float.__lt__)}
+
+
+def setting_problem(flag: str, value: object, metadata: Any) -> str | None:
+    """Why ``value`` is not acceptable for ``flag`` (one line naming both and the fix), or None.
+
+    Floats must be finite; ``metadata`` may bound any number with ``ge``/``gt``/``le``/``lt``
+    and give the fix with ``fix``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    fix = metadata.get("fix")
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{flag} {value}: must be a finite number" + (f" (fix: {fix})" if fix else "")
+    for key, (sign, holds) in BOUNDS.items():
+        if key in metadata and not holds(float(value), float(metadata[key])):
+            bound = metadata[key]
+            return f"{flag} {value}: must be {sign} {bound}" + (f" (fix: {fix})" if fix else "")
+    return None
+
+
 def parse_config(
     config_class: type[ConfigT], argv: Sequence[str] | None, description: str | None
 ) -> ConfigT:
-    """Parse ``argv`` into ``config_class``, a dataclass whose defaults are the flags' defaults."""
+    """Parse ``argv`` into ``config_class``, a dataclass whose defaults are the flags' defaults.
+
+    Numbers are checked as they are parsed (see :func:`setting_problem`); a bad one exits with
+    status 2 and one line, on rank 0 only.
+    """
     summary = (description or "").strip().split("\n\n")[0]
     parser = RankZeroParser(description=summary)
     defaults: Any = config_class()
@@ -91,7 +123,13 @@ def parse_config(
                 choices=field.metadata.get("choices"),
                 help=shown,
             )
-    return config_class(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
+    for field in dataclasses.fields(defaults):
+        flag = "--" + field.name.replace("_", "-")
+        problem = setting_problem(flag, values[field.name], field.metadata)
+        if problem:
+            parser.exit(2, f"{parser.prog}: error: {problem}\n")
+    return config_class(**values)
 
 
 def refuse_before_start(validate: Callable[[int], object]) -> int | None:
@@ -126,7 +164,7 @@ def benchmark_main(
     """
     import torch
 
-    from solutions.common.world import WorldError
+    from course.world import WorldError
 
     config = parse_config(config_class, argv, description)
     try:

@@ -43,10 +43,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from solutions.common.cli import refuse_before_start
-from solutions.common.datasets import PatternSpec, make_pattern_dataset
-from solutions.common.distributed import DistInfo
-from solutions.common.rank_logging import log0
+from course.cli import refuse_before_start
+from course.datasets import PatternSpec, make_pattern_dataset
+from course.distributed import DistInfo
+from course.rank_logging import log0
 
 StepFn = Callable[[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor], float]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -1,9 +1,9 @@
 """A ledger of the point-to-point messages a rank posted and that have not completed yet.
 
-When ranks of :func:`solutions.common.world.run_world` hang, their Python stacks say *where* each
+When ranks of :func:`course.world.run_world` hang, their Python stacks say *where* each
 one waits, not *for what*: "stuck at ``work.wait()``" does not say which message never arrived.
 Inside each rank this module wraps ``send``/``recv``/``isend``/``irecv`` (the package attributes
-and the ``distributed_c10d`` globals, as :mod:`solutions.common.comm_counter` does, so
+and the ``distributed_c10d`` globals, as :mod:`course.comm_counter` does, so
 ``dist.P2POp(dist.isend, ...)`` and ``batch_isend_irecv`` keep working: ``batch_isend_irecv``
 tests ``op.op is isend`` against the module's own global, see torch/distributed/
 distributed_c10d.py), and ``Work.wait`` (to know which message a rank is blocked on). It keeps,

@@ -14,7 +14,7 @@ world inside one Python program. These properties matter more than anything else
   gloo, reports the hang. When ranks are still running at the deadline (say one rank skipped a
   collective), each is asked for its Python stack (``faulthandler`` on SIGUSR1), and the error
   names the hung ranks, the line each was stuck on, and the point-to-point messages that were
-  posted and never matched (see :mod:`solutions.common.p2p_ledger`). No process outlives
+  posted and never matched (see :mod:`course.p2p_ledger`). No process outlives
   :func:`run_world`: every rank is killed on the way out, and each rank also dies with the fork
   server (``PR_SET_PDEATHSIG``).
 * **Simulated nodes.** ``nodes=2`` lays the ranks out as two nodes and exports to each rank what
@@ -53,13 +53,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from solutions.common import p2p_ledger
-from solutions.common.distributed import DEVICE_INDEX_ENV, choose_backend, device_for
+from course import p2p_ledger
+from course.distributed import DEVICE_INDEX_ENV, choose_backend, device_for
 
 DEFAULT_WORLD_TIMEOUT = 20.0
 WORLD_TIMEOUT_ENV = "DTFS_WORLD_TIMEOUT"
 PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's deadline by this much
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _HARNESS_FILE = str(Path(__file__).resolve())
 _EXIT = b"exit"
 
@@ -362,7 +362,7 @@ def _forkserver() -> Any:
         # torch._dynamo is what DistributedDataParallel's constructor imports (about 2 s);
         # paying for it once here keeps every world that builds a DDP model fast.
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "torch._dynamo", "solutions.common.world"]
+            ["torch", "torch.distributed", "torch._dynamo", "course.world"]
         )
         _context = ctx
     return _context

@@ -1,7 +1,7 @@
 """A rank's two links in a ring: whom it sends to, whom it receives from, and on which connection.
 
 Given to the ring of exercise 3.1 (not an exercise itself). Rings are written in group ranks and
-``dst=``/``src=`` want global ones (:func:`~solutions.phase3_multi_node.collective_support.peer`);
+``dst=``/``src=`` want global ones (:func:`~phase3_multi_node.collective_support.peer`);
 :class:`RingLinks` does that mapping once, and adds one thing that only matters for speed:
 
 **A connection per direction (gloo).** gloo's TCP transport keeps one connection per pair of
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from solutions.phase3_multi_node.collective_support import group_and_size, peer
+from phase3_multi_node.collective_support import group_and_size, peer
 
-# Hang reports (solutions/common/p2p_ledger.py) name the line that called RingLinks.isend/irecv.
+# Hang reports (course/p2p_ledger.py) name the line that called RingLinks.isend/irecv.
 __p2p_ledger_transparent__ = True
 # group -> the second group over the same ranks (kept alive with its group: keyed by the object)
 _SECOND_CONNECTIONS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}

@@ -18,10 +18,10 @@ tests/hint.py), and replaces the fenced region with
 Imports of sibling solution modules that have templates are pointed at those templates, so a
 learner's trainer runs on the learner's own sampler and all-reduce.
 
-    uv run python -m solutions.common.template_maker --check   # exit 1 if a template drifted
-    uv run python -m solutions.common.template_maker --write   # regenerate (maintainers only:
+    uv run python -m course.template_maker --check   # exit 1 if a template drifted
+    uv run python -m course.template_maker --write   # regenerate (maintainers only:
                                                                # it overwrites learners' work)
-    uv run python -m solutions.common.template_maker --complete  # CI, in a throwaway copy
+    uv run python -m course.template_maker --complete  # CI, in a throwaway copy
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MAX_LINE = 100  # ruff's line length (pyproject.toml)
 SOLUTION_START = "# >>> solution"
 SOLUTION_END = "# <<< solution"
@@ -109,7 +109,7 @@ def make_template(solution: Path) -> str:
     rel = solution.relative_to(ROOT)
     lines = solution.read_text().splitlines()
     out = [
-        f"# Exercise template generated from {rel}.",
+        "# Exercise template (made by course/template_maker.py; this copy is yours to edit).",
         "# Replace every `raise NotImplementedError(...)` with your code; the comments above each",
         "# one say what to build. Grade yourself: "
         f"uv run pytest tests/test_{phase.split('_')[0]}.py",

@@ -1,6 +1,6 @@
 """The monitor that plugs exercise 4.5 into the training loop (given, not an exercise).
 
-:class:`TrainingMonitor` is a :class:`~solutions.common.training.Callback`: put it in
+:class:`TrainingMonitor` is a :class:`~course.training.Callback`: put it in
 ``TrainingLoop(callbacks=[...])`` and it times every step from the loop's timing points with your
 :class:`StepTimer`, and every ``every_n_steps`` optimizer steps (a collective on ``group``):
 
@@ -37,8 +37,8 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from solutions.common.impl import load_impl
-from solutions.common.training import SECTIONS, Callback, StepEvent, TrainingLoop
+from course.impl import load_impl
+from course.training import SECTIONS, Callback, StepEvent, TrainingLoop
 
 PHASE = "phase4_production"
 # per rank, per report: the mean ms of each section, then these

@@ -1,0 +1,56 @@
+"""Measure your own code against the goal its guide sets: ``uv run python -m tests.bench 3.1``.
+
+Some exercises have a goal beyond right values: a speed (the ring as fast as ``dist.all_reduce``),
+a shape of the work (a pipeline's bubble as small as the formula says) or a size (ZeRO's bytes
+equal to the paper's). For each, one command measures *your* implementation (``--impl
+templates``, the default) in the same run as PyTorch's baseline, prints the table, and ends with
+one verdict line: ``goal met`` or ``goal not met``, and by how much. It only needs the TODOs of
+its own exercise: a later exercise left unwritten never costs you the table.
+
+    uv run python -m tests.bench --list            # the exercises that have a goal to measure
+    uv run python -m tests.bench 3.1               # your ring against dist.all_reduce
+    uv run python -m tests.bench 3.1 --impl solutions --quick
+
+Exit status: 0 goal met, 1 goal not met, 2 the measurement could not run (an unwritten TODO,
+a bad flag); the line above it says which.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "tests"):  # the project, and tests/ as pytest's pythonpath has it
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+# exercise id -> module under tests/benches/ with ``GOAL`` (one line) and ``main(argv) -> int``
+BENCHES: dict[str, str] = {}
+
+
+def _load(exercise: str) -> ModuleType:
+    return importlib.import_module(f"tests.benches.{BENCHES[exercise]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if args else 2
+    if args[0] == "--list":
+        for exercise in BENCHES:
+            print(f"{exercise}  {_load(exercise).GOAL}")
+        return 0
+    exercise, rest = args[0], args[1:]
+    if exercise not in BENCHES:
+        known = ", ".join(BENCHES) or "none yet"
+        print(f"exercise {exercise!r} has no goal to measure (exercises with one: {known})")
+        return 2
+    return int(_load(exercise).main(rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
