@@ -40,6 +40,10 @@ class Tally:
     blocked_by: str | None = None  # the exercise whose TODO that message names, when another
     hang: str | None = None  # the first test of this exercise whose world hung
     nodes: list[str] = field(default_factory=list)
+    # tests marked ``reference`` check the reference or the library way beside the exercise:
+    # they grade no learner code, so they do not decide the status, but they are counted and
+    # shown, so the scoreboard's numbers add up to pytest's
+    reference: dict[str, int] = field(default_factory=dict)
 
 
 TALLY: dict[str, Tally] = {}
@@ -150,14 +154,23 @@ def pytest_runtest_makereport(
         report.longrepr = f"[{label}] {exc}"
 
 
+def _outcome(report: pytest.TestReport) -> str:
+    return "passed" if report.passed else "failed" if report.failed else "skipped"
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     ids = [ex.id for ex in EXERCISES if ex.marker in report.keywords]
-    if not ids or "reference" in report.keywords:
+    if not ids:
         return
+    # a test counts once, as pytest does: by its call, or by a setup that failed or skipped
     counted = report.when == "call" or (report.when == "setup" and not report.passed)
     if not counted:
         return
     tally = TALLY.setdefault(ids[0], Tally())
+    if "reference" in report.keywords:
+        outcome = _outcome(report)
+        tally.reference[outcome] = tally.reference.get(outcome, 0) + 1
+        return
     tally.nodes.append(report.nodeid)
     if report.passed:
         tally.passed += 1
@@ -226,6 +239,32 @@ def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
     return f"fix {target.id}{needed}: see its first failure above; rerun with `{rerun}`"
 
 
+def _reference_note(tally: Tally) -> str:
+    """``, + 2/2 reference checks`` when the exercise has tests of the reference beside it."""
+    total = sum(tally.reference.values())
+    if not total:
+        return ""
+    return f", + {tally.reference.get('passed', 0)}/{total} reference checks"
+
+
+def _count_line(terminalreporter: pytest.TerminalReporter) -> str:
+    """How the scoreboard's counts relate to pytest's summary line."""
+    listed = sum(
+        t.passed + t.failed + t.skipped + sum(t.reference.values()) for t in TALLY.values()
+    )
+    counted = sum(
+        len([r for r in terminalreporter.stats.get(key, []) if getattr(r, "when", "") != ""])
+        for key in ("passed", "failed", "skipped", "error")
+    )
+    others = counted - listed
+    if others <= 0:
+        return f"({listed} tests of exercises above, as pytest counts them.)"
+    return (
+        f"({listed} tests of exercises above; pytest's other {others} check the harness, the "
+        "templates, notebooks and programs.)"
+    )
+
+
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
 ) -> None:
@@ -247,10 +286,11 @@ def pytest_terminal_summary(
             needs = f" (needs TODO {tally.blocked_by})" if tally.blocked_by else ""
             write(
                 f"  [{status:^7}] {ex.id:<5} {ex.title:<42} "
-                f"{tally.passed}/{total} tests pass{needs}"
+                f"{tally.passed}/{total} tests pass{_reference_note(tally)}{needs}"
             )
             if status != "pass" and next_step is None:
                 next_step = _next_step(ex, tally, impl)
+    write(_count_line(terminalreporter))
     write("")
     if next_step:
         write(f"Next: {next_step}")

@@ -319,3 +319,11 @@ def test_next_points_at_the_todo_that_blocks_and_selected_runs_say_selected() ->
         assert "phase1_data_parallel/template_all_reduce.py:" in next_line, out
     passing = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_1")
     assert "Every selected exercise passes." in passing, passing
+
+
+def test_the_scoreboard_counts_what_pytest_counts() -> None:
+    out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_1")
+    # pytest: 2 passed; the scoreboard: 1 graded test and 1 reference check, 2 in all
+    assert "2 passed" in out, out
+    assert "1/1 tests pass, + 1/1 reference checks" in out, out
+    assert "(2 tests of exercises above, as pytest counts them.)" in out, out

@@ -5,6 +5,7 @@ Not collected by ``uv run pytest`` (the name does not start with ``test_``): the
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from grading import exercise, world
@@ -48,4 +49,10 @@ def test_reaches_an_unwritten_all_reduce_through_a_helper() -> None:
 
 @exercise("1.1")
 def test_passes() -> None:
+    assert True
+
+
+@exercise("1.1")
+@pytest.mark.reference
+def test_a_reference_check_beside_the_exercise() -> None:
     assert True
