@@ -129,7 +129,7 @@ def direct_exchange_all_reduce(
     # Invariant: the same bits on every rank, so reduce in group-rank order 0..n-1 everywhere,
     #   your own tensor included at its own position; only members of `group` talk.
     # Hint 1: blocking send/recv pairs in a loop can deadlock (two ranks both sending first);
-    #   post all isends and irecvs, then wait for all of them.
+    #   post every send and receive without waiting, then wait for all of them.
     # More hints: uv run python -m tests.hint 1.3
     # See guidelines.md#13-all-reduce-from-send-and-recv
     raise NotImplementedError(

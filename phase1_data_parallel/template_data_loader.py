@@ -11,7 +11,8 @@ cover the whole dataset once per epoch. This sampler reproduces, index for index
    rank, a new one every epoch),
 2. pad by repeating indices from the front (or cut the tail with ``drop_last``) so the total is a
    multiple of the world size,
-3. take every ``num_replicas``-th index starting at ``rank``.
+3. deal the list out to the ranks like cards: each rank gets its own positions, interleaved
+   with the others' rather than one contiguous block.
 
 It adds one thing PyTorch's sampler lacks: ``set_epoch(epoch, start_index=k)`` skips the first
 ``k`` samples of this rank's shard, which is what a run resumed in the middle of an epoch needs
@@ -78,8 +79,8 @@ class DistributedShardSampler(Sampler[int]):
         # TODO 1.1: work out how many samples each rank gets per epoch.
         # Invariant: every rank gets the same count, so ranks run the same number of steps
         #   (a rank with one batch more would wait forever in its extra all-reduce).
-        # Hint 1: padding rounds n up to a multiple of num_replicas; drop_last rounds it down
-        #   (only when n does not divide evenly).
+        # Hint 1: padding rounds the epoch up to a multiple of num_replicas; drop_last rounds
+        #   it down (only when n does not divide evenly). Each rank gets its share of that.
         # More hints: uv run python -m tests.hint 1.1
         # See guidelines.md#11-the-distributed-sampler
         raise NotImplementedError(
@@ -93,9 +94,10 @@ class DistributedShardSampler(Sampler[int]):
         n = len(self.dataset)
         # TODO 1.1: build the epoch's global index list, identical on every rank.
         # Invariant: same (seed, epoch) -> same list on every rank; its length is total_size.
-        # Hint 1: a fresh torch.Generator seeded with seed + epoch makes the shuffle
-        #   reproducible; pad by repeating indices from the front, as many times as needed
-        #   (the padding can be longer than the dataset when n < num_replicas).
+        # Hint 1: the shuffle must be the same on every rank and new every epoch, and must not
+        #   touch the global random stream (DistributedSampler seeds its own generator with
+        #   seed + epoch); padding repeats indices from the front, as many times as needed (the
+        #   padding can be longer than the dataset when n < num_replicas).
         # More hints: uv run python -m tests.hint 1.1
         # See guidelines.md#11-the-distributed-sampler
         raise NotImplementedError(
@@ -107,8 +109,9 @@ class DistributedShardSampler(Sampler[int]):
         # TODO 1.1: yield this rank's shard of epoch_indices(), skipping start_index samples.
         # Invariant: shards of different ranks are disjoint (apart from padding) and together
         #   are the whole epoch; every shard has num_samples indices before skipping.
-        # Hint 1: rank r takes positions r, r + N, r + 2N, ... (interleaved, not a block), which
-        #   is what DistributedSampler does.
+        # Hint 1: the guide's worked table (10 samples on 4 ranks) shows which positions each
+        #   rank takes: not a contiguous block. Find the rule that gives those positions for any
+        #   rank and any number of ranks.
         # More hints: uv run python -m tests.hint 1.1
         # See guidelines.md#11-the-distributed-sampler
         raise NotImplementedError(

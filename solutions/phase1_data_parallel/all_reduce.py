@@ -103,10 +103,13 @@ def reduce_broadcast_all_reduce(
     # Hint 1: non-roots send their tensor to the root, then receive the result back into it.
     #   rank, world and root count within the group; send/recv want global ranks (global_rank).
     # Hint 2: the root needs a separate receive buffer per peer, posts all receives before
-    #   waiting on any, then folds the n contributions with combine_ starting from a copy of
-    #   contribution 0 (its own tensor sits at position `root`, not first), writes the result
-    #   into `tensor` and sends it to each peer. Every send and receive passes group=group and
-    #   a peer mapped with global_rank(group, r); a non-root needs just two blocking calls.
+    #   waiting on any, then folds the n contributions in rank order with combine_, starting
+    #   from a copy of contribution 0 (its own tensor sits at position `root`, not first),
+    #   writes the result into `tensor` and sends it to each peer. Every message names the
+    #   group and a peer mapped to its global rank; a non-root needs just two blocking calls.
+    # Hint 3: non-root: dist.send then dist.recv with the peer global_rank(group, root) and
+    #   group=group. Root: dist.irecv into torch.empty_like(tensor) per peer, wait_all, then
+    #   combine_(result, contribution, op) for contributions 1..n-1, tensor.copy_(result).
     # See guidelines.md#13-all-reduce-from-send-and-recv
     # >>> solution
     if rank != root:
@@ -146,12 +149,15 @@ def direct_exchange_all_reduce(
     # Invariant: the same bits on every rank, so reduce in group-rank order 0..n-1 everywhere,
     #   your own tensor included at its own position; only members of `group` talk.
     # Hint 1: blocking send/recv pairs in a loop can deadlock (two ranks both sending first);
-    #   post all isends and irecvs, then wait for all of them.
+    #   post every send and receive without waiting, then wait for all of them.
     # Hint 2: one receive buffer per peer; post a send of `tensor` and a receive into the
-    #   peer's buffer for every peer (group=group, peers mapped with global_rank), wait for all
-    #   of them, and only then reduce: start from a copy of contribution 0 and fold in 1..n-1
-    #   with combine_, your own tensor taking its own slot. Do not overwrite `tensor` before
-    #   every send has completed: a peer may still be reading it.
+    #   peer's buffer for every peer (on the group, peers mapped to global ranks), wait for
+    #   all of them, and only then reduce: start from a copy of contribution 0 and fold in
+    #   1..n-1 with combine_, your own tensor taking its own slot. Do not overwrite `tensor`
+    #   before every send has completed: a peer may still be reading it.
+    # Hint 3: works = [dist.isend(tensor, dst=global_rank(group, peer), group=group) ...] +
+    #   [dist.irecv(buffers[peer], src=...) ...]; wait_all(works); then the fold of
+    #   reduce_broadcast_all_reduce's root.
     # See guidelines.md#13-all-reduce-from-send-and-recv
     # >>> solution
     buffers = {peer: torch.empty_like(tensor) for peer in range(world) if peer != rank}

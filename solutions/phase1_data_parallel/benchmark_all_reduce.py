@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from course.cli import parse_config, run_main
 from course.distributed import current_info
+from course.results import Table, write_results
 from course.world import run_world
 from solutions.phase1_data_parallel.all_reduce import (
     direct_exchange_all_reduce,
@@ -40,6 +41,7 @@ STRATEGIES: dict[str, Callable[[torch.Tensor], Any]] = {
     "direct_exchange": direct_exchange_all_reduce,
 }
 KIB = 1024
+MAX_WORLD = 16  # processes on one machine; more only measures the oversubscription
 
 
 @dataclass(frozen=True)
@@ -118,26 +120,91 @@ def _human_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def format_table(measurements: Sequence[Measurement]) -> str:
-    """A markdown table: one row per (world, size, strategy), ratio = time / dist.all_reduce's."""
+def ratio_to_torch(measurements: Sequence[Measurement]) -> dict[tuple[int, int, str], float]:
+    """(world, bytes, strategy) -> median time / dist.all_reduce's median time at that cell."""
     reference = {
         (m.world_size, m.nbytes): m.median_seconds
         for m in measurements
         if m.strategy == "dist.all_reduce"
     }
-    lines = [
-        "| world | size | strategy | median ms | algbw GB/s | busbw GB/s "
-        "| time vs dist.all_reduce |",
-        "|---:|---:|---|---:|---:|---:|---:|",
-    ]
+    return {
+        (m.world_size, m.nbytes, m.strategy): m.median_seconds / reference[(m.world_size, m.nbytes)]
+        for m in measurements
+        if (m.world_size, m.nbytes) in reference
+    }
+
+
+def results_table(measurements: Sequence[Measurement]) -> Table:
+    """One row per (world, size, strategy); the ratio is time / dist.all_reduce's time."""
+    ratios = ratio_to_torch(measurements)
+    table = Table(
+        [
+            "world",
+            "size",
+            "strategy",
+            "median ms",
+            "algbw GB/s",
+            "busbw GB/s",
+            "time vs dist.all_reduce",
+        ]
+    )
     for m in measurements:
-        ref = reference.get((m.world_size, m.nbytes))
-        ratio = f"{m.median_seconds / ref:.2f}x" if ref else "-"
-        lines.append(
-            f"| {m.world_size} | {_human_bytes(m.nbytes)} | {m.strategy} | "
-            f"{1e3 * m.median_seconds:.3f} | {m.algbw / 1e9:.3f} | {m.busbw / 1e9:.3f} | {ratio} |"
+        ratio = ratios.get((m.world_size, m.nbytes, m.strategy))
+        table.add(
+            m.world_size,
+            _human_bytes(m.nbytes),
+            m.strategy,
+            f"{1e3 * m.median_seconds:.3f}",
+            f"{m.algbw / 1e9:.3f}",
+            f"{m.busbw / 1e9:.3f}",
+            f"{ratio:.2f}x" if ratio is not None else "-",
         )
-    return "\n".join(lines)
+    return table
+
+
+def format_table(measurements: Sequence[Measurement]) -> str:
+    """The table as markdown, as printed."""
+    return results_table(measurements).to_markdown()
+
+
+def _span(numbers: Sequence[float], unit: str = "x") -> str:
+    if not numbers:
+        return "none measured"
+    low, high = min(numbers), max(numbers)
+    return f"{low:.2f}{unit}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}{unit}"
+
+
+SMALL, LARGE = 256 * KIB, 4 * 2**20  # latency-bound up to SMALL, bandwidth-bound from LARGE
+
+
+def summary(measurements: Sequence[Measurement]) -> dict[str, str]:
+    """What the guide says about the table, computed from it (so a re-run cannot contradict it):
+    how often the hand-made strategies beat dist.all_reduce on small messages and lose on large
+    ones, the ratios at the largest world, and dist.all_reduce's busbw on large messages."""
+    ratios = ratio_to_torch(measurements)
+    hand = [key for key in ratios if key[2] != "dist.all_reduce"]
+    small = [key for key in hand if key[1] <= SMALL]
+    large = [key for key in hand if key[1] >= LARGE]
+    top = max((m.world_size for m in measurements), default=0)
+    values = {
+        "small_faster": f"{sum(ratios[k] < 1 for k in small)} of {len(small)}",
+        "large_slower": f"{sum(ratios[k] > 1 for k in large)} of {len(large)}",
+        "top_world": str(top),
+        "small_top": _span([ratios[k] for k in small if k[0] == top]),
+        "torch_busbw_large": _span(
+            [
+                m.busbw / 1e9
+                for m in measurements
+                if m.strategy == "dist.all_reduce" and m.nbytes >= LARGE
+            ],
+            " GB/s",
+        ),
+    }
+    for name in ("reduce_broadcast", "direct_exchange"):
+        values[f"large_top_{name}"] = _span(
+            [ratios[k] for k in large if k[0] == top and k[2] == name]
+        )
+    return values
 
 
 def run_benchmark(
@@ -146,8 +213,11 @@ def run_benchmark(
     unknown = [name for name in strategies if name not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}: choose from {', '.join(STRATEGIES)}")
-    if any(world < 2 for world in worlds):
-        raise ValueError(f"worlds {list(worlds)}: an all-reduce needs at least 2 ranks")
+    if not worlds or any(not 2 <= world <= MAX_WORLD for world in worlds):
+        raise ValueError(
+            f"--worlds {','.join(map(str, worlds))}: each world needs 2 to {MAX_WORLD} ranks "
+            "(fix: e.g. --worlds 2,4)"
+        )
     measurements: list[Measurement] = []
     for world in worlds:
         per_rank = run_world(measure_worker, world, (list(sizes), list(strategies)), timeout=900)
@@ -160,10 +230,21 @@ class BenchmarkConfig:
     """The benchmark's flags (``--worlds``, ``--max-mib``, ``--strategies``)."""
 
     worlds: str = field(default="2,4", metadata={"help": "world sizes, comma-separated"})
-    max_mib: float = field(default=64.0, metadata={"help": "largest message, MiB"})
+    max_mib: float = field(
+        default=64.0,
+        metadata={
+            "help": "largest message, MiB",
+            "ge": 1 / 1024,
+            "le": 1024,
+            "fix": "a size from 1/1024 (1 KiB) to 1024 MiB, e.g. --max-mib 4",
+        },
+    )
     strategies: str = field(
         default=",".join(STRATEGIES),
         metadata={"help": f"comma-separated, from {', '.join(STRATEGIES)}"},
+    )
+    record: str = field(
+        default="", metadata={"help": "also write the table to this results file (JSON)"}
     )
 
 
@@ -185,8 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_table(measurements))
-    print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
+    table = results_table(measurements)
+    seconds = time.perf_counter() - started
+    print(table.to_markdown())
+    print(f"\n({seconds:.0f} s; torch {torch.__version__})")
+    if config.record:
+        values = summary(measurements) | {"seconds": f"{seconds:.0f} s"}
+        path = write_results(config.record, tables={"all_reduce": table}, values=values)
+        print(f"recorded {path}")
     return 0
 
 

@@ -8,7 +8,8 @@ cover the whole dataset once per epoch. This sampler reproduces, index for index
    rank, a new one every epoch),
 2. pad by repeating indices from the front (or cut the tail with ``drop_last``) so the total is a
    multiple of the world size,
-3. take every ``num_replicas``-th index starting at ``rank``.
+3. deal the list out to the ranks like cards: each rank gets its own positions, interleaved
+   with the others' rather than one contiguous block.
 
 It adds one thing PyTorch's sampler lacks: ``set_epoch(epoch, start_index=k)`` skips the first
 ``k`` samples of this rank's shard, which is what a run resumed in the middle of an epoch needs
@@ -75,11 +76,14 @@ class DistributedShardSampler(Sampler[int]):
         # TODO 1.1: work out how many samples each rank gets per epoch.
         # Invariant: every rank gets the same count, so ranks run the same number of steps
         #   (a rank with one batch more would wait forever in its extra all-reduce).
-        # Hint 1: padding rounds n up to a multiple of num_replicas; drop_last rounds it down
-        #   (only when n does not divide evenly).
-        # Hint 2: two cases. Padding: divide n by num_replicas and round up. drop_last with a
-        #   remainder: take away one full round of num_replicas first, then divide and round up
-        #   (the same as rounding down). Check n = 0, 1 and 10 on 4 ranks against the guide.
+        # Hint 1: padding rounds the epoch up to a multiple of num_replicas; drop_last rounds
+        #   it down (only when n does not divide evenly). Each rank gets its share of that.
+        # Hint 2: two cases. Padding: the smallest count that covers all n samples when every
+        #   rank takes it. drop_last with a remainder: the largest count every rank can take
+        #   without repeating a sample. Check n = 0, 1 and 10 on 4 ranks against the guide's
+        #   table.
+        # Hint 3: math.ceil(n / num_replicas); with drop_last and a remainder,
+        #   math.ceil((n - num_replicas) / num_replicas), which is the floor of n / num_replicas.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.drop_last and n % num_replicas != 0:
@@ -94,13 +98,16 @@ class DistributedShardSampler(Sampler[int]):
         n = len(self.dataset)
         # TODO 1.1: build the epoch's global index list, identical on every rank.
         # Invariant: same (seed, epoch) -> same list on every rank; its length is total_size.
-        # Hint 1: a fresh torch.Generator seeded with seed + epoch makes the shuffle
-        #   reproducible; pad by repeating indices from the front, as many times as needed
-        #   (the padding can be longer than the dataset when n < num_replicas).
-        # Hint 2: three steps. Order: a permutation from a generator of its own (never the
-        #   global RNG) seeded with seed + epoch, or plain 0..n-1 without shuffle. Cut: with
-        #   drop_last keep the first total_size. Pad: append copies of the list's *start*
-        #   until total_size, repeating the whole list when the gap is longer than it.
+        # Hint 1: the shuffle must be the same on every rank and new every epoch, and must not
+        #   touch the global random stream (DistributedSampler seeds its own generator with
+        #   seed + epoch); padding repeats indices from the front, as many times as needed (the
+        #   padding can be longer than the dataset when n < num_replicas).
+        # Hint 2: three steps. Order: a permutation from a generator of its own, or plain
+        #   0..n-1 without shuffle. Cut: with drop_last keep the first total_size. Pad: append
+        #   copies of the list's *start* until total_size, repeating the whole list when the
+        #   gap is longer than it.
+        # Hint 3: g = torch.Generator(); g.manual_seed(self.seed + self.epoch);
+        #   torch.randperm(n, generator=g).tolist(); (indices * repeats)[:padding].
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.shuffle:
@@ -121,11 +128,13 @@ class DistributedShardSampler(Sampler[int]):
         # TODO 1.1: yield this rank's shard of epoch_indices(), skipping start_index samples.
         # Invariant: shards of different ranks are disjoint (apart from padding) and together
         #   are the whole epoch; every shard has num_samples indices before skipping.
-        # Hint 1: rank r takes positions r, r + N, r + 2N, ... (interleaved, not a block), which
-        #   is what DistributedSampler does.
-        # Hint 2: one strided slice of the epoch list (start at rank, step num_replicas) gives
-        #   the shard; skip start_index *after* sharding (it counts this rank's samples, not
-        #   the epoch's), and return an iterator.
+        # Hint 1: the guide's worked table (10 samples on 4 ranks) shows which positions each
+        #   rank takes: not a contiguous block. Find the rule that gives those positions for any
+        #   rank and any number of ranks.
+        # Hint 2: one slice of the epoch list gives the shard; skip start_index *after*
+        #   sharding (it counts this rank's samples, not the epoch's), and return an iterator.
+        # Hint 3: a strided slice that starts at self.rank and steps by self.num_replicas, up to
+        #   self.total_size; then [self.start_index :].
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas]

@@ -51,7 +51,8 @@ def _variant(
     mistake: str,
 ) -> list[int]:
     """The sampler with one known mistake, written independently of the code under test."""
-    per_rank = n // world if drop_last else math.ceil(n / world)
+    rounds_down = drop_last and mistake != "drop_last rounds up"
+    per_rank = n // world if rounds_down else math.ceil(n / world)
     total = per_rank * world
     if shuffle:
         g = torch.Generator()
@@ -76,6 +77,10 @@ MISTAKES = {
     "epoch ignored": "the order ignores the epoch: seed the generator with seed + epoch",
     "pad from end": "padding repeats the end of the list: repeat from its front",
     "blocks": "each rank takes a contiguous block: take positions rank, rank + N, rank + 2N, ...",
+    "drop_last rounds up": (
+        "the count ignores drop_last: with drop_last=True each rank gets only what divides "
+        "evenly (the tail is cut, never padded), so num_samples rounds down"
+    ),
 }
 
 
