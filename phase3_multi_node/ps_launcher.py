@@ -10,10 +10,16 @@ served), throughput and test accuracy. ``--impl templates`` runs your own code.
 
 Processes come from a ``forkserver`` that imported torch once (fork of a process that already
 runs torch threads is unsafe; spawn re-imports torch per process). Servers and workers talk only
-over TCP with the framed protocol of ps_protocol.py; the launcher talks to its own children over
+over TCP with the framed protocol of ps_wire.py; the launcher talks to its own children over
 ``multiprocessing`` pipes, which pickle: fine between a parent and the children it forked, never
 for a socket a stranger can reach. Every child is killed and reaped on the way out, and each dies
 with the fork server (PR_SET_PDEATHSIG).
+
+A run's results are read only after every server has handled what the departed workers sent last
+(:meth:`Cluster.drain`): a worker process reports as soon as its last frames are in the kernel's
+buffer, and a report taken before the server read them would miss the last clock. When a server
+closed a worker's connection, the failure leads with the server's reason, not the worker's
+``PeerClosed``. Every flag is checked before a process starts (:func:`validate`).
 
 Fault knobs: ``--kill-worker 1 --kill-at 5`` makes worker 1 SIGKILL itself in clock 5, after
 computing and before pushing; ``--restart-killed`` starts it again (after a sync clock re-formed
@@ -27,6 +33,7 @@ import contextlib
 import ctypes
 import functools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -38,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -47,48 +54,109 @@ from course.cli import parse_config, run_main
 from course.datasets import PatternSpec, make_pattern_dataset
 from course.impl import IMPLS, load_impl
 from course.models import MLP, BabyCNN
+from phase3_multi_node.ps_server_base import (
+    ServerConfig,
+    ServerReport,
+    check_server_config,
+    default_secret,
+    shard_of,
+    staleness_histogram,
+)
+from phase3_multi_node.ps_wire import is_loopback
 
 PHASE = "phase3_multi_node"
 MODES = ("sync", "async", "ssp")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+DRAIN_TIMEOUT = 10.0  # seconds a server may take to handle what departed workers sent last
+CONNECTION_ERRORS = ("PeerClosed", "ProtocolError", "ConnectionResetError", "BrokenPipeError")
 
 BatchFn = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
 class PSConfig:
-    """The command line (see the module docstring)."""
+    """The command line (see the module docstring). Every number is checked before any process
+    starts: bounds here (``ge``/``gt``/``lt``, see course/cli.py), the rest in :func:`validate`."""
 
-    servers: int = field(default=2, metadata={"help": "parameter servers (processes)"})
-    workers: int = field(default=3, metadata={"help": "workers (processes)"})
+    servers: int = field(
+        default=2, metadata={"help": "parameter servers (processes)", "ge": 1, "fix": "1 or more"}
+    )
+    workers: int = field(
+        default=3, metadata={"help": "workers (processes)", "ge": 1, "fix": "1 or more"}
+    )
     mode: str = field(default="sync", metadata={"choices": MODES, "help": "consistency model"})
-    staleness: int = field(default=2, metadata={"help": "ssp: clocks the fastest may lead"})
-    steps: int = field(default=150, metadata={"help": "clocks each worker runs"})
-    batch_size: int = field(default=32, metadata={"help": "samples per worker per clock"})
-    lr: float = 0.05
-    momentum: float = 0.0
+    staleness: int = field(
+        default=2,
+        metadata={"help": "ssp: clocks the fastest may lead", "ge": 0, "fix": "0 (sync) or more"},
+    )
+    steps: int = field(
+        default=150, metadata={"help": "clocks each worker runs", "ge": 1, "fix": "1 or more"}
+    )
+    batch_size: int = field(
+        default=32,
+        metadata={"help": "samples per worker per clock", "ge": 1, "fix": "e.g. --batch-size 32"},
+    )
+    lr: float = field(
+        default=0.05, metadata={"gt": 0, "fix": "a positive learning rate, e.g. --lr 0.05"}
+    )
+    momentum: float = field(
+        default=0.0, metadata={"ge": 0, "lt": 1, "fix": "a momentum in [0, 1), e.g. 0.9"}
+    )
     model: str = field(default="mlp", metadata={"choices": ("mlp", "cnn")})
-    train_samples: int = 4096
-    test_samples: int = 1024
-    slow_worker: int = field(default=-1, metadata={"help": "this worker runs slow_factor x slower"})
-    slow_factor: float = 3.0
+    train_samples: int = field(default=4096, metadata={"ge": 1, "fix": "e.g. --train-samples 4096"})
+    test_samples: int = field(default=1024, metadata={"ge": 1, "fix": "e.g. --test-samples 1024"})
+    slow_worker: int = field(
+        default=-1,
+        metadata={
+            "help": "this worker runs slow_factor x slower",
+            "ge": -1,
+            "fix": "a worker id, or -1 for none",
+        },
+    )
+    slow_factor: float = field(
+        default=3.0, metadata={"ge": 1, "fix": "1 (not slow) or more, e.g. 3"}
+    )
     random_straggler: bool = field(
         default=False, metadata={"help": "each clock, a random 1/W of the workers is slow"}
     )
     time_budget: float = field(
-        default=0.0, metadata={"help": ">0: workers stop starting clocks after this many s"}
+        default=0.0,
+        metadata={
+            "help": ">0: workers stop starting clocks after this many s",
+            "ge": 0,
+            "fix": "0 (no budget) or a number of seconds",
+        },
     )
     step_delay: float = field(
-        default=0.0, metadata={"help": "extra seconds of 'compute' per clock"}
+        default=0.0,
+        metadata={
+            "help": "extra seconds of 'compute' per clock",
+            "ge": 0,
+            "fix": "0 or a number of seconds, e.g. 0.02",
+        },
     )
-    kill_worker: int = field(default=-1, metadata={"help": "this worker SIGKILLs itself"})
-    kill_at: int = field(default=-1, metadata={"help": "...in this clock, before pushing"})
+    kill_worker: int = field(
+        default=-1,
+        metadata={
+            "help": "this worker SIGKILLs itself",
+            "ge": -1,
+            "fix": "a worker id, or -1 for none",
+        },
+    )
+    kill_at: int = field(
+        default=-1,
+        metadata={"help": "...in this clock, before pushing", "ge": -1, "fix": "a clock number"},
+    )
     restart_killed: bool = False
-    sync_timeout: float = 2.0
+    sync_timeout: float = field(
+        default=2.0, metadata={"gt": 0, "fix": "a positive number of seconds, e.g. 2"}
+    )
     host: str = field(
         default="127.0.0.1", metadata={"help": "bind address (non-loopback needs DTFS_PS_SECRET)"}
     )
-    time_limit: float = 300.0
+    time_limit: float = field(
+        default=300.0, metadata={"gt": 0, "fix": "a positive number of seconds, e.g. 300"}
+    )
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
 
 
@@ -98,7 +166,7 @@ class Job:
 
     model_fn: Callable[[], nn.Module]
     batch_fn: BatchFn
-    server_config: Any  # the chosen implementation's ServerConfig
+    server_config: ServerConfig
     num_servers: int
     steps: int
     impl: str = "solutions"
@@ -158,10 +226,10 @@ class ClusterError(RuntimeError):
 class RunResult:
     workers: dict[int, list[WorkerReport]]  # every incarnation that finished, in start order
     killed: list[int]  # workers that died by SIGKILL
-    servers: list[Any]  # ServerReport per server
+    servers: list[ServerReport]  # one per server
     params: list[torch.Tensor]  # the final parameters, by key, from the servers
     addresses: list[tuple[str, int]]
-    wall: float  # seconds from the first worker's start to the last worker's end
+    wall: float  # seconds from the first clock's start (any worker) to the last clock's end
     pids: list[int]  # every process the run started (all gone when train() returns)
 
 
@@ -204,10 +272,17 @@ _context: Any = None
 
 
 def _forkserver() -> Any:
+    """The forkserver context; its server imports once what every child would import again.
+
+    ``torch._dynamo`` is there because the first ``torch.optim`` optimizer a process creates
+    imports it (about 900 modules, 2-3 s on an idle laptop core, several times that on a busy
+    one): every server would pay it at start, before it can accept a worker.
+    """
     global _context
     if _context is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch"])
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "phase3_multi_node.ps_launcher"])
+        multiprocessing.forkserver.ensure_running()  # now, not inside a run's time limit
         _context = ctx
     return _context
 
@@ -253,7 +328,7 @@ def _server_main(server_id: int, job: Job, conn: Connection) -> None:
     try:
         ps, _ = _modules(job.impl)
         model = job.model_fn()
-        shard = ps.shard_of(model, _assignment(job, model), server_id)
+        shard = shard_of(model, _assignment(job, model), server_id)
         server = ps.ParameterServer(server_id, shard, job.server_config)
         _send(conn, ("ready", server.start()))
     except BaseException as exc:
@@ -269,6 +344,8 @@ def _server_main(server_id: int, job: Job, conn: Connection) -> None:
             command = "stop"
         if command == "snapshot":
             _send(conn, ("snapshot", server.snapshot()))
+        elif command == "drain":  # every worker gone: each frame it sent has been handled
+            _send(conn, ("drained", server.wait_until_idle(DRAIN_TIMEOUT)))
         elif command == "report":
             _send(conn, ("report", server.get_report()))
         else:
@@ -294,6 +371,9 @@ def _worker_main(
             secret=job.secret,
             timeout=job.worker_timeout,
         )
+        # one untimed forward/backward first: the first call builds the dataset and warms
+        # autograd, which a slow worker's delay (a multiple of its clock's time) would inflate
+        worker.compute(*job.batch_fn(worker_id, job.num_workers, 0))
         start = worker.connect()
         report = WorkerReport(worker_id, start)
         straggle = random.Random(1000 + worker_id)
@@ -350,6 +430,7 @@ class Cluster:
 
     def __init__(self, job: Job, time_limit: float = 60.0) -> None:
         self.job = job
+        _forkserver()  # started (once per process) before the time limit runs
         self.deadline = time.monotonic() + time_limit
         self.time_limit = time_limit
         self.servers: list[_Child] = []
@@ -410,8 +491,43 @@ class Cluster:
                     child.result = _receive(child.conn)
                 child.done = True
             if child.result is not None and child.result[0] == "error":
-                self._raise_server_errors()
-                raise ClusterError(str(child.result[1]), child.result[1])
+                self._raise_worker_failure(child.result[1])
+
+    def _raise_worker_failure(self, failure: ChildFailure) -> NoReturn:
+        """End the run on a worker's failure, leading with the servers' side when they have one.
+
+        A worker whose connection a server closed only sees ``PeerClosed``; the reason (an
+        exception in the server's exercise code, or the frame the server refused) is in the
+        server's report, so it comes first.
+        """
+        self._raise_server_errors()
+        if failure.exc_type in CONNECTION_ERRORS:
+            said = self._server_side(failure.index)
+            if said is not None:
+                server, reason = said
+                raise ClusterError(
+                    f"server {server} closed worker {failure.index}'s connection: {reason} "
+                    f"(the worker then saw {failure.exc_type}: {failure.message})",
+                    ChildFailure("server", server, "ProtocolError", reason, ""),
+                )
+        raise ClusterError(str(failure), failure)
+
+    def _server_side(self, worker: int) -> tuple[int, str] | None:
+        """The first reason a server logged for closing ``worker``'s connection, if any; else
+        the first handshake it refused (before HELLO names the worker, a client is only an
+        address, and the launcher's workers are the only clients)."""
+        marks = (f"closing the connection of worker {worker}: ", f"serving worker {worker}: ")
+        refused = None
+        for report in self.server_reports():
+            for line in report.events:
+                for mark in marks:
+                    if mark in line:
+                        return report.server_id, line.split(mark, 1)[1]
+                if refused is None and "closing the connection of client" in line:
+                    reason = line.split("): ", 1)[-1]
+                    if "to make room" not in reason and "handshake within" not in reason:
+                        refused = (report.server_id, f"refused its handshake: {reason}")
+        return refused
 
     def wait_for_death(self, worker: int) -> None:
         child = next(c for c in self.workers if c.index == worker)
@@ -487,15 +603,7 @@ class Cluster:
                 )
             kind, value = child.result
             if kind == "error":
-                self._raise_server_errors()
-                reasons = [
-                    line
-                    for report in self.server_reports()
-                    for line in report.events
-                    if "closing the connection" in line
-                ]
-                said = "; the servers logged: " + " | ".join(reasons[:3]) if reasons else ""
-                raise ClusterError(f"{value}{said}", value)
+                self._raise_worker_failure(value)
             reports.setdefault(child.index, []).append(value)
         return reports, killed
 
@@ -513,8 +621,22 @@ class Cluster:
             answers.append(value)
         return answers
 
-    def server_reports(self) -> list[Any]:
+    def server_reports(self) -> list[ServerReport]:
         return self._ask("report")
+
+    def drain(self) -> None:
+        """Wait until every server has handled what the departed workers sent last.
+
+        A worker's last frames (its final CLOCK, then BYE) may still sit in a server's socket
+        when the worker's process has already reported; a report taken then would miss the
+        last clock. A server is drained when no worker is connected to it any more.
+        """
+        for server, drained in zip(self.servers, self._ask("drain"), strict=True):
+            if not drained:
+                raise ClusterError(
+                    f"server {server.index} still had a worker connected {DRAIN_TIMEOUT:g} s "
+                    "after every worker process ended"
+                )
 
     def parameters(self) -> list[torch.Tensor]:
         merged: dict[int, torch.Tensor] = {}
@@ -560,7 +682,9 @@ def train(
             cluster.start_worker(job.kill_worker, may_kill=False)
         reports, killed = cluster.wait_workers()
         ends = [r.finished[-1] for runs in reports.values() for r in runs if r.finished]
-        wall = (max(ends) if ends else time.monotonic()) - began
+        firsts = [r.started[0] for runs in reports.values() for r in runs if r.started]
+        wall = (max(ends) if ends else time.monotonic()) - (min(firsts) if firsts else began)
+        cluster.drain()
         cluster._raise_server_errors()
         servers = cluster.server_reports()
         params = cluster.parameters()
@@ -571,9 +695,9 @@ def train(
 
 
 def job_from_config(config: PSConfig) -> Job:
-    ps, _ = _modules(config.impl)
-    secret = ps.default_secret()
-    server_config = ps.ServerConfig(
+    """The job a command line describes (call :func:`validate` first)."""
+    secret = default_secret()
+    server_config = ServerConfig(
         mode=config.mode,
         staleness=config.staleness,
         num_workers=config.workers,
@@ -583,7 +707,7 @@ def job_from_config(config: PSConfig) -> Job:
         secret=secret,
         sync_timeout=config.sync_timeout,
     )
-    ps.check_server_config(server_config)
+    check_server_config(server_config)
     return Job(
         model_fn=functools.partial(make_model, config.model),
         batch_fn=functools.partial(
@@ -605,20 +729,44 @@ def job_from_config(config: PSConfig) -> Job:
 
 
 def validate(config: PSConfig) -> None:
-    if config.servers < 1 or config.workers < 1:
-        raise ValueError(f"--servers {config.servers} --workers {config.workers}: need >= 1 each")
-    if config.steps < 1:
-        raise ValueError(f"--steps {config.steps}: need at least one clock")
+    """Refuse settings that do not fit together, before any process starts (ValueError, one
+    line naming the flags, the values and the fix). Single values were bounded by parse_config."""
+    workers = f"0..{config.workers - 1}"
     for flag, value in (
         ("--slow-worker", config.slow_worker),
         ("--kill-worker", config.kill_worker),
     ):
         if value >= config.workers:
-            raise ValueError(f"{flag} {value}: workers are 0..{config.workers - 1} (-1: none)")
-    if config.slow_factor < 1:
-        raise ValueError(f"--slow-factor {config.slow_factor}: must be >= 1")
+            raise ValueError(
+                f"{flag} {value}: with --workers {config.workers} choose a worker in {workers}, "
+                "or -1 for none"
+            )
     if config.kill_worker >= 0 and not 0 <= config.kill_at < config.steps:
-        raise ValueError(f"--kill-at {config.kill_at}: choose a clock in 0..{config.steps - 1}")
+        raise ValueError(
+            f"--kill-at {config.kill_at}: worker {config.kill_worker} can only be killed in a "
+            f"clock it runs: choose one in 0..{config.steps - 1} (--steps {config.steps})"
+        )
+    if config.restart_killed and config.kill_worker < 0:
+        raise ValueError(
+            "--restart-killed: no worker is killed; add --kill-worker ID --kill-at CLOCK"
+        )
+    shard = config.train_samples // config.workers
+    if config.batch_size > shard:
+        raise ValueError(
+            f"--batch-size {config.batch_size}: each of the {config.workers} workers holds "
+            f"{shard} of the {config.train_samples} training samples; choose a batch of at "
+            f"most {max(shard, 1)} or raise --train-samples"
+            if shard
+            else f"--train-samples {config.train_samples}: fewer samples than the "
+            f"{config.workers} workers; give each worker at least one (--train-samples "
+            f"{config.workers * config.batch_size} or more)"
+        )
+    if not is_loopback(config.host) and not default_secret():
+        raise ValueError(
+            f"--host {config.host}: reachable from other machines, so every connection must "
+            "authenticate: set DTFS_PS_SECRET in the environment (never a flag: ps(1) shows "
+            "those), or bind 127.0.0.1"
+        )
 
 
 def summarize(config: PSConfig, result: RunResult, accuracy: float) -> list[str]:
@@ -634,9 +782,8 @@ def summarize(config: PSConfig, result: RunResult, accuracy: float) -> list[str]
             )
     for worker in result.killed:
         lines.append(f"worker {worker}: killed (SIGKILL)")
-    ps, _ = _modules(config.impl)
     for report in result.servers:
-        hist = ps.staleness_histogram(report.grants)
+        hist = staleness_histogram(report.grants)
         shown = ", ".join(f"{gap}: {count}" for gap, count in hist.items())
         lines.append(
             f"server {report.server_id}: {report.optimizer_steps} optimizer steps; staleness "
@@ -678,7 +825,7 @@ def run(config: PSConfig, *, verbose: bool = True) -> tuple[RunResult, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(PSConfig, argv, __doc__)
     try:
-        validate(config)
+        validate(config)  # before any process starts
         job_from_config(config)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

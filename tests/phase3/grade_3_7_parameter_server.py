@@ -5,10 +5,12 @@
 * The protocol: ``check_header`` refuses, from the 64 header bytes alone, every field a stranger
   could set wrong (a length of 2^62 first of all).
 * Training, with servers and workers as processes on 127.0.0.1 (the launcher): ``sync`` equals
-  data-parallel SGD with momentum (float64, 1e-12) with one optimizer step per clock; ``ssp`` with
-  s = 0 equals it too; ``ssp`` with s = 2 and one worker 3x slower never serves a pull more than s
-  clocks ahead of the slowest live worker (from the server's records), uses the whole bound, and
-  applies every clock once; ``async`` converges on the built-in dataset.
+  data-parallel SGD with momentum (float64, 1e-12) with one optimizer step per clock, and serves
+  no pull early although the run sets a staleness of 2 (as the launcher does in every mode) and
+  slows one worker; ``ssp`` with s = 0 equals it too; ``ssp`` with s = 2 and one worker 3x slower
+  never serves a pull more than s clocks ahead of the slowest live worker (from the server's
+  records), uses the whole bound, and applies every clock once; ``async`` moves a key by exactly
+  lr/W per push of a gradient of ones, and converges on the built-in dataset.
 * Faults: a worker SIGKILLed mid-clock does not stop the servers; sync re-forms the clock with the
   survivors after its timeout and says so in the log; in ssp the others go on; a restarted worker
   rejoins at the current clock with the current parameters.
@@ -17,7 +19,10 @@
   logged reason, and the parameters stay the same bit for bit; with a shared secret nothing but a
   correct HMAC answer is read first.
 
-Every process a run starts is checked gone at its end. About 25-40 s on a 2-core machine.
+Every process a run starts is checked gone at its end. Failures lead with the server's own reason
+when a server closed a worker's connection (the worker itself only sees the connection close).
+The server's defences against slow and idle clients are given code, tested in
+tests/test_ps_hardening.py.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import random
 import socket
 import struct
+import time
 from typing import Any
 
 import pytest
@@ -44,13 +50,15 @@ from ps_helpers import (
     ps_module,
     raise_internal_errors,
     raw_client,
+    read_answer,
     replay_sync,
     run_job,
     sharding_module,
     worst,
 )
 
-from solutions.phase3_multi_node.ps_sharding import tensor_bytes, unequal_model
+from phase3_multi_node import ps_wire
+from phase3_multi_node.ps_server_base import ServerConfig, check_server_config
 
 # ----------------------------------------------------------------------------- sharding
 
@@ -61,7 +69,7 @@ def test_balanced_sharding(servers: int) -> None:
     sharding = sharding_module()
     rng = random.Random(servers)
     cases = {
-        "a model with very unequal layer sizes": tensor_bytes(unequal_model()),
+        "a model with very unequal layer sizes": sharding.tensor_bytes(sharding.unequal_model()),
         "random sizes": [rng.choice([4, 64, 4096, 65536, 300000]) for _ in range(17)],
         "equal sizes": [1024] * 7,
     }
@@ -106,11 +114,10 @@ def test_balanced_sharding(servers: int) -> None:
 
 
 def _header(**fields: Any) -> bytes:
-    """A raw header with any field forged (ps_protocol.HEADER's layout)."""
-    proto = protocol_module()
+    """A raw header with any field forged (ps_wire.HEADER's layout)."""
     values: dict[str, Any] = {
-        "magic": proto.MAGIC,
-        "type": int(proto.MsgType.PUSH),
+        "magic": ps_wire.MAGIC,
+        "type": int(ps_wire.MsgType.PUSH),
         "dtype": 2,
         "ndim": 1,
         "reserved": 0,
@@ -121,7 +128,7 @@ def _header(**fields: Any) -> bytes:
         "length": 32,
     }
     values.update(fields)
-    return proto.HEADER.pack(
+    return ps_wire.HEADER.pack(
         values["magic"],
         values["type"],
         values["dtype"],
@@ -164,19 +171,28 @@ def test_check_header_refuses_from_the_header() -> None:
     }
     for name, raw in good.items():
         try:
-            proto.check_header(proto.unpack_header(raw), 4096)
-        except proto.ProtocolError as err:
+            proto.check_header(ps_wire.unpack_header(raw), 4096)
+        except ps_wire.ProtocolError as err:
             fail(f"3.7 check_header refused {name}, a valid frame: {err}")
     for name, fields in BAD_HEADERS.items():
-        header = proto.unpack_header(_header(**fields))
-        try:
-            proto.check_header(header, 4096)
-        except proto.ProtocolError:
-            continue
-        fail(
+        header = ps_wire.unpack_header(_header(**fields))
+        problem = (
             f"3.7 check_header accepted {name}: the header must be refused before any payload "
             "is read or allocated (raise ProtocolError); a length is a number a stranger wrote"
         )
+        try:
+            proto.check_header(header, 4096)
+        except ps_wire.ProtocolError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            problem = (
+                f"3.7 check_header raised {type(exc).__name__} ({exc}) on {name}, not "
+                "ProtocolError: a field a stranger wrote must be checked before it is used "
+                "(an index into WIRE_DTYPES, a size), and every refusal is a ProtocolError"
+            )
+        fail(problem)
 
 
 # ----------------------------------------------------------------------------- training
@@ -184,9 +200,22 @@ def test_check_header_refuses_from_the_header() -> None:
 
 @exercise("3.7")
 def test_sync_equals_data_parallel_sgd() -> None:
-    steps, workers, lr, momentum = 4, 3, 0.1, 0.9
-    job = make_job(mode="sync", servers=2, workers=workers, steps=steps, lr=lr, momentum=momentum)
-    result = run_job(job, "sync, 2 servers, 3 workers")
+    # staleness=2 as the launcher passes it in every mode (sync must ignore it); worker 1 is
+    # slowed so that a gate letting the others run ahead would show in the server's records
+    steps, workers, lr, momentum, staleness = 4, 3, 0.1, 0.9, 2
+    job = make_job(
+        mode="sync",
+        staleness=staleness,
+        servers=2,
+        workers=workers,
+        steps=steps,
+        lr=lr,
+        momentum=momentum,
+        slow_worker=1,
+        slow_factor=3.0,
+        step_delay=0.02,
+    )
+    result = run_job(job, f"sync (staleness={staleness} set), 2 servers, 3 workers")
     expected = data_parallel_sgd(workers, steps, lr, momentum)
     for worker in range(workers):
         clocks = [c for run in result.workers.get(worker, []) for c in run.clocks]
@@ -196,10 +225,19 @@ def test_sync_equals_data_parallel_sgd() -> None:
         early = [g for g in report.grants if g.clock > g.slowest]
         if early:
             g = early[0]
+            lead = max(e.clock - e.slowest for e in early)
+            why = (
+                "one clock too early: the comparison in ready_to_serve is off by one (with no "
+                "staleness, a pull for clock c needs clock c-1 applied)"
+                if lead == 1
+                else f"as if the staleness setting counted (this run sets staleness={staleness}, "
+                "as the launcher does in every mode; only ssp may use it)"
+            )
             fail(
                 f"3.7 sync: server {report.server_id} served worker {g.worker}'s pull for clock "
-                f"{g.clock} while a worker had completed only {g.slowest} clocks: in sync a pull "
-                "for clock c waits until clock c-1 was applied"
+                f"{g.clock} while a live worker had completed only {g.slowest} clocks (leads up "
+                f"to {lead}): in sync a pull for clock c waits until clock c-1 was applied; "
+                f"this server served {why}"
             )
         if report.optimizer_steps != steps:
             fail(
@@ -427,27 +465,37 @@ def test_ssp_goes_on_without_a_killed_worker() -> None:
 # ----------------------------------------------------------------------------- bad input
 
 
-def _hello(sock: socket.socket, server: Any) -> None:
-    proto = protocol_module()
-    sock.sendall(proto.encode_control(proto.MsgType.HELLO, worker=0))
+def _server_said(server: Any, since: int) -> str:
+    """The server's own reason for its latest refusal (its log, from event ``since`` on)."""
+    events = server.get_report().events[since:]
+    said = [e for e in events if "closing the connection" in e or "internal error" in e]
+    return (said or events or ["(nothing logged)"])[-1]
+
+
+def _hello(sock: socket.socket, server: Any, worker: int = 0) -> None:
+    logged = len(server.get_report().events)
+    sock.sendall(ps_wire.encode_control(ps_wire.MsgType.HELLO, worker=worker))
     try:
-        header, _ = proto.read_frame(sock, 0)
+        header, _ = read_answer(sock)
     except Exception as exc:
+        seen = f"{type(exc).__name__}: {exc}"
+    else:
+        seen = ""
+    if seen:
         raise_internal_errors(server)
         fail(
-            f"3.7: the server answered a valid HELLO with {type(exc).__name__}: {exc}; its "
-            f"log: {server.get_report().events[-2:]}"
+            f"3.7: the server refused a valid HELLO: {_server_said(server, logged)} (the "
+            f"client then saw {seen})"
         )
-    if header.type != proto.MsgType.WELCOME:
+    if header.type != ps_wire.MsgType.WELCOME:
         fail(f"3.7: the server answered HELLO with message type {header.type}, not WELCOME")
 
 
 def _malformed_cases() -> dict[str, tuple[bool, bytes]]:
     """name -> (say HELLO first, the bytes to send). Key 0 is [24, 10] float64 (1920 bytes)."""
-    proto = protocol_module()
-    push = proto.MsgType.PUSH
+    push = ps_wire.MsgType.PUSH
     grad = torch.ones(24, 10, dtype=torch.float64)
-    whole = proto.encode_tensor(push, grad, key=0, clock=0)
+    whole = ps_wire.encode_tensor(push, grad, key=0, clock=0)
     rng = random.Random(8)
     return {
         "random bytes": (False, bytes(rng.randrange(256) for _ in range(300))),
@@ -458,24 +506,24 @@ def _malformed_cases() -> dict[str, tuple[bool, bytes]]:
         ),
         "a float32 gradient for the float64 key 0": (
             True,
-            proto.encode_tensor(push, grad.float(), key=0, clock=0),
+            ps_wire.encode_tensor(push, grad.float(), key=0, clock=0),
         ),
         "a [10, 24] gradient for the [24, 10] key 0": (
             True,
-            proto.encode_tensor(push, grad.reshape(10, 24), key=0, clock=0),
+            ps_wire.encode_tensor(push, grad.reshape(10, 24), key=0, clock=0),
         ),
         "a gradient for the unknown key 99": (
             True,
-            proto.encode_tensor(push, grad, key=99, clock=0),
+            ps_wire.encode_tensor(push, grad, key=99, clock=0),
         ),
         "a length header of 2^62 for key 0": (
             True,
-            proto.pack_header(push, key=0, dtype=torch.float64, shape=(24, 10), length=2**62),
+            ps_wire.pack_header(push, key=0, dtype=torch.float64, shape=(24, 10), length=2**62),
         ),
         "dtype code 250": (
             True,
             struct.pack(
-                "!4sBBBBIiq4qQ", proto.MAGIC, int(push), 250, 2, 0, 0, 0, 0, 24, 10, 0, 0, 1920
+                "!4sBBBBIiq4qQ", ps_wire.MAGIC, int(push), 250, 2, 0, 0, 0, 0, 24, 10, 0, 0, 1920
             ),
         ),
     }
@@ -483,7 +531,6 @@ def _malformed_cases() -> dict[str, tuple[bool, bytes]]:
 
 @exercise("3.7")
 def test_malformed_input_closes_the_connection_and_changes_nothing() -> None:
-    proto = protocol_module()
     with local_server(read_timeout=1.5) as server:
         before = server.snapshot()
         for name, (hello, data) in _malformed_cases().items():
@@ -528,17 +575,25 @@ def test_malformed_input_closes_the_connection_and_changes_nothing() -> None:
         # the server still serves, and a valid push does change the parameters (async)
         with raw_client(server) as sock:
             _hello(sock, server)
+            logged = len(server.get_report().events)
             for key, value in before.items():
                 sock.sendall(
-                    proto.encode_tensor(proto.MsgType.PUSH, torch.ones_like(value), key=key)
+                    ps_wire.encode_tensor(ps_wire.MsgType.PUSH, torch.ones_like(value), key=key)
                 )
-            sock.sendall(proto.encode_control(proto.MsgType.CLOCK, clock=0))
-            sock.sendall(proto.encode_control(proto.MsgType.PULL, clock=1))
+            sock.sendall(ps_wire.encode_control(ps_wire.MsgType.CLOCK, clock=0))
+            sock.sendall(ps_wire.encode_control(ps_wire.MsgType.PULL, clock=1))
             try:
-                proto.read_frame(sock, 1 << 20)  # the first PARAM: the pull was served
+                read_answer(sock)  # the first PARAM: the pull was served
             except Exception as exc:
+                seen = f"{type(exc).__name__}: {exc}"
+            else:
+                seen = ""
+            if seen:
                 raise_internal_errors(server)
-                fail(f"3.7: a valid PUSH, CLOCK and PULL after the bad frames got {exc!r}")
+                fail(
+                    "3.7: after the bad frames, the server refused a valid PUSH, CLOCK and "
+                    f"PULL: {_server_said(server, logged)} (the client then saw {seen})"
+                )
         raise_internal_errors(server)
         after = server.snapshot()
         if all(torch.equal(before[k], after[k]) for k in before):
@@ -549,27 +604,178 @@ def test_malformed_input_closes_the_connection_and_changes_nothing() -> None:
 
 
 @exercise("3.7")
+@pytest.mark.parametrize("workers", [1, 4])
+def test_async_applies_each_push_at_once_scaled_by_one_over_w(workers: int) -> None:
+    """Async: one push of ones for each key moves each parameter by exactly lr / W (plain SGD),
+    before any other worker pushed (a server with W workers, of which one connects)."""
+    lr = 0.5
+    with local_server(mode="async", num_workers=workers, lr=lr) as server:
+        before = server.snapshot()
+        with raw_client(server) as sock:
+            _hello(sock, server)
+            logged = len(server.get_report().events)
+            for key, value in before.items():
+                sock.sendall(
+                    ps_wire.encode_tensor(ps_wire.MsgType.PUSH, torch.ones_like(value), key=key)
+                )
+                deadline = time.monotonic() + 5.0
+                while server.optimizer_steps < key + 1 and time.monotonic() < deadline:
+                    raise_internal_errors(server)
+                    if any("closing" in e for e in server.get_report().events[logged:]):
+                        fail(
+                            f"3.7 async: the server refused a valid PUSH of key {key}: "
+                            f"{_server_said(server, logged)}"
+                        )
+                    time.sleep(0.01)
+                moved = server.snapshot()
+                steps = server.optimizer_steps
+                if steps != key + 1:
+                    fail(
+                        f"3.7 async: after the push of key {key} (W={workers}) the server took "
+                        f"{steps} optimizer steps in all, expected {key + 1}: async applies "
+                        "each push when it arrives, one step per pushed key"
+                    )
+                shift = float((before[key] - moved[key]).mean())
+                if abs(shift - lr / workers) > 1e-12:
+                    scale = shift / lr
+                    fail(
+                        f"3.7 async with W={workers} workers, lr={lr}: a push of a gradient of "
+                        f"ones moved key {key} by {shift:.6g} = lr x {scale:.4g}; expected lr / "
+                        f"W = {lr / workers:g}: each push counts 1/W, so that a round of W "
+                        "pushes moves the parameters as far as one sync step"
+                        + (" (the raw gradient was applied)" if abs(scale - 1) < 1e-9 else "")
+                    )
+        raise_internal_errors(server)
+
+
+def _push_clock(sock: socket.socket, worker: int, clock: int, value: float, keys: Any) -> None:
+    """One clock of a raw client: a PUSH of ``value`` everywhere for each key, then CLOCK."""
+    for key, like in keys.items():
+        grad = torch.full_like(like, value)
+        sock.sendall(
+            ps_wire.encode_tensor(ps_wire.MsgType.PUSH, grad, key=key, worker=worker, clock=clock)
+        )
+    sock.sendall(ps_wire.encode_control(ps_wire.MsgType.CLOCK, worker=worker, clock=clock))
+
+
+def _wait_for(server: Any, done: Any, what: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not done() and time.monotonic() < deadline:
+        raise_internal_errors(server)
+        time.sleep(0.02)
+    raise_internal_errors(server)
+    if not done():
+        fail(
+            f"3.7: {what} did not happen within {within:g} s; the server's log: "
+            f"{server.get_report().events[-3:]}"
+        )
+
+
+@exercise("3.7")
+def test_ssp_applies_every_completed_clock_when_a_member_leaves() -> None:
+    """ssp, s=2, W=2: worker 0 completes clocks 0-2, worker 1 completes clock 0 and says BYE.
+    Clock 0 averages both; clocks 1 and 2, complete for every remaining member, are applied at
+    the BYE too (one finish_clock call must apply all of them, in order)."""
+    lr = 0.1
+    with local_server(mode="ssp", staleness=2, num_workers=2, lr=lr) as server:
+        before = server.snapshot()
+        with raw_client(server) as first, raw_client(server) as second:
+            _hello(first, server, worker=0)
+            _hello(second, server, worker=1)
+            for clock in range(3):
+                _push_clock(first, 0, clock, 1.0, before)
+            _wait_for(
+                server,
+                lambda: len(server.get_report().clocks_done) == 3,
+                "worker 0's three CLOCK frames being handled",
+            )
+            _push_clock(second, 1, 0, 3.0, before)
+            second.sendall(ps_wire.encode_control(ps_wire.MsgType.BYE, worker=1))
+            _wait_for(server, lambda: 1 not in server.live, "worker 1's BYE being handled")
+            time.sleep(0.1)
+            report = server.get_report()
+            after = server.snapshot()
+    if report.clock != 3 or report.optimizer_steps != 3:
+        fail(
+            f"3.7 ssp: worker 0 completed clocks 0-2, worker 1 completed clock 0 and left; the "
+            f"server then applied {report.clock} clocks with {report.optimizer_steps} optimizer "
+            "steps, expected 3 and 3: when a member leaves, every open clock that the remaining "
+            "members completed is applied, oldest first (keep going after the first one)"
+        )
+    expected = {k: v - lr * (2.0 + 1.0 + 1.0) for k, v in before.items()}
+    diff = max(float((after[k] - expected[k]).abs().max()) for k in after)
+    if diff > TOLERANCE:
+        fail(
+            f"3.7 ssp: after clock 0 (gradients 1 and 3 from workers 0 and 1) and clocks 1 and 2 "
+            f"(gradient 1 from worker 0 alone) the parameters differ by {diff:.3g} from SGD on the "
+            "averages 2, 1, 1: each clock averages the workers that completed it"
+        )
+
+
+@exercise("3.7")
+def test_sync_refuses_a_push_for_a_clock_already_applied() -> None:
+    """sync, W=2, sync_timeout 0.5 s: worker 1 pushes one key of clock 0 and stalls; the clock is
+    re-formed without it and applied; its late push for clock 0 must be refused, not kept."""
+    with local_server(mode="sync", num_workers=2, sync_timeout=0.5) as server:
+        before = server.snapshot()
+        keys = list(before)
+        with raw_client(server) as first, raw_client(server) as second:
+            _hello(first, server, worker=0)
+            _hello(second, server, worker=1)
+            late = torch.full_like(before[keys[0]], 5.0)
+            second.sendall(
+                ps_wire.encode_tensor(ps_wire.MsgType.PUSH, late, key=keys[0], worker=1, clock=0)
+            )
+            _push_clock(first, 0, 0, 1.0, before)
+            _wait_for(server, lambda: server.get_report().clock == 1, "the re-formed clock 0")
+            logged = len(server.get_report().events)
+            late = torch.full_like(before[keys[1]], 5.0)
+            second.sendall(
+                ps_wire.encode_tensor(ps_wire.MsgType.PUSH, late, key=keys[1], worker=1, clock=0)
+            )
+            closed = closed_by_server(second, within=4.0)
+            raise_internal_errors(server)
+            pending = sorted(server.pending)
+            said = _server_said(server, logged)
+    if pending:
+        fail(
+            "3.7 sync: after clock 0 was re-formed without worker 1 and applied, worker 1 pushed "
+            f"for clock 0, and the server kept that gradient (pending clocks now {pending}): "
+            "apply_push must refuse (ProtocolError) a push for a clock already applied, or the "
+            "gradient lingers in self.pending where no clock will ever take it"
+        )
+    if not closed:
+        fail(
+            "3.7 sync: after clock 0 was re-formed without worker 1 and applied, worker 1 pushed "
+            "for clock 0, and the server neither refused it nor closed the connection (its "
+            f"log: {said}): apply_push must refuse a push for a clock already applied"
+        )
+
+
+@exercise("3.7")
 def test_shared_secret() -> None:
-    proto = protocol_module()
     ps = ps_module()
     with pytest.raises(ValueError, match="secret"):
-        ps.check_server_config(ps.ServerConfig(host="0.0.0.0"))
+        check_server_config(ServerConfig(host="0.0.0.0"))
     secret = os.urandom(16)
     with local_server(secret=secret) as server:
         before = server.snapshot()
         # wrong secret
         with raw_client(server) as sock:
-            _, nonce = proto.expect(sock, proto.MsgType.CHALLENGE, 0)
+            header, nonce = read_answer(sock)
+            assert header.type == ps_wire.MsgType.CHALLENGE, header
             sock.sendall(
-                proto.encode_control(proto.MsgType.AUTH, payload=proto.auth_digest(b"x", nonce))
+                ps_wire.encode_control(
+                    ps_wire.MsgType.AUTH, payload=ps_wire.auth_digest(b"x", nonce)
+                )
             )
             if not closed_by_server(sock, 3.0):
                 fail("3.7: a client with the wrong secret was not disconnected")
         # no AUTH at all: a tensor straight away
         with raw_client(server) as sock:
-            proto.expect(sock, proto.MsgType.CHALLENGE, 0)
+            read_answer(sock)
             sock.sendall(
-                proto.encode_tensor(proto.MsgType.PUSH, torch.ones(24, 10).double(), key=0)
+                ps_wire.encode_tensor(ps_wire.MsgType.PUSH, torch.ones(24, 10).double(), key=0)
             )
             if not closed_by_server(sock, 3.0):
                 fail("3.7: a client that skipped the HMAC answer was not disconnected")

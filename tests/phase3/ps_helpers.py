@@ -7,7 +7,9 @@ reported as that TODO (the scoreboard's "not written yet"), any other failure as
 teacher's remark that includes the servers' logged reasons for closing connections.
 
 The in-process helpers (:func:`local_server`, :func:`raw_client`) drive one ParameterServer on
-127.0.0.1 from the test process itself, for the byte-level checks of malformed input.
+127.0.0.1 from the test process itself, for the byte-level checks of malformed input. The frame
+format and the server's machinery are given (phase3_multi_node/ps_wire.py, ps_server_base.py);
+only the exercise modules come from ``--impl``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from grading import impl, load
 from torch import nn
 
 from course.world import Frame, RankFailed
+from phase3_multi_node import ps_wire
 from phase3_multi_node.ps_launcher import ClusterError, Job, RunResult, train
+from phase3_multi_node.ps_server_base import ServerConfig
 
 PHASE = "phase3_multi_node"
 TOLERANCE = 1e-12
@@ -114,10 +118,10 @@ def make_job(
 ) -> Job:
     server_options = {
         key: extra.pop(key)
-        for key in ("sync_timeout", "pull_timeout", "read_timeout")
+        for key in ("sync_timeout", "pull_timeout", "read_timeout", "handshake_timeout")
         if key in extra
     }
-    config = ps_module().ServerConfig(
+    config = ServerConfig(
         mode=mode,
         staleness=staleness,
         num_workers=workers,
@@ -147,22 +151,22 @@ def pattern_batches(batch_size: int = 32, samples: int = 2048) -> Any:
 
 def run_job(job: Job, what: str, *, restart_killed: bool = False) -> RunResult:
     """Run ``job``; a TODO fails as that TODO, anything else as one remark; all processes gone."""
-    pids: list[int] = []
     try:
         result = train(
             job, time_limit=TIME_LIMIT, restart_killed=restart_killed, on_servers=lambda _: None
         )
-        pids = result.pids
     except ClusterError as err:
-        failure = err.failure
-        if failure is not None and failure.exc_type == "NotImplementedError":
-            path, _, rest = failure.where.partition(":")
-            line, _, function = rest.partition(" in ")
-            frames = [Frame(path, int(line), function)] if line.isdigit() else []
-            raise RankFailed(failure.index, failure.exc_type, failure.message, frames) from None
-        fail(f"3.7 {what}: {err}")
-    assert_all_gone(pids, what)
-    return result
+        error = err
+    else:
+        assert_all_gone(result.pids, what)
+        return result
+    failure = error.failure  # handled outside the except block: no chained traceback shown
+    if failure is not None and failure.exc_type == "NotImplementedError":
+        path, _, rest = failure.where.partition(":")
+        line, _, function = rest.partition(" in ")
+        frames = [Frame(path, int(line), function)] if line.isdigit() else []
+        raise RankFailed(failure.index, failure.exc_type, failure.message, frames)
+    fail(f"3.7 {what}: {error}")
 
 
 def assert_all_gone(pids: list[int], what: str) -> None:
@@ -206,7 +210,7 @@ def local_server(**options: Any) -> Iterator[Any]:
         "pull_timeout": 5.0,
         "start_timeout": 5.0,
     }
-    server = ps.ParameterServer(0, shard_params(), ps.ServerConfig(**{**defaults, **options}))
+    server = ps.ParameterServer(0, shard_params(), ServerConfig(**{**defaults, **options}))
     server.start()
     try:
         yield server
@@ -217,6 +221,18 @@ def local_server(**options: Any) -> Iterator[Any]:
 def raw_client(server: Any) -> socket.socket:
     sock = socket.create_connection(server.address, timeout=5.0)
     return sock
+
+
+def trusting_check(header: ps_wire.Header, max_payload: int) -> None:
+    """The test client's own header check when it reads the server under test: bounded, and
+    independent of the learner's ``check_header`` (which the server itself uses)."""
+    if header.magic != ps_wire.MAGIC or header.length > max(max_payload, 1 << 20):
+        raise ps_wire.ProtocolError(f"unexpected frame from the server: {header}")
+
+
+def read_answer(sock: socket.socket, timeout: float = 5.0) -> tuple[ps_wire.Header, bytes]:
+    """One frame the server sent to a raw test client."""
+    return ps_wire.read_frame(sock, 1 << 20, trusting_check, ps_wire.deadline_in(timeout))
 
 
 def closed_by_server(sock: socket.socket, within: float) -> bool:
