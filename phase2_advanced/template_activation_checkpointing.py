@@ -72,10 +72,10 @@ class CheckpointFunction(torch.autograd.Function):
         # TODO 2.3: remember what the recomputation needs, then run the forward without a graph.
         # Invariant: nothing inside run_function is saved for backward (only the inputs are);
         #   the RNG state saved is the one the forward below starts from.
-        # Hint 1: store torch.get_rng_state() (and torch.cuda.get_rng_state(d) for each CUDA
-        #   device among the inputs) on ctx when preserve_rng_state; keep the tensor inputs with
-        #   ctx.save_for_backward and the rest (positions, non-tensors) as ctx attributes;
-        #   compute under torch.no_grad().
+        # Hint 1: backward will run the same forward again and must draw the same random
+        #   numbers, so it needs the inputs and the RNG state as they are now (CPU, and each
+        #   CUDA device among the inputs); running the forward without recording a graph is
+        #   what saves the memory.
         # More hints: uv run python -m tests.hint 2.3
         # See guidelines.md#23-activation-checkpointing
         raise NotImplementedError(
@@ -89,11 +89,10 @@ class CheckpointFunction(torch.autograd.Function):
         # Invariant: the recomputed forward sees the same inputs, RNG state and autocast state
         #   as the first one, so its outputs (dropout masks included) are bitwise the same; the
         #   caller's RNG stream is left as it was.
-        # Hint 1: rebuild the arguments with each saved tensor detached and given
-        #   requires_grad_(its original requires_grad); inside torch.random.fork_rng restore the
-        #   saved states, re-enter autocast (torch.autocast(device_type, enabled=, dtype=) for
-        #   each entry of ctx.autocast_states) and torch.enable_grad(), call run_function; then
-        #   torch.autograd.backward on the outputs that require grad with their grad_outputs.
+        # Hint 1: rebuild the inputs as fresh leaves (so their .grad is what you return),
+        #   recompute with a graph under the forward's RNG and autocast state, without
+        #   disturbing the caller's RNG stream, then backpropagate the incoming gradients
+        #   through the recomputed outputs.
         # More hints: uv run python -m tests.hint 2.3
         # See guidelines.md#23-activation-checkpointing
         raise NotImplementedError(
@@ -151,9 +150,9 @@ def checkpoint_sequential(
     # Invariant: same result as functions(input); only segment inputs are kept for backward,
     #   plus the activations of the last segment (its backward comes first, so recomputing it
     #   would buy nothing).
-    # Hint 1: segment_size = n // segments; segments start at 0, size, 2*size, ... and the
-    #   last one runs from (segments - 1) * size to the end. _run_layers(functions, a, b) makes
-    #   a function running layers a..b inclusive.
+    # Hint 1: every piece has the same number of layers except the last, which takes what is
+    #   left (the docstring above); _run_layers(functions, a, b) makes a function that runs
+    #   layers a..b inclusive.
     # More hints: uv run python -m tests.hint 2.3
     # See guidelines.md#23-activation-checkpointing
     raise NotImplementedError(

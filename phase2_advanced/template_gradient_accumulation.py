@@ -61,9 +61,9 @@ def accumulate_gradients(
     # Invariant: afterwards p.grad equals the gradient of the mean loss over ALL samples,
     #   also when the last micro-batch is shorter; the return value is that mean loss; the
     #   model runs once per micro-batch, on that micro-batch only.
-    # Hint 1: backward() adds into .grad. A micro-batch with b of the total samples
-    #   contributes (b / total) times its mean loss; dividing by the number of micro-batches
-    #   is only right when all micro-batches have the same size.
+    # Hint 1: backward() adds into .grad. Weight each micro-batch's mean loss so that it
+    #   counts for its share of the samples; dividing by the number of micro-batches is only
+    #   right when all micro-batches have the same size.
     # More hints: uv run python -m tests.hint 2.1
     # See guidelines.md#21-gradient-accumulation
     raise NotImplementedError(
@@ -124,7 +124,8 @@ def ddp_accumulation_step(
     #   last micro-batch's backward), and the update equals one step on the whole batch,
     #   also when the last micro-batch is shorter.
     # Hint 1: DDP all-reduces from hooks that run during backward(); inside no_sync() it only
-    #   accumulates locally. The loss weighting is the same as accumulate_gradients'.
+    #   accumulates locally, and it decides in forward whether the next backward syncs. The
+    #   loss weighting is the same as accumulate_gradients'.
     # More hints: uv run python -m tests.hint 2.1
     # See guidelines.md#21-gradient-accumulation
     raise NotImplementedError(

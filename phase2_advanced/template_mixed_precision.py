@@ -51,13 +51,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class DynamicLossScaler:
     """Scale the loss, unscale the gradients, skip steps that overflowed, adapt the scale.
 
-    Use it like ``torch.amp.GradScaler``::
-
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)      # optional: needed before clipping
-        clip_grad_norm_(...)
-        scaler.step(optimizer)          # skipped if any rank saw inf/NaN
-        scaler.update()
+    The same methods as ``torch.amp.GradScaler`` (``scale``, ``unscale_``, ``step``, ``update``),
+    used in the same order; putting them in that order is ``mixed_precision_step`` below.
 
     ``group`` is the process group whose ranks must agree on skipping a step (all ranks that
     hold a part of the same model); None is the whole world. Without a process group the
@@ -114,10 +109,10 @@ class DynamicLossScaler:
         # Invariant: afterwards grads equal GradScaler's unscaled grads bit for bit, and
         #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient
         #   on any of its ranks has an inf or NaN. Every rank calls the collective, every time.
-        # Hint 1: GradScaler multiplies every gradient by ONE float32 number, 1/scale computed
-        #   in float64 and rounded to float32; dividing each gradient by the scale rounds
-        #   differently. torch.isfinite tells overflow; an all-reduce with MAX of a 0/1 flag over
-        #   self.group makes the ranks agree (when dist.is_initialized()).
+        # Hint 1: GradScaler multiplies every gradient by ONE float32 number computed once from
+        #   the scale (the guide's "arithmetic of S" says how it is rounded); dividing each
+        #   gradient by the scale rounds differently. The ranks of the group agree on "some
+        #   rank overflowed" through one collective on a 0/1 flag.
         # More hints: uv run python -m tests.hint 2.2
         # See guidelines.md#22-mixed-precision
         raise NotImplementedError(
@@ -146,11 +141,9 @@ class DynamicLossScaler:
         # TODO 2.2: the loss scale's state machine.
         # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same
         #   overflow pattern, for any growth and backoff factor (1.3 and 0.7 too).
-        # Hint 1: overflow: scale *= backoff_factor and the clean-step count restarts at 0.
-        #   No overflow: count one more clean step; at growth_interval, scale *= growth_factor
-        #   (only if the result is finite in float32) and the count restarts at 0. GradScaler's
-        #   kernel multiplies the float32 scale by the factor in float64 and rounds the product
-        #   to float32 once; a float32 tensor times a Python float rounds the factor first.
+        # Hint 1: the guide's table "at update()" is the whole machine: an overflow backs off,
+        #   growth_interval clean steps in a row grow. The trap is the rounding: GradScaler's
+        #   kernel multiplies the float32 scale by the factor in float64 and rounds once.
         # More hints: uv run python -m tests.hint 2.2
         # See guidelines.md#22-mixed-precision
         raise NotImplementedError(
@@ -176,15 +169,15 @@ def mixed_precision_step(
     autocast_dtype: torch.dtype | None,
     max_grad_norm: float | None = None,
 ) -> tuple[float, bool]:
-    """One step: forward under autocast, scaled backward, unscale, clip, step, update.
+    """One mixed-precision training step with loss scaling and optional gradient clipping.
 
     Returns (loss, whether the optimizer stepped). ``autocast_dtype=None`` runs in fp32.
     """
     # TODO 2.2: put the pieces together in the right order.
     # Invariant: clipping sees the true gradients (unscaled), an overflowing step changes
     #   neither the weights nor the optimizer state, and the scaler updates once per step.
-    # Hint 1: torch.autocast(device_type=inputs.device.type, dtype=..., enabled=...) around
-    #   the forward and loss only (backward runs outside it); clip between unscale_ and step.
+    # Hint 1: the scaler is used as torch.amp.GradScaler is. Autocast covers the forward and
+    #   the loss only (backward runs outside it); clipping needs the true gradients.
     # More hints: uv run python -m tests.hint 2.2
     # See guidelines.md#22-mixed-precision
     raise NotImplementedError(
@@ -219,8 +212,9 @@ class MasterWeights:
         # Invariant: masters stay fp32 and accumulate updates too small for the model's dtype;
         #   after a real step every model parameter equals its master cast to the model dtype;
         #   after a skipped step nothing changes.
-        # Hint 1: a master's grad is the model grad cast to float32 (None stays None); with a
-        #   scaler, scaler.step(self.optimizer) unscales the masters' grads and may skip.
+        # Hint 1: the optimizer only knows the masters: their gradients come from the model's,
+        #   in fp32 (a missing gradient stays missing); a scaler decides whether the optimizer
+        #   steps at all.
         # More hints: uv run python -m tests.hint 2.2
         # See guidelines.md#22-mixed-precision
         raise NotImplementedError(

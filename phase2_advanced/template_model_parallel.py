@@ -59,7 +59,8 @@ def check_split(num_layers: int, world_size: int) -> None:
 def split_sizes(num_layers: int, world_size: int) -> list[int]:
     """How many consecutive layers each rank holds, as evenly as possible by layer count.
 
-    Sizes differ by at most one; the first ``num_layers % world_size`` ranks take one more.
+    Sizes differ by at most one, and the earlier ranks take the extra layers (7 layers over 3
+    ranks: [3, 2, 2]).
     Counting layers (not parameters or FLOPs) is the naive choice: exercise 2.5 balances stages
     by measured cost instead.
     """
@@ -68,7 +69,8 @@ def split_sizes(num_layers: int, world_size: int) -> list[int]:
     # Invariant: len(result) == world_size, sum(result) == num_layers, every count >= 1 and
     #   max(result) - min(result) <= 1; the EARLIER ranks take the extra layers (7 layers over
     #   3 ranks is [3, 2, 2], not [2, 2, 3]).
-    # Hint 1: divmod gives the base count and how many ranks need one layer more.
+    # Hint 1: every rank gets the same base count; the layers left over go one each to the
+    #   first ranks.
     # More hints: uv run python -m tests.hint 2.4
     # See guidelines.md#24-naive-model-parallelism
     raise NotImplementedError(
@@ -107,9 +109,9 @@ def send_activation(
     # Invariant: the receiver learns dtype and shape from the first message and can allocate
     #   the buffer for the second; the data is sent from contiguous memory and without its
     #   autograd graph; `dst` is a rank within `group`, never mistaken for a global rank.
-    # Hint 1: encode_header(tensor) builds the first message; dist.send sends one tensor.
-    #   dist.send takes the peer either as a global rank (dst=) or as a rank within the group
-    #   (group=group, group_dst=...): here you have the latter.
+    # Hint 1: two messages to the same peer: a fixed-size header (course/tensor_header.py
+    #   makes one from a tensor), then the data. torch's send takes the peer either as a global
+    #   rank or, with the group, as a rank within the group: here you have the latter.
     # More hints: uv run python -m tests.hint 2.4
     # See guidelines.md#24-naive-model-parallelism
     raise NotImplementedError(
@@ -127,8 +129,8 @@ def recv_activation(
     # Invariant: returns a new tensor with the sender's dtype, shape and values, on `device`.
     #   The buffer has exactly the message's size (dtype AND shape from the header): gloo aborts
     #   the process when a message does not fit the buffer posted for it.
-    # Hint 1: empty_header(device) is a buffer for the header; decode_header turns it into a
-    #   TensorMeta (.shape, .dtype).
+    # Hint 1: the header's buffer has a fixed size, so it can always be received first; what it
+    #   says describes the second message (course/tensor_header.py).
     # More hints: uv run python -m tests.hint 2.4
     # See guidelines.md#24-naive-model-parallelism
     raise NotImplementedError(
@@ -203,9 +205,9 @@ class ModelParallelStage(nn.Module):
         #   needs; on every rank but the first, self.stage_input is a leaf that requires grad,
         #   so backward fills its .grad; only the last rank returns a tensor. Peers are ranks
         #   within self.group: self.rank - 1 and self.rank + 1.
-        # Hint 1: a received tensor is a fresh leaf with requires_grad=False: autograd would
-        #   not compute its gradient, and there would be nothing to send back. Call
-        #   .requires_grad_() on it. Send the output on with send_activation (group=self.group).
+        # Hint 1: a received tensor is a fresh leaf that asks for no gradient: autograd would
+        #   not compute its .grad, and there would be nothing to send back. The messages are
+        #   the two functions above, on self.group.
         # More hints: uv run python -m tests.hint 2.4
         # See guidelines.md#24-naive-model-parallelism
         raise NotImplementedError(
@@ -230,10 +232,9 @@ class ModelParallelStage(nn.Module):
         #   for a message that never comes; afterwards self.stage_input and self.stage_output
         #   are None, so the step's activations (and the graph they hold) are freed.
         # Hint 1: the gradient of the output has the output's shape and dtype, which this rank
-        #   already knows: no header is needed on the way back (dist.recv / dist.send with
-        #   group=self.group and group_src= / group_dst=). A first stage without parameters
-        #   (e.g. only Flatten) has an output that does not require grad: receive the gradient
-        #   anyway (the next rank sends it) but skip backward.
+        #   already knows: no header is needed on the way back. A first stage without
+        #   parameters (e.g. only Flatten) has an output that does not require grad: it still
+        #   receives the gradient (the next rank sends it) but has nothing to backpropagate.
         # More hints: uv run python -m tests.hint 2.4
         # See guidelines.md#24-naive-model-parallelism
         raise NotImplementedError(

@@ -36,24 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-Group = dist.ProcessGroup | None
+from phase2_advanced.tensor_parallel_support import Group, last_dim_slice, tp_rank_and_size
 
-
-def tp_rank_and_size(group: Group = None) -> tuple[int, int]:
-    """This rank's index in the tensor-parallel group, and the group's size (no communication)."""
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def last_dim_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's equal slice of ``tensor``'s last dimension (a view)."""
-    size = tensor.shape[-1]
-    if size % world_size:
-        raise ValueError(
-            f"last dimension {size} is not divisible by the tensor-parallel size {world_size}: "
-            "every rank must hold an equal slice"
-        )
-    width = size // world_size
-    return tensor[..., rank * width : (rank + 1) * width]
+__all__ = ["Group", "last_dim_slice", "tp_rank_and_size"]  # given, used by the other modules
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -64,7 +49,8 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         ctx.group = group
         # TODO 2.6: f's forward: pass the replicated activation through unchanged.
         # Invariant: the output has the input's values; no communication in forward.
-        # Hint 1: every rank already holds the whole activation.
+        # Hint 1: every rank already holds the whole activation; autograd still needs a new
+        #   output tensor to attach this Function's backward to.
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
@@ -77,9 +63,8 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         # TODO 2.6: f's backward: sum the gradient over the tensor-parallel group.
         # Invariant: every rank returns the same tensor: the sum of all ranks' grad_output
         #   (each rank's weight slice contributed its own part of dL/dx); one all-reduce.
-        # Hint 1: all-reduce works in place; grad_output may be shared with autograd or not
-        #   contiguous, so reduce a contiguous copy. Return one gradient per forward input
-        #   (None for the group).
+        # Hint 1: all-reduce works in place, and grad_output may be shared with autograd or not
+        #   contiguous. backward returns one gradient per forward input, the group included.
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
@@ -96,7 +81,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         # TODO 2.6: g's forward: sum the partial results of all ranks.
         # Invariant: every rank returns the same tensor, the sum of all ranks' inputs; the
         #   input itself is not modified; one all-reduce.
-        # Hint 1: all-reduce in place on a copy, so the caller's tensor stays intact.
+        # Hint 1: all-reduce works in place: the caller's tensor must stay intact.
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
@@ -126,8 +111,8 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         ctx.group = group
         # TODO 2.6: concatenate every rank's slice along the last dimension, in rank order.
         # Invariant: every rank returns the same tensor, whose last dimension is world_size
-        #   times the input's; rank r's input lands at positions [r*w, (r+1)*w).
-        # Hint 1: dist.all_gather fills a list of equally shaped buffers, one per rank.
+        #   times the input's, holding the ranks' inputs side by side in group-rank order.
+        # Hint 1: torch's all-gather fills a list of equally shaped buffers, one per rank.
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(

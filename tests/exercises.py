@@ -100,6 +100,13 @@ EXERCISES = [
         ("tensor_parallel_ops", "tensor_parallel_layers", "tensor_parallel"),
         "26-tensor-parallelism",
     ),
+    Exercise(
+        "2.7",
+        "context parallelism (ring attention)",
+        "phase2_advanced",
+        ("context_parallel_layout", "context_parallel"),
+        "27-context-parallelism",
+    ),
     # Phase 3 opens with the collectives every later piece uses (3.1-3.3; the alpha-beta cost
     # model belongs to 3.2, where the ring/tree trade-off appears); DDP from scratch, ZeRO, 3D
     # parallelism and the parameter server follow as 3.4, 3.5, 3.6, 3.7.
@@ -151,6 +158,13 @@ EXERCISES = [
         "phase3_multi_node",
         ("ps_sharding", "ps_protocol", "parameter_server"),
         "37-parameter-server",
+    ),
+    Exercise(
+        "3.8",
+        "expert parallelism (MoE all-to-all)",
+        "phase3_multi_node",
+        ("moe_routing", "expert_parallel"),
+        "38-expert-parallelism",
     ),
     # Phase 4 (production): checkpoints, recovery under torchrun, elastic training, compression
     # hooks, monitoring. The capstone (the ImageNet trainer) is a program, not an exercise.

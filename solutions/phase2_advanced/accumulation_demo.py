@@ -29,6 +29,7 @@ from course.models import BabyCNN
 from course.rank_logging import log0
 from course.seeding import seed_everything
 from course.training import LoopConfig, check_global_batch, train_data_parallel
+from solutions.phase2_advanced.demo_support import bound_problems, record_demo
 
 PHASE = "phase2_advanced"
 
@@ -64,29 +65,51 @@ counting_allreduce_hook.__annotations__.update(
 class AccumulationConfig:
     """Flags of the demo; every rank must be given the same values."""
 
-    epochs: int = 3
-    global_batch_size: int = field(
-        default=256, metadata={"help": "samples per optimizer step, over all ranks"}
+    epochs: int = field(
+        default=3, metadata={"bounds": {"ge": 1, "fix": "train for at least one epoch"}}
     )
-    micro_batch_size: int = field(default=32, metadata={"help": "samples per forward/backward"})
-    lr: float = 0.05
-    train_samples: int = 4096
+    global_batch_size: int = field(
+        default=256,
+        metadata={
+            "help": "samples per optimizer step, over all ranks",
+            "bounds": {"ge": 1, "fix": "a multiple of the number of processes, e.g. 256"},
+        },
+    )
+    micro_batch_size: int = field(
+        default=32,
+        metadata={"help": "samples per forward/backward", "bounds": {"ge": 1, "fix": "e.g. 32"}},
+    )
+    lr: float = field(
+        default=0.05,
+        metadata={
+            "fix": "a positive learning rate, e.g. 0.05",
+            "bounds": {"gt": 0, "fix": "a positive learning rate, e.g. 0.05"},
+        },
+    )
+    train_samples: int = field(
+        default=4096, metadata={"bounds": {"ge": 1, "fix": "at least one global batch of samples"}}
+    )
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your phase2_advanced templates"},
+    )
+    record: str = field(
+        default="", metadata={"help": "rank 0 also writes the run to this results file (JSON)"}
     )
 
 
 def validate(config: AccumulationConfig, world_size: int) -> None:
     """Every bad flag at once, naming each: raised before the process group exists."""
-    problems = []
-    for name in ("epochs", "micro_batch_size", "train_samples"):
-        if getattr(config, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} {getattr(config, name)} must be >= 1")
+    problems = bound_problems(config)
     try:
         check_global_batch(config.global_batch_size, world_size)
     except ValueError as err:
         problems.append(f"--global-batch-size: {err}")
+    if config.train_samples < config.global_batch_size:
+        problems.append(
+            f"--train-samples {config.train_samples} is smaller than one global batch "
+            f"({config.global_batch_size}): use more samples or a smaller batch"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -128,10 +151,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         ddp = DistributedDataParallel(BabyCNN().to(info.device))
         ddp.register_comm_hook(counter, counting_allreduce_hook)
-        train_data_parallel(ddp, step, loop, info, wrap_ddp=False)
+        summaries = train_data_parallel(ddp, step, loop, info, wrap_ddp=False)
         log0(
             f"DDP bucket all-reduces: {counter.calls} over {steps} optimizer steps "
             f"({counter.calls / max(steps, 1):.1f} per step; {micro} micro-batches per step)"
+        )
+        record_demo(
+            config.record,
+            summaries,
+            {
+                "bucket_all_reduces": f"{counter.calls} over {steps} optimizer steps",
+                "per_step": f"{counter.calls / max(steps, 1):.1f}",
+                "micro_batches": str(micro),
+            },
         )
     return 0
 

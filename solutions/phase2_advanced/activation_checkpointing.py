@@ -69,14 +69,17 @@ class CheckpointFunction(torch.autograd.Function):
         # TODO 2.3: remember what the recomputation needs, then run the forward without a graph.
         # Invariant: nothing inside run_function is saved for backward (only the inputs are);
         #   the RNG state saved is the one the forward below starts from.
-        # Hint 1: store torch.get_rng_state() (and torch.cuda.get_rng_state(d) for each CUDA
-        #   device among the inputs) on ctx when preserve_rng_state; keep the tensor inputs with
-        #   ctx.save_for_backward and the rest (positions, non-tensors) as ctx attributes;
-        #   compute under torch.no_grad().
-        # Hint 2: on ctx: the CPU RNG state, the CUDA devices of the inputs (_cuda_devices) and
-        #   their RNG states (only when preserve_rng_state); the positions of the tensor
-        #   arguments and a copy of args with those positions blanked out; the tensors through
-        #   save_for_backward. Then the call itself, under no_grad, returned as it is.
+        # Hint 1: backward will run the same forward again and must draw the same random
+        #   numbers, so it needs the inputs and the RNG state as they are now (CPU, and each
+        #   CUDA device among the inputs); running the forward without recording a graph is
+        #   what saves the memory.
+        # Hint 2: on ctx, only when preserve_rng_state: the CPU RNG state, the CUDA devices of
+        #   the inputs (_cuda_devices) and their RNG states. Always: the positions of the tensor
+        #   arguments and a copy of args with those positions blanked out, and the tensors
+        #   themselves through the way autograd Functions save tensors for backward. Then the
+        #   call itself, without grad, returned as it is.
+        # Hint 3: ctx.cpu_rng = torch.get_rng_state(); torch.cuda.get_rng_state(d) per device;
+        #   ctx.save_for_backward(*tensors); with torch.no_grad(): return run_function(*args).
         # See guidelines.md#23-activation-checkpointing
         # >>> solution
         if preserve_rng_state:
@@ -96,15 +99,20 @@ class CheckpointFunction(torch.autograd.Function):
         # Invariant: the recomputed forward sees the same inputs, RNG state and autocast state
         #   as the first one, so its outputs (dropout masks included) are bitwise the same; the
         #   caller's RNG stream is left as it was.
-        # Hint 1: rebuild the arguments with each saved tensor detached and given
-        #   requires_grad_(its original requires_grad); inside torch.random.fork_rng restore the
-        #   saved states, re-enter autocast (torch.autocast(device_type, enabled=, dtype=) for
-        #   each entry of ctx.autocast_states) and torch.enable_grad(), call run_function; then
-        #   torch.autograd.backward on the outputs that require grad with their grad_outputs.
-        # Hint 2: backward returns one entry per forward input: three Nones (run_function,
-        #   preserve_rng_state, anchor), then for each of args the .grad of its detached copy
-        #   (tensors) or None. A detached copy that does not require grad stays cut off from
-        #   the recomputed graph, and everything upstream of it gets zero or no gradient.
+        # Hint 1: rebuild the inputs as fresh leaves (so their .grad is what you return),
+        #   recompute with a graph under the forward's RNG and autocast state, without
+        #   disturbing the caller's RNG stream, then backpropagate the incoming gradients
+        #   through the recomputed outputs.
+        # Hint 2: the arguments rebuilt with each saved tensor detached and asking for a
+        #   gradient exactly when the original did; a forked RNG into which the saved states are
+        #   restored; grad enabled and autocast re-entered (_reentered_autocast); the call; a
+        #   backward of the outputs that require grad with their grad_outputs. Return one entry
+        #   per forward input: three Nones (run_function, preserve_rng_state, anchor), then
+        #   for each of args the .grad of its rebuilt copy (tensors) or None.
+        # Hint 3: saved.detach().requires_grad_(saved.requires_grad); with
+        #   torch.random.fork_rng(devices=..., enabled=ctx.preserve_rng_state):
+        #   torch.set_rng_state(ctx.cpu_rng); with torch.enable_grad(),
+        #   _reentered_autocast(ctx.autocast_states): ...; torch.autograd.backward(outs, grads).
         # See guidelines.md#23-activation-checkpointing
         # >>> solution
         args = list(ctx.non_tensor_args)
@@ -184,12 +192,14 @@ def checkpoint_sequential(
     # Invariant: same result as functions(input); only segment inputs are kept for backward,
     #   plus the activations of the last segment (its backward comes first, so recomputing it
     #   would buy nothing).
-    # Hint 1: segment_size = n // segments; segments start at 0, size, 2*size, ... and the
-    #   last one runs from (segments - 1) * size to the end. _run_layers(functions, a, b) makes
-    #   a function running layers a..b inclusive.
-    # Hint 2: a loop over the first segments - 1 segment starts, each replacing the running
-    #   input by checkpoint() of that segment's layers; after the loop, the last segment's
-    #   layers called directly on the running input. Every layer runs exactly once here.
+    # Hint 1: every piece has the same number of layers except the last, which takes what is
+    #   left (the docstring above); _run_layers(functions, a, b) makes a function that runs
+    #   layers a..b inclusive.
+    # Hint 2: a loop over the first segments - 1 pieces, each replacing the running input by
+    #   checkpoint() of that piece's layers; after the loop, the last piece's layers called
+    #   directly on the running input. Every layer runs exactly once here.
+    # Hint 3: size = n // segments; pieces start at 0, size, 2 * size, ...; the last runs
+    #   from size * (segments - 1) to n - 1.
     # See guidelines.md#23-activation-checkpointing
     # >>> solution
     size = n // segments

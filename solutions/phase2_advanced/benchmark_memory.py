@@ -13,7 +13,9 @@ included). ``--impl templates`` measures your own checkpointing (2.3) and accumu
 from __future__ import annotations
 
 import math
+import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from torch import nn
 from course.cli import parse_config, run_main
 from course.impl import IMPLS, load_impl
 from course.memory import SavedTensorMeter
+from course.results import Table, write_results
 from solutions.phase2_advanced.checkpointing_demo import deep_mlp
 
 PHASE = "phase2_advanced"
@@ -99,26 +102,60 @@ def measure(
     return Row(name, peak, statistics.median(times[1:]), cuda_peak)
 
 
-def format_table(rows: Sequence[Row]) -> str:
+def results_table(rows: Sequence[Row]) -> Table:
+    """One row per run: peak saved bytes and median step time, each also as a ratio to plain."""
     base = rows[0]
-    header = "| run | peak saved for backward MiB | vs plain | median step ms | vs plain |"
-    lines = [header, "|---|---:|---:|---:|---:|"]
-    if base.cuda_peak_bytes is not None:
-        lines[0] += " cuda max allocated MiB | vs plain |"
-        lines[1] += "---:|---:|"
+    columns = ["run", "peak saved for backward MiB", "vs plain", "median step ms", "vs plain"]
+    cuda = base.cuda_peak_bytes is not None
+    if cuda:
+        columns += ["cuda max allocated MiB", "vs plain"]
+    table = Table(columns)
     for row in rows:
-        line = (
-            f"| {row.name} | {row.peak_saved_bytes / 2**20:.2f} | "
-            f"{row.peak_saved_bytes / base.peak_saved_bytes:.2f}x | "
-            f"{1e3 * row.median_seconds:.1f} | {row.median_seconds / base.median_seconds:.2f}x |"
+        cells = [
+            row.name,
+            f"{row.peak_saved_bytes / 2**20:.2f}",
+            f"{row.peak_saved_bytes / base.peak_saved_bytes:.2f}x",
+            f"{1e3 * row.median_seconds:.1f}",
+            f"{row.median_seconds / base.median_seconds:.2f}x",
+        ]
+        if cuda and row.cuda_peak_bytes is not None and base.cuda_peak_bytes:
+            cells += [
+                f"{row.cuda_peak_bytes / 2**20:.1f}",
+                f"{row.cuda_peak_bytes / base.cuda_peak_bytes:.2f}x",
+            ]
+        table.add(*cells)
+    return table
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The table as markdown, as printed."""
+    return results_table(rows).to_markdown()
+
+
+def slug(name: str) -> str:
+    """A row's name as a results key: "checkpoint, 4 segments" -> "checkpoint_4_segments"."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def summary(rows: Sequence[Row]) -> dict[str, str]:
+    """The ratios the guide quotes, per row (``<slug>_saved``, ``<slug>_time``), the segment
+    count with the smallest peak, and whether bf16 autocast was faster or slower than fp32."""
+    base = rows[0]
+    values: dict[str, str] = {}
+    for row in rows:
+        values[f"{slug(row.name)}_saved"] = f"{row.peak_saved_bytes / base.peak_saved_bytes:.2f}x"
+        values[f"{slug(row.name)}_time"] = f"{row.median_seconds / base.median_seconds:.2f}x"
+    checkpoints = [row for row in rows if row.name.startswith("checkpoint")]
+    if checkpoints:
+        best = min(checkpoints, key=lambda row: row.peak_saved_bytes)
+        values["smallest_peak"] = best.name
+    bf16 = next((row for row in rows if row.name == "bf16 autocast"), None)
+    if bf16 is not None:
+        ratio = bf16.median_seconds / base.median_seconds
+        values["bf16_speed"] = (
+            "slower than" if ratio > 1.05 else "faster than" if ratio < 0.95 else "as fast as"
         )
-        if row.cuda_peak_bytes is not None and base.cuda_peak_bytes:
-            line += (
-                f" {row.cuda_peak_bytes / 2**20:.1f} | "
-                f"{row.cuda_peak_bytes / base.cuda_peak_bytes:.2f}x |"
-            )
-        lines.append(line)
-    return "\n".join(lines)
+    return values
 
 
 def run(
@@ -164,13 +201,21 @@ class BenchmarkConfig:
         default="solutions",
         metadata={"choices": IMPLS, "help": "measure the reference or your templates"},
     )
+    record: str = field(
+        default="", metadata={"help": "also write the table to this results file (JSON)"}
+    )
 
 
 def validate(config: BenchmarkConfig) -> None:
     """Every bad flag at once, naming each."""
     problems = [
-        f"--{name} {getattr(config, name)} must be >= {low}"
-        for name, low in (("depth", 2), ("width", 1), ("batch", 4), ("repeats", 1))
+        f"--{name} {getattr(config, name)} must be >= {low} (fix: e.g. --{name} {default})"
+        for name, low, default in (
+            ("depth", 2, 16),
+            ("width", 1, 512),
+            ("batch", 4, 1024),
+            ("repeats", 1, 5),
+        )
         if getattr(config, name) < low
     ]
     if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -184,17 +229,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         validate(config)
     except ValueError as err:
-        print(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if config.device == "cpu":
         torch.set_num_threads(1)
     device = torch.device(config.device)
     rows = run(config.depth, config.width, config.batch, config.repeats, device, config.impl)
-    print(
+    title = (
         f"deep MLP: {config.depth} x (Linear {config.width} + ReLU) + classifier, batch "
         f"{config.batch}, {config.device}, torch {torch.__version__}, {config.impl}"
     )
-    print(format_table(rows))
+    table = results_table(rows)
+    print(title)
+    print(table.to_markdown())
+    if config.record:
+        table.note = title
+        path = write_results(config.record, tables={"memory": table}, values=summary(rows))
+        print(f"recorded {path}")
     return 0
 
 

@@ -28,6 +28,7 @@ from course.memory import SavedTensorMeter
 from course.rank_logging import log0
 from course.seeding import seed_everything
 from course.training import LoopConfig, check_global_batch, train_data_parallel
+from solutions.phase2_advanced.demo_support import bound_problems, record_demo
 
 PHASE = "phase2_advanced"
 
@@ -69,15 +70,34 @@ def peak_saved_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
 class CheckpointingConfig:
     """Flags of the demo; every rank must be given the same values."""
 
-    depth: int = field(default=8, metadata={"help": "Linear+ReLU blocks"})
-    width: int = 256
-    segments: int = field(default=0, metadata={"help": "0: about sqrt(depth)"})
-    global_batch_size: int = 128
-    epochs: int = 3
-    train_samples: int = 4096
+    depth: int = field(
+        default=8,
+        metadata={"help": "Linear+ReLU blocks", "bounds": {"ge": 1, "fix": "e.g. --depth 8"}},
+    )
+    width: int = field(default=256, metadata={"bounds": {"ge": 1, "fix": "e.g. --width 256"}})
+    segments: int = field(
+        default=0,
+        metadata={
+            "help": "0: about sqrt(depth)",
+            "bounds": {"ge": 0, "fix": "0 (about sqrt(depth)) or more"},
+        },
+    )
+    global_batch_size: int = field(
+        default=128,
+        metadata={"bounds": {"ge": 1, "fix": "a multiple of the number of processes, e.g. 128"}},
+    )
+    epochs: int = field(
+        default=3, metadata={"bounds": {"ge": 1, "fix": "train for at least one epoch"}}
+    )
+    train_samples: int = field(
+        default=4096, metadata={"bounds": {"ge": 1, "fix": "at least one global batch of samples"}}
+    )
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your phase2_advanced templates"},
+    )
+    record: str = field(
+        default="", metadata={"help": "rank 0 also writes the run to this results file (JSON)"}
     )
 
 
@@ -88,10 +108,7 @@ def layer_count(config: CheckpointingConfig) -> int:
 
 def validate(config: CheckpointingConfig, world_size: int) -> None:
     """Every bad flag at once, naming each: raised before the process group exists."""
-    problems = []
-    for name in ("depth", "width", "epochs", "train_samples"):
-        if getattr(config, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} {getattr(config, name)} must be >= 1")
+    problems = bound_problems(config)
     layers = layer_count(config)
     if config.depth >= 1 and not 0 <= config.segments <= layers:
         problems.append(
@@ -102,6 +119,11 @@ def validate(config: CheckpointingConfig, world_size: int) -> None:
         check_global_batch(config.global_batch_size, world_size)
     except ValueError as err:
         problems.append(f"--global-batch-size: {err}")
+    if config.train_samples < config.global_batch_size:
+        problems.append(
+            f"--train-samples {config.train_samples} is smaller than one global batch "
+            f"({config.global_batch_size}): use more samples or a smaller batch"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -143,7 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             lr=0.01,
             train_samples=config.train_samples,
         )
-        train_data_parallel(model, step, loop, info)
+        summaries = train_data_parallel(model, step, loop, info)
+        record_demo(
+            config.record,
+            summaries,
+            {
+                "plain_mib": f"{plain / 2**20:.2f} MiB",
+                "checkpointed_mib": f"{checkpointed / 2**20:.2f} MiB",
+                "ratio": f"{checkpointed / plain:.2f}x",
+                "segments": str(segments),
+            },
+        )
     return 0
 
 

@@ -58,12 +58,14 @@ def accumulate_gradients(
     # Invariant: afterwards p.grad equals the gradient of the mean loss over ALL samples,
     #   also when the last micro-batch is shorter; the return value is that mean loss; the
     #   model runs once per micro-batch, on that micro-batch only.
-    # Hint 1: backward() adds into .grad. A micro-batch with b of the total samples
-    #   contributes (b / total) times its mean loss; dividing by the number of micro-batches
-    #   is only right when all micro-batches have the same size.
+    # Hint 1: backward() adds into .grad. Weight each micro-batch's mean loss so that it
+    #   counts for its share of the samples; dividing by the number of micro-batches is only
+    #   right when all micro-batches have the same size.
     # Hint 2: one loop over the micro-batches; each pass is forward, weighted loss, backward,
     #   and adds its weighted loss (as a Python float) to a running sum that is returned.
     #   Nothing is kept from one pass to the next, so only one micro-batch's graph is alive.
+    # Hint 3: weighted = loss_fn(model(x), y) * (len(y) / total); weighted.backward();
+    #   mean_loss += weighted.item().
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     mean_loss = 0.0
@@ -135,10 +137,12 @@ def ddp_accumulation_step(
     #   last micro-batch's backward), and the update equals one step on the whole batch,
     #   also when the last micro-batch is shorter.
     # Hint 1: DDP all-reduces from hooks that run during backward(); inside no_sync() it only
-    #   accumulates locally. The loss weighting is the same as accumulate_gradients'.
+    #   accumulates locally, and it decides in forward whether the next backward syncs. The
+    #   loss weighting is the same as accumulate_gradients'.
     # Hint 2: the loop of accumulate_gradients, with each micro-batch's forward AND backward
-    #   inside a context that is no_sync() for all but the last micro-batch and a do-nothing
-    #   context (contextlib.nullcontext) for the last; one optimizer step after the loop.
+    #   inside a context that turns syncing off for all but the last micro-batch and does
+    #   nothing for the last; one optimizer step after the loop.
+    # Hint 3: context = ddp_model.no_sync() if index < last else contextlib.nullcontext().
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     mean_loss = 0.0

@@ -48,13 +48,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class DynamicLossScaler:
     """Scale the loss, unscale the gradients, skip steps that overflowed, adapt the scale.
 
-    Use it like ``torch.amp.GradScaler``::
-
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)      # optional: needed before clipping
-        clip_grad_norm_(...)
-        scaler.step(optimizer)          # skipped if any rank saw inf/NaN
-        scaler.update()
+    The same methods as ``torch.amp.GradScaler`` (``scale``, ``unscale_``, ``step``, ``update``),
+    used in the same order; putting them in that order is ``mixed_precision_step`` below.
 
     ``group`` is the process group whose ranks must agree on skipping a step (all ranks that
     hold a part of the same model); None is the whole world. Without a process group the
@@ -111,14 +106,18 @@ class DynamicLossScaler:
         # Invariant: afterwards grads equal GradScaler's unscaled grads bit for bit, and
         #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient
         #   on any of its ranks has an inf or NaN. Every rank calls the collective, every time.
-        # Hint 1: GradScaler multiplies every gradient by ONE float32 number, 1/scale computed
-        #   in float64 and rounded to float32; dividing each gradient by the scale rounds
-        #   differently. torch.isfinite tells overflow; an all-reduce with MAX of a 0/1 flag over
-        #   self.group makes the ranks agree (when dist.is_initialized()).
+        # Hint 1: GradScaler multiplies every gradient by ONE float32 number computed once from
+        #   the scale (the guide's "arithmetic of S" says how it is rounded); dividing each
+        #   gradient by the scale rounds differently. The ranks of the group agree on "some
+        #   rank overflowed" through one collective on a 0/1 flag.
         # Hint 2: three parts: the inverse scale, computed once; a loop that multiplies each
         #   gradient in place and folds "this gradient has a non-finite value" into a 0/1 float
-        #   flag; one all-reduce of the flag (MAX, group=self.group), even with no gradients.
-        #   Record the flag as a bool in self._found_inf and set self._unscaled.
+        #   flag; one all-reduce of the flag that keeps the largest value, on the scaler's
+        #   group, even with no gradients (when a process group exists). Record the flag as a
+        #   bool in self._found_inf and set self._unscaled.
+        # Hint 3: inv = self._scale.double().reciprocal().float(); grad.mul_(inv);
+        #   (~torch.isfinite(grad)).any(); dist.all_reduce(flag, op=dist.ReduceOp.MAX,
+        #   group=self.group) when dist.is_initialized().
         # See guidelines.md#22-mixed-precision
         # >>> solution
         device = grads[0].device if grads else torch.device("cpu")
@@ -153,15 +152,17 @@ class DynamicLossScaler:
         # TODO 2.2: the loss scale's state machine.
         # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same
         #   overflow pattern, for any growth and backoff factor (1.3 and 0.7 too).
-        # Hint 1: overflow: scale *= backoff_factor and the clean-step count restarts at 0.
-        #   No overflow: count one more clean step; at growth_interval, scale *= growth_factor
-        #   (only if the result is finite in float32) and the count restarts at 0. GradScaler's
-        #   kernel multiplies the float32 scale by the factor in float64 and rounds the product
-        #   to float32 once; a float32 tensor times a Python float rounds the factor first.
-        # Hint 2: the product as a Python float (float64) from float(self._scale) and the factor,
-        #   rounded to float32 by storing it in a float32 tensor; the finiteness check on that
-        #   rounded value; self._scale and self._growth_tracker updated; then the per-iteration
-        #   state cleared (self._found_inf back to None, self._unscaled back to False).
+        # Hint 1: the guide's table "at update()" is the whole machine: an overflow backs off,
+        #   growth_interval clean steps in a row grow. The trap is the rounding: GradScaler's
+        #   kernel multiplies the float32 scale by the factor in float64 and rounds once.
+        # Hint 2: overflow: back off and restart the clean-step count. No overflow: count one
+        #   more clean step; at growth_interval grow (only if the grown scale is finite in
+        #   float32) and restart the count. Compute each product in float64 and store it in the
+        #   float32 scale tensor. Then clear the per-iteration state (found_inf back to None,
+        #   not unscaled).
+        # Hint 3: self._scale.fill_(float(self._scale) * self.backoff_factor); grown =
+        #   torch.tensor(float(self._scale) * self.growth_factor, dtype=torch.float32), kept
+        #   if torch.isfinite(grown).
         # See guidelines.md#22-mixed-precision
         # >>> solution
         # aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp: float scale * double factor,
@@ -198,19 +199,21 @@ def mixed_precision_step(
     autocast_dtype: torch.dtype | None,
     max_grad_norm: float | None = None,
 ) -> tuple[float, bool]:
-    """One step: forward under autocast, scaled backward, unscale, clip, step, update.
+    """One mixed-precision training step with loss scaling and optional gradient clipping.
 
     Returns (loss, whether the optimizer stepped). ``autocast_dtype=None`` runs in fp32.
     """
     # TODO 2.2: put the pieces together in the right order.
     # Invariant: clipping sees the true gradients (unscaled), an overflowing step changes
     #   neither the weights nor the optimizer state, and the scaler updates once per step.
-    # Hint 1: torch.autocast(device_type=inputs.device.type, dtype=..., enabled=...) around
-    #   the forward and loss only (backward runs outside it); clip between unscale_ and step.
+    # Hint 1: the scaler is used as torch.amp.GradScaler is. Autocast covers the forward and
+    #   the loss only (backward runs outside it); clipping needs the true gradients.
     # Hint 2: the order is: clear the gradients; forward and loss under autocast; backward of
     #   the scaled loss; unscale; clip (only when max_grad_norm is given); the scaler's step;
     #   the scaler's update, every iteration, also after a skipped step. Return the loss as a
     #   float and what the scaler's step returned.
+    # Hint 3: with torch.autocast(device_type=inputs.device.type, dtype=autocast_dtype,
+    #   enabled=autocast_dtype is not None); nn.utils.clip_grad_norm_(model.parameters(), ...).
     # See guidelines.md#22-mixed-precision
     # >>> solution
     optimizer.zero_grad(set_to_none=True)
@@ -253,12 +256,15 @@ class MasterWeights:
         # Invariant: masters stay fp32 and accumulate updates too small for the model's dtype;
         #   after a real step every model parameter equals its master cast to the model dtype;
         #   after a skipped step nothing changes.
-        # Hint 1: a master's grad is the model grad cast to float32 (None stays None); with a
-        #   scaler, scaler.step(self.optimizer) unscales the masters' grads and may skip.
+        # Hint 1: the optimizer only knows the masters: their gradients come from the model's,
+        #   in fp32 (a missing gradient stays missing); a scaler decides whether the optimizer
+        #   steps at all.
         # Hint 2: three pieces of work: each master's grad from its model parameter's grad;
-        #   one step of self.optimizer, through the scaler when there is one (its step says
-        #   whether it stepped); and only if it stepped, each model parameter overwritten in
-        #   place from its master, under torch.no_grad().
+        #   one step of the masters' optimizer, through the scaler when there is one (its step
+        #   says whether it stepped); and only if it stepped, each model parameter overwritten
+        #   in place from its master, without recording autograd.
+        # Hint 3: master.grad = param.grad.detach().float(); scaler.step(self.optimizer);
+        #   with torch.no_grad(): param.copy_(master).
         # See guidelines.md#22-mixed-precision
         # >>> solution
         for param, master in zip(self.model_params, self.master_params, strict=True):

@@ -25,6 +25,7 @@ from course.models import BabyCNN
 from course.rank_logging import log0
 from course.seeding import seed_everything
 from course.training import LoopConfig, check_global_batch, train_data_parallel
+from solutions.phase2_advanced.demo_support import bound_problems, record_demo
 
 PHASE = "phase2_advanced"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,29 +38,52 @@ class PrecisionConfig:
     precision: str = field(
         default="bf16", metadata={"choices": tuple(PRECISIONS), "help": "autocast dtype"}
     )
-    epochs: int = 3
-    global_batch_size: int = 128
-    max_grad_norm: float = field(default=1.0, metadata={"help": "clip at this norm; 0: off"})
-    growth_interval: int = field(default=50, metadata={"help": "fp16: clean steps to grow"})
-    train_samples: int = 4096
+    epochs: int = field(
+        default=3, metadata={"bounds": {"ge": 1, "fix": "train for at least one epoch"}}
+    )
+    global_batch_size: int = field(
+        default=128,
+        metadata={"bounds": {"ge": 1, "fix": "a multiple of the number of processes, e.g. 128"}},
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={
+            "help": "clip at this norm; 0: off",
+            "fix": "0 (off) or a norm > 0",
+            "bounds": {"ge": 0, "fix": "0 (off) or a norm > 0"},
+        },
+    )
+    growth_interval: int = field(
+        default=50,
+        metadata={
+            "help": "fp16: clean steps to grow",
+            "bounds": {"ge": 1, "fix": "e.g. 50 clean steps"},
+        },
+    )
+    train_samples: int = field(
+        default=4096, metadata={"bounds": {"ge": 1, "fix": "at least one global batch of samples"}}
+    )
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your phase2_advanced templates"},
+    )
+    record: str = field(
+        default="", metadata={"help": "rank 0 also writes the run to this results file (JSON)"}
     )
 
 
 def validate(config: PrecisionConfig, world_size: int) -> None:
     """Every bad flag at once, naming each: raised before the process group exists."""
-    problems = []
-    for name in ("epochs", "growth_interval", "train_samples"):
-        if getattr(config, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} {getattr(config, name)} must be >= 1")
-    if config.max_grad_norm < 0:
-        problems.append(f"--max-grad-norm {config.max_grad_norm} must be >= 0 (0: no clipping)")
+    problems = bound_problems(config)
     try:
         check_global_batch(config.global_batch_size, world_size)
     except ValueError as err:
         problems.append(f"--global-batch-size: {err}")
+    if config.train_samples < config.global_batch_size:
+        problems.append(
+            f"--train-samples {config.train_samples} is smaller than one global batch "
+            f"({config.global_batch_size}): use more samples or a smaller batch"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -99,8 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             global_batch_size=config.global_batch_size,
             train_samples=config.train_samples,
         )
-        train_data_parallel(BabyCNN(), step, loop, info)
+        summaries = train_data_parallel(BabyCNN(), step, loop, info)
         log0(f"final loss scale {scaler.get_scale():g}, skipped steps {skipped}")
+        record_demo(
+            config.record,
+            summaries,
+            {"final_scale": f"{scaler.get_scale():g}", "skipped_steps": str(skipped)},
+        )
     return 0
 
 

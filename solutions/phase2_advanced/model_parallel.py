@@ -56,7 +56,8 @@ def check_split(num_layers: int, world_size: int) -> None:
 def split_sizes(num_layers: int, world_size: int) -> list[int]:
     """How many consecutive layers each rank holds, as evenly as possible by layer count.
 
-    Sizes differ by at most one; the first ``num_layers % world_size`` ranks take one more.
+    Sizes differ by at most one, and the earlier ranks take the extra layers (7 layers over 3
+    ranks: [3, 2, 2]).
     Counting layers (not parameters or FLOPs) is the naive choice: exercise 2.5 balances stages
     by measured cost instead.
     """
@@ -65,9 +66,11 @@ def split_sizes(num_layers: int, world_size: int) -> list[int]:
     # Invariant: len(result) == world_size, sum(result) == num_layers, every count >= 1 and
     #   max(result) - min(result) <= 1; the EARLIER ranks take the extra layers (7 layers over
     #   3 ranks is [3, 2, 2], not [2, 2, 3]).
-    # Hint 1: divmod gives the base count and how many ranks need one layer more.
-    # Hint 2: every rank gets the quotient; the first `remainder` ranks get one more. One list
-    #   comprehension over the ranks, comparing the rank with the remainder.
+    # Hint 1: every rank gets the same base count; the layers left over go one each to the
+    #   first ranks.
+    # Hint 2: the base count and the number left over come from one integer division; then
+    #   one list over the ranks, adding one where the rank is among the first ones left over.
+    # Hint 3: base, extra = divmod(num_layers, world_size); base + (1 if rank < extra else 0).
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     base, extra = divmod(num_layers, world_size)
@@ -105,12 +108,14 @@ def send_activation(
     # Invariant: the receiver learns dtype and shape from the first message and can allocate
     #   the buffer for the second; the data is sent from contiguous memory and without its
     #   autograd graph; `dst` is a rank within `group`, never mistaken for a global rank.
-    # Hint 1: encode_header(tensor) builds the first message; dist.send sends one tensor.
-    #   dist.send takes the peer either as a global rank (dst=) or as a rank within the group
-    #   (group=group, group_dst=...): here you have the latter.
+    # Hint 1: two messages to the same peer: a fixed-size header (course/tensor_header.py
+    #   makes one from a tensor), then the data. torch's send takes the peer either as a global
+    #   rank or, with the group, as a rank within the group: here you have the latter.
     # Hint 2: two blocking sends to the same peer, header first. The data message must be a
     #   plain tensor: detach it from the graph and make it contiguous (a transposed or sliced
-    #   activation is not, and dist.send refuses it).
+    #   activation is not, and torch refuses to send it).
+    # Hint 3: dist.send(encode_header(tensor), group=group, group_dst=dst); then the same for
+    #   tensor.detach().contiguous().
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     dist.send(encode_header(tensor), group=group, group_dst=dst)
@@ -127,11 +132,13 @@ def recv_activation(
     # Invariant: returns a new tensor with the sender's dtype, shape and values, on `device`.
     #   The buffer has exactly the message's size (dtype AND shape from the header): gloo aborts
     #   the process when a message does not fit the buffer posted for it.
-    # Hint 1: empty_header(device) is a buffer for the header; decode_header turns it into a
-    #   TensorMeta (.shape, .dtype).
-    # Hint 2: mirror send_activation: receive into the header buffer from the same peer (as a
-    #   rank within the group), decode it, allocate the data buffer it describes on `device`
-    #   (meta.empty does), receive into that, return it.
+    # Hint 1: the header's buffer has a fixed size, so it can always be received first; what it
+    #   says describes the second message (course/tensor_header.py).
+    # Hint 2: mirror send_activation: receive into a header buffer from the same peer (as a
+    #   rank within the group), decode it, allocate the data buffer it describes on `device`,
+    #   receive into that, return it.
+    # Hint 3: header = empty_header(device); dist.recv(header, group=group, group_src=src);
+    #   buffer = decode_header(header).empty(device).
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     header = empty_header(device)
@@ -208,14 +215,16 @@ class ModelParallelStage(nn.Module):
         #   needs; on every rank but the first, self.stage_input is a leaf that requires grad,
         #   so backward fills its .grad; only the last rank returns a tensor. Peers are ranks
         #   within self.group: self.rank - 1 and self.rank + 1.
-        # Hint 1: a received tensor is a fresh leaf with requires_grad=False: autograd would
-        #   not compute its gradient, and there would be nothing to send back. Call
-        #   .requires_grad_() on it. Send the output on with send_activation (group=self.group).
+        # Hint 1: a received tensor is a fresh leaf that asks for no gradient: autograd would
+        #   not compute its .grad, and there would be nothing to send back. The messages are
+        #   the two functions above, on self.group.
         # Hint 2: three cases by position. The first rank computes on the given batch (moved
         #   to self.device); the others receive from the previous rank and mark what they
         #   received as needing a gradient. Everyone runs its layers and saves input and
         #   output on self; the last rank returns its output, the others send it to the next
         #   rank and return None.
+        # Hint 3: recv_activation(self.rank - 1, self.device, group=self.group).requires_grad_();
+        #   send_activation(stage_output, self.rank + 1, group=self.group).
         # See guidelines.md#24-naive-model-parallelism
         # >>> solution
         if self.is_first:
@@ -250,14 +259,16 @@ class ModelParallelStage(nn.Module):
         #   for a message that never comes; afterwards self.stage_input and self.stage_output
         #   are None, so the step's activations (and the graph they hold) are freed.
         # Hint 1: the gradient of the output has the output's shape and dtype, which this rank
-        #   already knows: no header is needed on the way back (dist.recv / dist.send with
-        #   group=self.group and group_src= / group_dst=). A first stage without parameters
-        #   (e.g. only Flatten) has an output that does not require grad: receive the gradient
-        #   anyway (the next rank sends it) but skip backward.
+        #   already knows: no header is needed on the way back. A first stage without
+        #   parameters (e.g. only Flatten) has an output that does not require grad: it still
+        #   receives the gradient (the next rank sends it) but has nothing to backpropagate.
         # Hint 2: the last rank backpropagates the loss; the others receive into a buffer
         #   shaped like their saved output, then backpropagate the output with that gradient
         #   when the output requires grad. Then every rank but the first sends its saved
         #   input's .grad to the previous rank. Finally forget both saved tensors.
+        # Hint 3: torch.empty_like(self.stage_output); dist.recv(..., group=self.group,
+        #   group_src=self.rank + 1); self.stage_output.backward(output_grad);
+        #   dist.send(self.stage_input.grad, group=self.group, group_dst=self.rank - 1).
         # See guidelines.md#24-naive-model-parallelism
         # >>> solution
         if self.is_last:

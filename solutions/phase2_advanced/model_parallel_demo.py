@@ -33,6 +33,7 @@ from course.impl import IMPLS, load_impl
 from course.models import MLP, BabyCNN
 from course.rank_logging import log0
 from course.seeding import seed_everything
+from solutions.phase2_advanced.demo_support import bound_problems
 
 PHASE = "phase2_advanced"
 MODELS = ("mlp", "cnn")
@@ -44,11 +45,19 @@ class DemoConfig:
     """The demo run; every rank must be given the same values."""
 
     model: str = field(default="mlp", metadata={"choices": MODELS})
-    steps: int = 3
-    batch_size: int = 32
-    lr: float = 0.05
+    steps: int = field(default=3, metadata={"bounds": {"ge": 1, "fix": "at least one step"}})
+    batch_size: int = field(
+        default=32, metadata={"bounds": {"ge": 1, "fix": "e.g. --batch-size 32"}}
+    )
+    lr: float = field(
+        default=0.05,
+        metadata={
+            "fix": "a positive learning rate, e.g. 0.05",
+            "bounds": {"gt": 0, "fix": "a positive learning rate, e.g. 0.05"},
+        },
+    )
     dtype: str = field(default="float32", metadata={"choices": tuple(DTYPES)})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"bounds": {"ge": 0, "fix": "a seed >= 0"}})
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your phase2_advanced templates"},
@@ -68,9 +77,7 @@ def validate_config(config: DemoConfig, world_size: int) -> None:
         problems.append(f"--model {config.model!r} is unknown: choose one of {', '.join(MODELS)}")
     if config.dtype not in DTYPES:
         problems.append(f"--dtype {config.dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
-    for name in ("steps", "batch_size"):
-        if getattr(config, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} {getattr(config, name)} must be >= 1")
+    problems += bound_problems(config)
     if config.model in MODELS:
         layers = len(build_model(config.model, PatternSpec()))
         if world_size > layers:

@@ -27,12 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from solutions.phase2_advanced.tensor_parallel_layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    check_divisible,
-)
-from solutions.phase2_advanced.tensor_parallel_ops import Group, tp_rank_and_size
+from phase2_advanced.tensor_parallel_support import Group, check_divisible, tp_rank_and_size
+from solutions.phase2_advanced.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 # ----------------------------------------------------------------------------- the MLP
 
@@ -144,12 +140,15 @@ class ParallelSelfAttention(nn.Module):
         # TODO 2.6: shard the fused QKV projection by heads and the output projection by rows.
         # Invariant: this rank's qkv output holds [q; k; v] of its own heads only; out_proj
         #   takes those heads' outputs (input_is_parallel) and reduces once.
-        # Hint 1: nn.MultiheadAttention keeps q, k, v stacked in in_proj_weight [3E, E] (and
-        #   in_proj_bias); a contiguous slice of its rows would give rank 0 only q's. Use
-        #   ColumnParallelLinear.from_weights with fused_parts=3; out_proj is an nn.Linear.
-        # Hint 2: qkv from the fused in-projection's weight and bias (from_weights, three fused
-        #   parts); out_proj from the dense out_proj, its input already split; both on the
-        #   group; then the class built from them, the number of heads and causal.
+        # Hint 1: nn.MultiheadAttention keeps q, k, v stacked in one [3E, E] in-projection (and
+        #   its bias): a contiguous slice of its rows would give rank 0 only q's. The layers of
+        #   tensor_parallel_layers.py can be built from raw weights, with fused parts.
+        # Hint 2: qkv column-parallel from the fused in-projection's weight and bias (three
+        #   fused parts); out_proj row-parallel from the dense out_proj, its input already
+        #   split; both on the group; then the class built from them, the number of heads and
+        #   causal.
+        # Hint 3: ColumnParallelLinear.from_weights(attention.in_proj_weight,
+        #   attention.in_proj_bias, group, fused_parts=3).
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         qkv = ColumnParallelLinear.from_weights(
@@ -164,13 +163,16 @@ class ParallelSelfAttention(nn.Module):
         # TODO 2.6: attention over this rank's heads, then the row-parallel output projection.
         # Invariant: the result equals the dense attention's output on every rank; the only
         #   communication is qkv's f (backward) and out_proj's g (forward).
-        # Hint 1: qkv(x) is [batch, seq, 3 * local_heads * head_dim], laid out [q; k; v], each
-        #   head-major. Reshape to (batch, seq, 3, local_heads, head_dim), move the 3 and the
-        #   heads in front of seq; F.scaled_dot_product_attention(q, k, v,
-        #   is_causal=self.causal) works per head; put heads back next to each other.
-        # Hint 2: one view of qkv(x) into five dimensions and one permute gives q, k and v,
-        #   each [batch, local heads, seq, head_dim]; one attention call; then the inverse:
-        #   heads back after seq, flattened into the last dimension, into out_proj.
+        # Hint 1: qkv(x) holds, for each position, q, k and v of this rank's heads, one after
+        #   the other, each head-major; torch's scaled_dot_product_attention works per head
+        #   on [batch, heads, seq, head_dim]; out_proj wants this rank's heads side by side.
+        # Hint 2: one view of qkv(x) into five dimensions (batch, seq, the three of q/k/v, local
+        #   heads, head_dim) and one permute gives q, k and v, each [batch, local heads, seq,
+        #   head_dim]; one attention call (causal when self.causal); then the inverse: heads
+        #   back after seq, flattened into the last dimension, into out_proj.
+        # Hint 3: .view(batch, seq, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4);
+        #   F.scaled_dot_product_attention(q, k, v, is_causal=self.causal);
+        #   heads.transpose(1, 2).reshape(batch, seq, -1).
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         batch, seq, _ = x.shape

@@ -30,6 +30,7 @@ from course.distributed import current_info, distributed_session
 from course.impl import IMPLS, load_impl
 from course.rank_logging import log0
 from course.seeding import seed_everything
+from solutions.phase2_advanced.demo_support import bound_problems
 from solutions.phase2_advanced.tensor_parallel_library import library_parallel_mlp, local_grads
 
 PHASE = "phase2_advanced"
@@ -40,16 +41,37 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 class DemoConfig:
     """Sizes of the demo; every rank must be given the same values."""
 
-    hidden: int = 64
-    ffn_hidden: int = field(default=256, metadata={"help": "MLP hidden size (split over ranks)"})
-    heads: int = field(default=8, metadata={"help": "attention heads (split over ranks)"})
-    batch_size: int = 4
-    seq_len: int = 16
+    hidden: int = field(
+        default=64, metadata={"bounds": {"ge": 1, "fix": "a multiple of --heads, e.g. 64"}}
+    )
+    ffn_hidden: int = field(
+        default=256,
+        metadata={
+            "help": "MLP hidden size (split over ranks)",
+            "bounds": {"ge": 1, "fix": "e.g. 256"},
+        },
+    )
+    heads: int = field(
+        default=8,
+        metadata={
+            "help": "attention heads (split over ranks)",
+            "bounds": {"ge": 1, "fix": "e.g. 8"},
+        },
+    )
+    batch_size: int = field(default=4, metadata={"bounds": {"ge": 1, "fix": "e.g. --batch-size 4"}})
+    seq_len: int = field(default=16, metadata={"bounds": {"ge": 1, "fix": "e.g. --seq-len 16"}})
     dtype: str = field(default="float64", metadata={"choices": tuple(DTYPES)})
     causal: bool = field(default=True, metadata={"help": "causal self-attention"})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"bounds": {"ge": 0, "fix": "a seed >= 0"}})
     tp_size: int = field(
-        default=0, metadata={"help": "ranks per tensor-parallel group; 0: the whole world"}
+        default=0,
+        metadata={
+            "help": "ranks per tensor-parallel group; 0: the whole world",
+            "bounds": {
+                "ge": 0,
+                "fix": "0 (the whole world) or a divisor of the number of processes",
+            },
+        },
     )
     impl: str = field(
         default="solutions",
@@ -63,10 +85,7 @@ def tp_size_of(config: DemoConfig, world_size: int) -> int:
 
 def validate_config(config: DemoConfig, world_size: int) -> None:
     """Every size that does not split evenly, each naming its flag, before any process group."""
-    problems = []
-    for name in ("hidden", "ffn_hidden", "heads", "batch_size", "seq_len"):
-        if getattr(config, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} {getattr(config, name)} must be >= 1")
+    problems = bound_problems(config)
     tp = tp_size_of(config, world_size)
     if tp < 1 or world_size % tp:
         sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -78,7 +97,8 @@ def validate_config(config: DemoConfig, world_size: int) -> None:
     if config.heads >= 1 and config.hidden % config.heads:
         problems.append(
             f"--hidden {config.hidden} is not divisible by --heads {config.heads}: every head "
-            "needs the same width"
+            f"needs the same width (try --hidden "
+            f"{max(config.heads, round(config.hidden / config.heads) * config.heads)})"
         )
     if tp >= 1:
         for flag, value in (("--ffn-hidden", config.ffn_hidden), ("--heads", config.heads)):

@@ -7,16 +7,15 @@ across n ranks in two ways, and each needs different communication::
 
       x (replicated) --f--> x W_r^T + b_r = y_r            x_r (sliced) --> x_r W_r^T = p_r
       rank r holds out/n of y's features                   rank r holds a partial sum of all of y
-      gather_output: all-gather y_r -> y                   y = g(sum_r p_r) + b   (bias ONCE, after)
+      gather_output: all-gather y_r -> y                   g sums the p_r: y, on every rank
 
 Column then row, with no communication between them, is Megatron's MLP: the column layer's
 output slice is exactly the row layer's input slice, so the pair costs one all-reduce in forward
 (g) and one in backward (f).
 
-The bias of a row-parallel layer is replicated and added once, after the reduction: added before
-it on every rank, the output would hold n biases; added before it on rank 0 only, the output is
-right but only rank 0's copy of the bias receives a gradient. guidelines.md#26-tensor-parallelism
-works through both.
+The bias of a row-parallel layer is replicated on every rank, and where it enters decides both
+the output (how many biases it holds) and which copies learn: guidelines.md#26-tensor-parallelism
+("The bias") works through the choices.
 
 Both layers are built from a dense ``nn.Linear`` (``from_dense``) so that tests and the demo can
 compare them with it. Every layer works on its tensor-parallel ``group`` (None: the whole world):
@@ -27,35 +26,24 @@ PyTorch's counterparts are ``ColwiseParallel`` / ``RowwiseParallel`` in
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from solutions.phase2_advanced.tensor_parallel_ops import (
+from phase2_advanced.tensor_parallel_support import (
     Group,
+    check_divisible,
+    tp_rank_and_size,
+    uniform_like_linear,
+)
+from solutions.phase2_advanced.tensor_parallel_ops import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
-    tp_rank_and_size,
 )
 
-
-def check_divisible(size: int, what: str, tp_size: int) -> None:
-    """Refuse a split into unequal slices, before any communication, saying how to fix it."""
-    if tp_size < 1:
-        raise ValueError(f"tensor-parallel size {tp_size}: need at least one rank")
-    if size % tp_size:
-        nearest = max(tp_size, round(size / tp_size) * tp_size)
-        divisors = [str(d) for d in range(2, min(size, 16) + 1) if size % d == 0]
-        sizes = f" (e.g. {', '.join(divisors)})" if divisors else ""
-        raise ValueError(
-            f"{what} {size} is not divisible by the tensor-parallel size {tp_size}: every rank "
-            f"must hold an equal slice; make the {what} a multiple of {tp_size} "
-            f"(e.g. {nearest}) or a tensor-parallel size that divides {size}{sizes}"
-        )
+__all__ = ["check_divisible"]  # given, used by tensor_parallel.py and the demo
 
 
 def column_shard(
@@ -73,11 +61,16 @@ def column_shard(
         )
     check_divisible(weight.shape[0] // fused_parts, "output size", world_size)
     # TODO 2.6: take this rank's equal slice of dim 0, from each of the fused_parts blocks.
-    # Invariant: result.shape[0] == weight.shape[0] // world_size; with fused_parts == 1 it
-    #   is rows [rank*w, (rank+1)*w); with parts, it is those rows of every part, in order.
-    # Hint 1: torch.chunk(weight, fused_parts) gives the blocks; slice each, then concatenate.
-    # Hint 2: the width of one rank's slice of one block; from each block, the rows of this
-    #   rank; the pieces concatenated in block order, as a copy (not a view of weight).
+    # Invariant: result.shape[0] == weight.shape[0] // world_size; the ranks' results, put
+    #   side by side in rank order within each part, give back every row of the part.
+    # Hint 1: with fused_parts > 1 the rows are that many stacked matrices, and each of them is
+    #   split among the ranks on its own (the guide's q/k/v picture); with 1 part it is one
+    #   equal slice of the rows per rank.
+    # Hint 2: the width of one rank's slice of one block; the blocks of the weight along its
+    #   first dimension; from each block, the rows of this rank; the pieces concatenated in
+    #   block order, as a copy (not a view of weight).
+    # Hint 3: width = weight.shape[0] // fused_parts // world_size; weight.chunk(fused_parts);
+    #   block[rank * width : (rank + 1) * width]; torch.cat(...).clone().
     # See guidelines.md#26-tensor-parallelism
     # >>> solution
     width = weight.shape[0] // fused_parts // world_size
@@ -90,7 +83,8 @@ def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s columns (input features) of ``weight`` for a row-parallel layer (a copy)."""
     check_divisible(weight.shape[1], "input size", world_size)
     # TODO 2.6: take this rank's equal slice of the weight's input dimension (dim 1).
-    # Invariant: result.shape == (out, in // world_size): columns [rank*w, (rank+1)*w).
+    # Invariant: result.shape == (out, in // world_size); the ranks' results side by side in
+    #   rank order give back the whole weight.
     # Hint 1: the input features of a row-parallel layer are split, and W is [out, in].
     # Hint 2: the same cut as column_shard's with one block, on the second dimension: all
     #   rows, this rank's columns, as a copy.
@@ -99,12 +93,6 @@ def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     width = weight.shape[1] // world_size
     return weight[:, rank * width : (rank + 1) * width].clone()
     # <<< solution
-
-
-def _uniform_like_linear(tensor: torch.Tensor, fan_in: int) -> None:
-    """nn.Linear's default initialisation bound, from the *dense* layer's fan-in."""
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    nn.init.uniform_(tensor, -bound, bound)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -135,9 +123,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
         with torch.no_grad():  # each rank draws its own rows: they are different rows anyway
-            _uniform_like_linear(self.weight, in_features)
+            uniform_like_linear(self.weight, in_features)
             if self.bias is not None:
-                _uniform_like_linear(self.bias, in_features)
+                uniform_like_linear(self.bias, in_features)
 
     @classmethod
     def from_dense(
@@ -188,12 +176,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO 2.6: column-parallel forward: f, this rank's slice of the linear, maybe gather.
-        # Invariant: output == dense output's features [rank*w, (rank+1)*w) (all of them
+        # Invariant: output == this rank's slice of the dense output's features (all of them
         #   with gather_output); in backward, dL/dx is summed over ranks (f does it).
-        # Hint 1: copy_to_tensor_parallel_region is f; F.linear(x, weight, bias) is the local
-        #   product with this rank's bias slice; gather_from_tensor_parallel_region gathers.
+        # Hint 1: the operators of tensor_parallel_ops.py put the communication where it
+        #   belongs; between them, an ordinary linear layer on this rank's weight and bias.
         # Hint 2: three stages, each given self.group: f on the input, the local linear with
         #   this rank's weight and bias, and the gather only when self.gather_output.
+        # Hint 3: F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight,
+        #   self.bias), then gather_from_tensor_parallel_region(..., self.group).
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         local_output = F.linear(
@@ -216,8 +206,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's columns (input features) split across the group's ranks.
 
     The input is this rank's slice of x's features (``input_is_parallel``, e.g. a column-parallel
-    layer's output) or the whole x, which is then sliced here. Each rank computes a partial sum;
-    g all-reduces it; the bias, replicated on every rank, is added once, after the reduction.
+    layer's output) or the whole x, which is then sliced here. Each rank computes a partial sum,
+    g all-reduces it, and the bias is replicated on every rank.
     """
 
     def __init__(
@@ -244,7 +234,7 @@ class RowParallelLinear(nn.Module):
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         )
         with torch.no_grad():
-            _uniform_like_linear(self.weight, in_features)
+            uniform_like_linear(self.weight, in_features)
 
     @classmethod
     def from_dense(
@@ -286,13 +276,14 @@ class RowParallelLinear(nn.Module):
         # TODO 2.6: row-parallel forward: maybe slice x, local product, g, then the bias once.
         # Invariant: output == the dense layer's output on every rank, with exactly one bias;
         #   every rank's bias receives the same (full) gradient; one all-reduce in forward.
-        # Hint 1: scatter_to_tensor_parallel_region slices a replicated x; F.linear without
-        #   the bias gives this rank's partial sum; reduce_from_tensor_parallel_region is g.
-        #   Adding the bias before g would add it once per rank (or, on one rank only, leave
-        #   the other ranks' bias copies without a gradient).
+        # Hint 1: each rank's product is a partial sum of the output, g adds them up, and the
+        #   replicated bias must be counted once: the guide's "The bias: once, after the
+        #   reduction" says where it goes.
         # Hint 2: four stages, each given self.group where it communicates: the scatter only
         #   when the input is not already split; the local linear WITHOUT bias; g; then the
         #   whole bias (when there is one) added to g's output.
+        # Hint 3: scatter_to_tensor_parallel_region(x, self.group);
+        #   reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group) + bias.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         if not self.input_is_parallel:

@@ -246,6 +246,29 @@ def test_the_overflow_flag_stays_inside_the_scalers_group() -> None:
 # ----------------------------------------------------------------------------- the step
 
 
+def update_norm(before: list[torch.Tensor], after: Any) -> float:
+    """How far one step moved the parameters (the norm of the update)."""
+    squares = sum(((p.detach() - b) ** 2).sum() for b, p in zip(before, after, strict=True))
+    return float(squares) ** 0.5
+
+
+def clipping_advice(moved: list[tuple[float, float]]) -> str:
+    """What the earlier steps' update sizes say, when they differ from GradScaler's recipe."""
+    for step, (ours, ref) in enumerate(moved):
+        if ref > 0 and ours < ref / 100:
+            return (
+                f". Step {step} moved the weights {ref / max(ours, 1e-30):.3g}x less than the "
+                "recipe: the clipping saw gradients still multiplied by the scale (unscale_ "
+                "before clip_grad_norm_)"
+            )
+        if ref > 0 and ours > 1.5 * ref:
+            return (
+                f". Step {step} moved the weights {ours / ref:.3g}x more than the recipe: the "
+                "clipping did not limit the unscaled gradients (clip between unscale_ and step)"
+            )
+    return ""
+
+
 @exercise("2.2")
 def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
     precision = precision_module()
@@ -255,7 +278,10 @@ def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
     scaler = precision.DynamicLossScaler(init_scale=2.0**12)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    moved: list[tuple[float, float]] = []  # (ours, reference) size of each step's update
     for step in range(3):
+        before = [p.detach().clone() for p in ours_model.parameters()]
+        ref_before = [p.detach().clone() for p in ref_model.parameters()]
         loss, stepped = precision.mixed_precision_step(
             ours_model, ours_opt, nn.functional.cross_entropy, x, y, scaler, None, 0.05
         )
@@ -266,10 +292,19 @@ def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
         nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
         ref_scaler.step(ref_opt)
         ref_scaler.update()
+        moved.append(
+            (
+                update_norm(before, ours_model.parameters()),
+                update_norm(ref_before, ref_model.parameters()),
+            )
+        )
         if not stepped:
             fail(f"2.2 mixed_precision_step: step {step} has no overflow but reported a skip")
         if loss != pytest.approx(ref_loss.item(), rel=1e-6):
-            fail(f"2.2 mixed_precision_step: step {step} loss {loss}, expected {ref_loss.item()}")
+            fail(
+                f"2.2 mixed_precision_step (init scale 2^12, clipping at 0.05): step {step} loss "
+                f"{loss}, expected {ref_loss.item()}" + clipping_advice(moved[:step])
+            )
     for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
         diff = (p - q).abs().max().item()
         if diff > 1e-6:

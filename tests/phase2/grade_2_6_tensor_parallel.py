@@ -294,6 +294,31 @@ def row_worker() -> dict[bool, dict[str, torch.Tensor | None]]:
 
 
 @exercise("2.6")
+def test_column_shard_takes_this_ranks_rows_of_each_fused_part() -> None:
+    """In process, no world: the rows of a fused [q; k; v] weight each rank holds."""
+    column_shard = tp_layers_module().column_shard
+    weight = torch.arange(24, dtype=F64).view(24, 1)  # 3 parts of 8 rows: row i holds i
+    for n in (2, 4):
+        for rank in range(n):
+            want = qkv_rows(weight, rank, n)
+            got = column_shard(weight, rank, n, fused_parts=3)
+            if got.shape == want.shape and torch.equal(got, want):
+                continue
+            held = [int(v) for v in got.flatten().tolist()] if got.numel() <= 24 else "..."
+            advice = ""
+            if torch.equal(got, rows(weight, rank, n)):
+                advice = (
+                    ": that is a contiguous block of rows, which gives rank 0 only queries; with "
+                    "fused_parts=3 each rank takes its own slice of each of the 3 stacked parts"
+                )
+            fail(
+                f"2.6 column_shard(weight of 24 rows, rank={rank}, world_size={n}, fused_parts=3) "
+                f"should hold rows {[int(v) for v in want.flatten().tolist()]} (this rank's "
+                f"rows of q, then of k, then of v); it holds rows {held}{advice}"
+            )
+
+
+@exercise("2.6")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_row_parallel_linear_equals_the_dense_layer(world_size: int) -> None:
     dense = make_linear(OUT, IN)

@@ -1,0 +1,194 @@
+# Exercise template (made by course/template_maker.py; this copy is yours to edit).
+# Replace every `raise NotImplementedError(...)` with your code; the comments above each
+# one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
+"""Exercise 2.7, part 2: ring attention, forward and backward, as an autograd Function.
+
+Each rank of the context-parallel ``group`` holds the q, k and v of its own positions (its
+chunks, see context_parallel_layout.py). Attention needs every query to meet every key, so the
+key/value blocks travel around the ring: at step s, rank r holds the K/V block that started on
+the rank s places behind it; after cp steps every block has visited every rank, and each rank
+has seen all keys without ever holding more than two K/V blocks (Liu, Zaharia, Abbeel, "Ring
+Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
+
+    step 0          step 1          step 2            at each step, every rank computes its
+    r0: kv0         r0: kv2         r0: kv1           queries against the block it holds and
+    r1: kv1   -->   r1: kv0   -->   r1: kv2           passes that block on to the next rank
+    r2: kv2         r2: kv1         r2: kv0           while it computes
+
+**Merging partial results.** A query's attention over all keys is never computed in one piece:
+each step gives it the output over one block's keys, with that block's log-sum-exp (lse). Two
+such partial results over disjoint key sets combine exactly into the result over both (the
+online softmax of Milakov and Gimelshein, 2018, which FlashAttention and ring attention use):
+:func:`merge_partials`. Written naively the combination overflows; the guide derives the form
+that does not.
+
+**Backward.** The gradient of each block needs the queries' *final* output and lse (saved by
+the forward) and the block's K/V. dQ stays on its rank and sums the contributions of every
+block. dK and dV belong to the block's home rank, but are computed on every rank the block
+visits: they travel around the ring with their block, collecting each rank's share, and the
+sum comes home at the end.
+
+Every function takes the context-parallel ``group`` (None: the world); ranks and sizes are
+``dist.get_rank(group)`` and ``dist.get_world_size(group)``. Blocks come from
+ring_attention_blocks.py (given); which blocks a rank computes comes from your
+``block_kind``; ``zigzag`` says which layout the local tensors are in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phase2_advanced.ring_attention_blocks import (
+    BlockKind,
+    Group,
+    block_attention,
+    block_attention_backward,
+    check_ring_inputs,
+    chunk_count,
+    default_scale,
+    start_ring_pass,
+)
+from phase2_advanced.template_context_parallel_layout import block_kind, chunk_ids
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over key set A (``out_a`` [B, H, L, d], ``lse_a`` [B, H, L]) and over a
+    disjoint key set B into attention over A and B together: ``(out, lse)``, same shapes."""
+    # TODO 2.7: merge two partial attention results over disjoint key sets
+    # Invariant: the result is attention over both key sets at once: lse is the log of the two
+    #   sets' summed exponentials, out the mix of out_a and out_b weighted by each set's share
+    #   of that sum; nothing is exponentiated that can overflow, so it stays finite and exact
+    #   for any finite lse (hundreds, in float32 too); merging (a, b) or (b, a) is the same.
+    # Hint 1: out_a is (sum over A of exp(score) * v) / exp(lse_a). Write the numerator and the
+    #   denominator of the union from the two partial results, then factor out the larger of
+    #   the two exponentials before computing anything (the guide derives it).
+    # More hints: uv run python -m tests.hint 2.7
+    # See guidelines.md#27-context-parallelism
+    raise NotImplementedError(
+        "TODO 2.7: merge two partial attention results over disjoint key sets "
+        "(see phase2_advanced/guidelines.md#27-context-parallelism)"
+    )
+
+
+def ring_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    zigzag: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's attention output (in q's dtype) and lse [B, H, local length], over the keys of
+    every rank of ``group``, by passing K/V blocks around the ring."""
+    # TODO 2.7: the forward ring loop: each local query chunk meets every key chunk once
+    # Invariant: after cp steps, every local query chunk has merged exactly the blocks
+    #   block_kind asks for, from every rank, each computed once; at each step but the last,
+    #   the K/V block this rank holds is passed on (start_ring_pass) BEFORE it computes on it,
+    #   and the next block is waited for only after: cp - 1 passes in all.
+    # Hint 1: at step s this rank holds the block that started on the rank s places behind it
+    #   in the ring (chunk_ids of that rank says which chunks the block holds); the block is
+    #   its local k and v, cut into chunks the same way.
+    # More hints: uv run python -m tests.hint 2.7
+    # See guidelines.md#27-context-parallelism
+    raise NotImplementedError(
+        "TODO 2.7: the forward ring loop: each local query chunk meets every key chunk once "
+        "(see phase2_advanced/guidelines.md#27-context-parallelism)"
+    )
+
+
+def ring_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool,
+    zigzag: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dL/dq, dL/dk, dL/dv of this rank's local q, k, v (in their dtypes), given dL/d``out`` and
+    the forward's ``out`` and ``lse``: K/V blocks go around the ring again, and each block's
+    dK/dV sum travels with it and comes home."""
+    # TODO 2.7: the backward ring loop: dQ stays, dK/dV travel with their block and come home
+    # Invariant: every block is computed with the K/V of the step it belongs to and the saved
+    #   final out and lse of the queries; dq sums every block's share; the dK/dV of a block
+    #   sum the shares of every rank and end on the block's home rank. K/V travel as in the
+    #   forward (cp - 1 passes) and so do the dK/dV sums (cp - 1 passes): the home rank's own
+    #   share never travels, it waits at home for the sum of the others.
+    # Hint 1: at step s the block from the rank s behind visits. Its home rank added its own
+    #   share at step 0 and kept it; the others' shares start as zeros on the next rank (step
+    #   1) and are passed on after each computation, so the pass after the last step lands on
+    #   the block's home rank.
+    # More hints: uv run python -m tests.hint 2.7
+    # See guidelines.md#27-context-parallelism
+    raise NotImplementedError(
+        "TODO 2.7: the backward ring loop: dQ stays, dK/dV travel with their block and come home "
+        "(see phase2_advanced/guidelines.md#27-context-parallelism)"
+    )
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention with a hand-written backward: the forward's ring cannot be differentiated
+    by autograd (its sends and receives are not operations on the graph), so the Function saves
+    q, k, v, the output and the lse, and runs a second ring in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: Group,
+        causal: bool,
+        zigzag: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        out, lse = ring_attention_forward(q, k, v, group, causal=causal, zigzag=zigzag, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (group, causal, zigzag, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, zigzag, scale = ctx.settings
+        dq, dk, dv = ring_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, group,
+            causal=causal, zigzag=zigzag, scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group = None,
+    *,
+    causal: bool = False,
+    zigzag: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Self-attention over the whole sequence, from this rank's local q, k, v [B, H, local, d].
+
+    The local tensors are this rank's chunks of the sequence in the layout ``zigzag`` names
+    (shard them with ``shard_sequence``); the result is this rank's rows of what
+    ``scaled_dot_product_attention(q, k, v, is_causal=causal)`` gives on the whole sequence,
+    and it is differentiable. ``scale`` defaults to 1/sqrt(d).
+    """
+    cp = dist.get_world_size(group)
+    check_ring_inputs(q, k, v, chunk_count(cp, zigzag) // cp)
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    result = RingAttention.apply(q, k, v, group, causal, zigzag, scale)
+    assert isinstance(result, torch.Tensor)
+    return result
