@@ -28,11 +28,18 @@ for path in (ROOT, ROOT / "tests"):  # the project, and tests/ as pytest's pytho
         sys.path.insert(0, str(path))
 
 # exercise id -> module under tests/benches/ with ``GOAL`` (one line) and ``main(argv) -> int``
-BENCHES: dict[str, str] = {}
+BENCHES: dict[str, str] = {
+    "2.5": "bench_2_5_bubble",
+    "2.7": "bench_2_7_zigzag",
+    "3.1": "bench_3_1_ring",
+    "3.4": "bench_3_4_ddp",
+    "3.5": "bench_3_5_zero",
+    "4.4": "bench_4_4_compression",
+}
 
 
 def _load(exercise: str) -> ModuleType:
-    return importlib.import_module(f"tests.benches.{BENCHES[exercise]}")
+    return importlib.import_module(f"benches.{BENCHES[exercise]}")
 
 
 def main(argv: list[str] | None = None) -> int:

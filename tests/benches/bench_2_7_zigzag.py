@@ -26,7 +26,7 @@ from course.impl import load_impl
 from course.world import RankFailed, WorldError, run_world
 from phase2_advanced.ring_attention_blocks import block_attention
 from solutions.phase2_advanced.context_parallel_benchmark import BenchmarkConfig, balance_worker
-from tests.benches import verdict
+from benches import verdict
 
 PHASE = "phase2_advanced"
 TARGET = 1.15
