@@ -109,14 +109,29 @@ def machine_description() -> str:
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command that is running, as a reader would type it (``uv run python -m ...``)."""
+    """The command that is running, as a reader would type it.
+
+    ``uv run python -m <module> <flags>`` for a program that starts its own worlds; under
+    torchrun (``TORCHELASTIC_RUN_ID`` set), ``uv run torchrun --standalone
+    --nproc_per_node=<LOCAL_WORLD_SIZE> -m <module> <flags>``, so a re-run is a world of the
+    same size, not a world of one.
+    """
     argv = list(sys.argv if argv is None else argv)
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name:
-        module = spec.name.removesuffix(".__main__")
-        return "uv run python -m " + " ".join([module, *map(shlex.quote, argv[1:])])
-    return "uv run python " + " ".join(map(shlex.quote, argv))
+        target = ["-m", spec.name.removesuffix(".__main__")]
+    else:
+        target = [argv[0]] if argv else []
+    flags = list(map(shlex.quote, argv[1:]))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+        launcher = ["uv run torchrun --standalone", f"--nproc_per_node={per_node}"]
+        nodes = os.environ.get("GROUP_WORLD_SIZE", "1")
+        if nodes != "1":
+            launcher = [f"uv run torchrun --nnodes={nodes}", f"--nproc_per_node={per_node}"]
+        return " ".join([*launcher, *target, *flags])
+    return " ".join(["uv run python", *target, *flags])
 
 
 def write_results(

@@ -160,13 +160,6 @@ def epoch_stats(result: EpochTotals, accuracy: float, world: int) -> EpochStats:
     )
 
 
-def torchrun_command(world: int) -> str:
-    """The command this process runs under, as a reader would type it (torchrun, ``world``
-    processes), for a results file."""
-    return command_line().replace(
-        "uv run python -m", f"uv run torchrun --standalone --nproc_per_node={world} -m", 1
-    )
-
 
 def record_run(config: TrainConfig, result: TrainResult) -> None:
     """With ``--record PATH``, rank 0 writes the epochs' numbers to a results file
@@ -194,7 +187,7 @@ def record_run(config: TrainConfig, result: TrainResult) -> None:
         "world": str(world),
     }
     path = write_results(
-        config.record, tables={"epochs": table}, values=values, command=torchrun_command(world)
+        config.record, tables={"epochs": table}, values=values, command=command_line()
     )
     print(f"recorded {path}", flush=True)
 

@@ -4,20 +4,22 @@
 """Exercise 4.1: checkpoints that survive crashes, and hold everything a bitwise resume needs.
 
 A checkpoint is only useful if, after any crash, the newest one that *looks* complete *is*
-complete. Three mechanisms give that:
+complete. Three ideas give that:
 
-* **atomic files**: each file is written to a temporary name in the same directory, flushed,
-  ``fsync``-ed, then ``os.replace``-d onto its final name (a rename within one filesystem is
-  atomic in POSIX), and the directory is ``fsync``-ed so the rename itself survives a power loss.
-  A reader sees the old file or the new one, never half of one. ``torch.distributed.checkpoint``
-  does the same in its file system writer (torch/distributed/checkpoint/filesystem.py: it writes
-  ``.tmp`` files and renames ``.metadata`` last).
+* **atomic files**: a reader must only ever see a file's complete old version or its complete new
+  one, whatever moment the writer dies at, power loss included. POSIX gives exactly one
+  operation with that property (a rename within one filesystem); the rest is making sure the
+  bytes are really on the disk before anyone can see them under the final name.
+  ``torch.distributed.checkpoint`` relies on the same property in its file system writer
+  (torch/distributed/checkpoint/filesystem.py).
 * **a manifest written last**: ``manifest.json`` lists every file with its size and sha256. A
   checkpoint directory without one is a save that did not finish (a rank was killed mid-write,
-  the disk filled up); a file whose size or hash disagrees was truncated or corrupted later.
-* **keep the last K, load the newest valid**: on load the directories are tried newest first;
-  one that fails verification is skipped with a log line naming it and the reason, and the next
-  older one is used. Keeping K > 1 is what makes the fallback possible.
+  the disk filled up); a file whose size or hash disagrees was truncated or corrupted later; a
+  manifest that does not read is damaged itself (phase4_production/checkpoint_files.py parses it
+  and says why).
+* **keep the last K, load the newest valid**: a folder that fails verification is passed over
+  with a log line naming it and the reason, and an older one is used. Keeping K > 1 is what
+  makes the fallback possible.
 
 What a bitwise resume needs (Section 4.1 of the guidelines): model, optimizer, LR scheduler, loss
 scaler, step, epoch and the sampler's position, and the RNG states of *every* rank (each rank's
@@ -27,8 +29,6 @@ dropout masks differ), under per-rank keys, as tensors and ints so that
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import sys
@@ -41,32 +41,31 @@ import torch
 import torch.distributed as dist
 
 from phase4_production import rng_state
+from phase4_production.checkpoint_files import (
+    MANIFEST,
+    STEP_PREFIX,
+    FileEntry,
+    ManifestError,
+    Setting,
+    check_settings,
+    fsync_directory,
+    is_step_folder,
+    manifest_json,
+    read_manifest,
+    recover_switches,
+    sha256_file,
+    staging_folder,
+    stale_folders,
+    step_of,
+    switch_in,
+)
 
-MANIFEST = "manifest.json"
-STEP_PREFIX = "step_"
+__all__ = ["MANIFEST", "STEP_PREFIX", "ManifestError", "sha256_file", "step_of"]
 Log = Callable[[str], None]
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """The hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable (POSIX: the directory entry is data too)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
@@ -76,15 +75,16 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     ``f.write(data)``).
     """
     path = Path(path)
-    # TODO 4.1: write to a temporary file in the same directory, make it durable, then rename.
+    # TODO 4.1: write ``path`` atomically: the old file or the new one, never a part of either.
     # Invariant: at every instant `path` is absent, the complete old file or the complete new
-    #   file; a crash leaves at most a stray temporary file, never a partial `path`.
-    # Hint 1: the temporary file must live in path's own directory (a rename is atomic only
-    #   within one filesystem); flush Python's buffer, then os.fsync the descriptor.
+    #   file; a crash leaves at most a stray temporary file, never a partial `path`; a write
+    #   that fails leaves nothing behind.
+    # Hint 1: only a rename is atomic, and only within one filesystem; and bytes a program has
+    #   written may still sit in a buffer or the page cache when the power goes.
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(
-        "TODO 4.1: write to a temporary file in the same directory, make it durable, then rename "
+        "TODO 4.1: write ``path`` atomically: the old file or the new one, never a part of either "
         "(see phase4_production/guidelines.md#41-atomic-complete-checkpoints)"
     )
 
@@ -94,42 +94,46 @@ def atomic_save(obj: object, path: Path) -> None:
     atomic_write(Path(path), lambda f: torch.save(obj, f))
 
 
-def write_manifest(directory: Path, step: int, names: list[str]) -> dict[str, Any]:
-    """Hash ``names`` (files in ``directory``) and write ``manifest.json`` atomically, last."""
+def write_manifest(
+    directory: Path, step: int, names: list[str], settings: Mapping[str, Setting] | None = None
+) -> dict[str, FileEntry]:
+    """Hash ``names`` (files in ``directory``) and write ``manifest.json`` atomically, last.
+
+    ``settings`` (flag or key -> value) are the settings that shaped the state; a run that
+    differs is refused by name before anything is loaded (``CheckpointManager(settings=...)``).
+    """
     files = {
-        name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+        name: FileEntry((directory / name).stat().st_size, sha256_file(directory / name))
         for name in sorted(names)
     }
-    manifest = {"step": step, "files": files}
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    data = manifest_json(step, files, settings or {})
     atomic_write(directory / MANIFEST, lambda f: f.write(data))
-    return manifest
+    return files
 
 
 def verify_checkpoint(directory: Path) -> str | None:
     """None when ``directory`` is a complete, intact checkpoint; else why not, in a few words.
 
-    Reasons look like ``"no manifest.json (the save did not finish)"``, ``"train_state.pt is
-    missing"``, ``"train_state.pt has 100 bytes, the manifest says 2048 (truncated)"``,
-    ``"train_state.pt sha256 differs from the manifest (corrupted)"``.
+    Reasons look like ``"no manifest.json (the save did not finish)"``, ``"manifest.json is
+    malformed: it lists no files"`` (any manifest :func:`read_manifest` refuses, in its words),
+    ``"train_state.pt is missing"``, ``"train_state.pt has 100 bytes, the manifest says 2048
+    (truncated)"``, ``"train_state.pt sha256 differs from the manifest (corrupted)"``.
+    Never raises: whatever the folder holds, the answer is None or a reason.
     """
     directory = Path(directory)
-    # TODO 4.1: check the manifest, then every file it lists: present, right size, right hash.
-    # Invariant: only a directory whose every listed file matches its size and sha256 is valid;
-    #   a missing or unreadable manifest means the save never finished.
-    # Hint 1: the manifest is JSON: {"step": S, "files": {name: {"bytes": n, "sha256": hex}}};
-    #   compare the size first (cheap, and names truncation), then sha256_file.
+    # TODO 4.1: decide whether the folder is exactly what its manifest says, and if not, why.
+    # Invariant: only a folder whose manifest reads and whose every listed file has the listed
+    #   size and sha256 is valid; a folder without a manifest is a save that never finished; a
+    #   damaged manifest makes the folder invalid, it never raises out of here.
+    # Hint 1: the cheapest question first: a manifest that is absent, then one that does not
+    #   read (read_manifest says why, as a ManifestError), then per file the size, which names a
+    #   truncation, and only then the hash, which reads the whole file.
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(
-        "TODO 4.1: check the manifest, then every file it lists: present, right size, right hash "
+        "TODO 4.1: decide whether the folder is exactly what its manifest says, and if not, why "
         "(see phase4_production/guidelines.md#41-atomic-complete-checkpoints)"
     )
-
-
-def step_of(directory: Path) -> int:
-    """``step_00000030`` -> 30."""
-    return int(Path(directory).name.removeprefix(STEP_PREFIX))
 
 
 class CheckpointManager:
@@ -137,27 +141,35 @@ class CheckpointManager:
 
     Only the rank that calls :meth:`save` writes (rank 0 in the trainer); every rank may call
     :meth:`latest_valid` and :meth:`load` (the directory is on a filesystem they share).
+    ``settings`` (flag or key -> value, e.g. ``{"--train-samples": 512}``) are recorded in every
+    manifest this manager writes, and :meth:`load` refuses a checkpoint that recorded others.
     """
 
-    def __init__(self, directory: Path | str, keep: int = 3, *, log: Log = _stderr) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        keep: int = 3,
+        *,
+        log: Log = _stderr,
+        settings: Mapping[str, Setting] | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least the newest checkpoint (keep >= 1)")
         self.directory = Path(directory)
         self.keep = keep
         self.log = log
+        self.settings = dict(settings or {})
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"{STEP_PREFIX}{step:08d}"
 
     def checkpoints(self) -> list[Path]:
-        """Every checkpoint directory, complete or not, oldest first."""
+        """Every checkpoint directory, complete or not, oldest first (after finishing any
+        re-save a crash interrupted: see checkpoint_files.switch_in)."""
         if not self.directory.is_dir():
             return []
-        found = [
-            p
-            for p in self.directory.iterdir()
-            if p.is_dir() and p.name.startswith(STEP_PREFIX) and p.name[5:].isdigit()
-        ]
+        recover_switches(self.directory)
+        found = [p for p in self.directory.iterdir() if is_step_folder(p) and p.is_dir()]
         return sorted(found, key=step_of)
 
     def save(
@@ -169,17 +181,22 @@ class CheckpointManager:
     ) -> Path:
         """Write ``files`` ({name: object for torch.save}) as the checkpoint of ``step``.
 
+        A new step is written in its own folder, manifest last. A step that already has a
+        folder (a run that resumed at its last step saves it again) is written beside it and
+        switched in only once complete, so its previous state stays valid until the new one is.
         ``before_manifest`` runs after the files and before the manifest (failure injection:
         a crash there must leave the previous checkpoint the newest valid one).
         """
         target = self.path_for(step)
-        target.mkdir(parents=True, exist_ok=True)
-        (target / MANIFEST).unlink(missing_ok=True)  # re-saving a step: invalid until done
+        folder = staging_folder(target) if target.exists() else target
+        folder.mkdir(parents=True, exist_ok=True)
         for name, obj in files.items():
-            atomic_save(obj, target / name)
+            atomic_save(obj, folder / name)
         if before_manifest is not None:
             before_manifest()
-        write_manifest(target, step, list(files))
+        write_manifest(folder, step, list(files), self.settings)
+        if folder != target:
+            switch_in(folder, target)
         self.prune(step)
         return target
 
@@ -190,23 +207,31 @@ class CheckpointManager:
         for path in self.checkpoints():
             if path not in kept and step_of(path) <= newest:
                 shutil.rmtree(path, ignore_errors=True)
+        for stale in stale_folders(self.directory):
+            shutil.rmtree(stale, ignore_errors=True)
 
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that verifies; each newer one that does not is logged, skipped."""
-        # TODO 4.1: try the checkpoints newest first; return the first that verifies.
-        # Invariant: a corrupted, truncated or unfinished newest checkpoint is never returned,
-        #   and each one skipped is named in one log line with the reason.
-        # Hint 1: self.checkpoints() is oldest first; verify_checkpoint says why one is bad.
+        # TODO 4.1: find the newest checkpoint that is safe to resume from.
+        # Invariant: a corrupted, truncated, unfinished or malformed newest checkpoint is never
+        #   returned, and each one passed over is named in one log line with its reason; with
+        #   nothing valid left the answer is None.
+        # Hint 1: self.checkpoints() lists the folders oldest first; verify_checkpoint says why
+        #   one cannot be used; self.log writes one line.
         # More hints: uv run python -m tests.hint 4.1
         # See guidelines.md#41-atomic-complete-checkpoints
         raise NotImplementedError(
-            "TODO 4.1: try the checkpoints newest first; return the first that verifies "
+            "TODO 4.1: find the newest checkpoint that is safe to resume from "
             "(see phase4_production/guidelines.md#41-atomic-complete-checkpoints)"
         )
 
-    @staticmethod
-    def load(path: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
-        """``torch.load`` one file of a checkpoint with ``weights_only=True`` (no pickled code)."""
+    def load(self, path: Path, name: str, map_location: str | torch.device = "cpu") -> Any:
+        """``torch.load`` one file of a checkpoint with ``weights_only=True`` (no pickled code).
+
+        Refuses (:class:`SettingsMismatch`, naming each setting) a checkpoint whose manifest
+        records other settings than this manager's, before anything is read from the file.
+        """
+        check_settings(Path(path), self.settings)
         return torch.load(Path(path) / name, map_location=map_location, weights_only=True)
 
 
@@ -225,10 +250,11 @@ def capture_rng(rank: int) -> dict[str, Any]:
     ``torch.load(..., weights_only=True)`` reads it back.
     """
     # TODO 4.1: capture every generator a training step can draw from, under this rank's keys.
-    # Invariant: restore_rng(capture_rng(r), r) puts every generator back exactly, and the
-    #   result holds only tensors, numbers, strings, None and lists of tensors.
-    # Hint 1: four generators: torch's CPU one, CUDA's (one per GPU), NumPy's and Python's;
-    #   rng_state.py converts the last two to tensors and ints.
+    # Invariant: restore_rng(capture_rng(r), r) puts every generator back exactly; the keys of
+    #   two ranks never collide (one file holds every rank's states), and the values are only
+    #   tensors, numbers, strings, None and lists of tensors (weights_only=True reads them).
+    # Hint 1: a training step can draw from four kinds of generator (one of them per GPU);
+    #   rng_state.py turns the two that torch.load would refuse into tensors and ints.
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(
@@ -244,9 +270,10 @@ def restore_rng(states: Mapping[str, Any], rank: int) -> None:
     """
     # TODO 4.1: restore this rank's generators from its own keys (never another rank's).
     # Invariant: after restore_rng, torch, NumPy and Python draw exactly what the saved
-    #   process would have drawn next.
-    # Hint 1: strip the "rank<r>/" prefix from this rank's keys; the rng_state.set_* functions
-    #   take the stripped dictionary.
+    #   process would have drawn next; in a file of 12 ranks' states rank 1 takes rank 1's,
+    #   not rank 10's or 11's; a rank with no states of its own is a KeyError, never a fallback.
+    # Hint 1: this is capture_rng backwards: select this rank's entries, undo the renaming, and
+    #   give each generator its state (rng_state.py has the setters for the converted ones).
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(

@@ -110,10 +110,10 @@ class PowerSGDState:
 def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
     """Whether a rows x cols matrix is worth sending as rank-``rank`` factors (torch's rule)."""
     # TODO 4.4: decide whether the factors are small enough to be worth it.
-    # Invariant: compress exactly when (rows + cols)·rank·min_compression_rate < rows·cols,
-    #   the rule of torch's _should_compress (strictly less).
-    # Hint 1: P has rows·rank numbers and Q cols·rank: compare what the factors cost, times
-    #   the minimum rate, with the matrix itself.
+    # Invariant: the same answer as torch's _should_compress for every rows, cols, rank and
+    #   rate, ties included (compress only when strictly cheaper).
+    # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum
+    #   rate says how much cheaper they must be to be worth the approximation.
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
         "TODO 4.4: decide whether the factors are small enough to be worth it "

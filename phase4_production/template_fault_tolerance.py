@@ -35,7 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from course.training import StepEvent
-from phase4_production.template_checkpoint import CheckpointManager, gather_rng, restore_rng
+from phase4_production.template_checkpoint import (
+    CheckpointManager,
+    gather_rng,
+    restore_rng,
+    step_of,
+)
 
 STATE_FILE = "train_state.pt"
 
@@ -170,9 +175,10 @@ def resume(
     # TODO 4.2: agree on one checkpoint, load it with weights_only=True, restore everything.
     # Invariant: every rank resumes from the same step; after resume the model, optimizer,
     #   scheduler, scaler and this rank's generators are exactly as they were when it was saved.
-    # Hint 1: a one-element int64 tensor (on collective_device(group)) broadcast from group
-    #   rank 0 carries the chosen step; manager.path_for(step) names its directory and
-    #   manager.load(path, STATE_FILE) reads it.
+    # Hint 1: between ranks a number travels only inside a tensor (where the group's backend
+    #   wants it: collective_device); one value can also mean "nothing to resume". The manager
+    #   knows each step's folder and loads a file of it; the checkpoint module names a folder's
+    #   step.
     # More hints: uv run python -m tests.hint 4.2
     # See guidelines.md#42-automatic-recovery
     raise NotImplementedError(

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from course.impl import load_impl
 from course.training import SECTIONS, Callback, StepEvent, TrainingLoop
+from phase4_production.device_peaks import peak_flops_per_second, peak_memory_bytes
 
 PHASE = "phase4_production"
 # per rank, per report: the mean ms of each section, then these
@@ -163,9 +164,7 @@ class TrainingMonitor(Callback):
         if self.timer is None:
             self.timer = self.ex.StepTimer(self.device)
             if self.flops_per_step is not None and self.peak_flops is None:
-                self.peak_flops, self.peak_source = self.ex.peak_flops_per_second(
-                    self.device, self.dtype
-                )
+                self.peak_flops, self.peak_source = peak_flops_per_second(self.device, self.dtype)
         return self.device
 
     # ----------------------------------------------------------------- the loop's hooks
@@ -222,7 +221,7 @@ class TrainingMonitor(Callback):
             1e3 * busy[(len(busy) - 1) // 2] if busy else 0.0,
             samples / total if total > 0 else 0.0,
             mfu,
-            float(self.ex.peak_memory_bytes(self.device or "cpu")),
+            float(peak_memory_bytes(self.device or "cpu")),
         ]
 
     def _gather_rows(self, row: list[float]) -> list[dict[str, Any]]:

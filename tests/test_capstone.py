@@ -37,6 +37,7 @@ from capstone_helpers import (
     final_checkpoint,
     make_imagefolder,
     overrides,
+    slow_machine_limit,
     train_worker,
 )
 from grading import assert_bitwise_equal, world
@@ -473,7 +474,10 @@ def test_the_benchmark_prints_its_tables_on_cpu(capsys: pytest.CaptureFixture[st
     assert rows[0].split(" | ")[2] == "1.00x" and all(row.endswith("% |") for row in rows)
     assert "| pil (224 px crops" in out and "| torchvision (224 px crops" in out
     assert "resnet18 at 32 px, batch 2, fp32" in out and "GFLOP per image" in out
-    assert bench.main(["--steps", "0"]) == 2
+    with pytest.raises(SystemExit) as refused:  # parse_config: one line, before anything runs
+        bench.main(["--steps", "0"])
+    assert refused.value.code == 2
+    assert "--steps 0: must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.torchrun
@@ -484,7 +488,7 @@ def test_sigkill_under_torchrun_resumes_bitwise_equal(
     directory = tmp_path / "ckpt"
     args = overrides(folder, directory, **{"data.workers": 1})
     run = run_torchrun(
-        MODULE, args, nproc_per_node=2, max_restarts=1, time_limit=90,
+        MODULE, args, nproc_per_node=2, max_restarts=1, time_limit=slow_machine_limit(90),
         env={"DTFS_FAIL": "kill:rank=1:step=10"},
     )  # fmt: skip
     what = "capstone under torchrun --max-restarts=1, rank 1 SIGKILLed after step 10"

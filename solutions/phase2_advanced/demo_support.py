@@ -37,12 +37,6 @@ def bound_problems(config: Any) -> list[str]:
     return problems
 
 
-def torchrun_command(world: int) -> str:
-    """The running command as a reader would type it under torchrun with ``world`` processes."""
-    return command_line().replace(
-        "uv run python -m", f"uv run torchrun --standalone --nproc_per_node={world} -m", 1
-    )
-
 
 def epochs_table(summaries: Sequence[EpochSummary]) -> Table:
     """One row per epoch: loss, test accuracy and samples per second, as the demo prints them."""
@@ -76,6 +70,6 @@ def record_demo(
         path,
         tables={"epochs": epochs_table(summaries)},
         values=every,
-        command=torchrun_command(world),
+        command=command_line(),
     )
     print(f"recorded {written}", flush=True)

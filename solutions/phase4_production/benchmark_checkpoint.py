@@ -18,6 +18,7 @@ with ``--steps`` training steps between saves.
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import tempfile
@@ -34,10 +35,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from course.cli import parse_config, run_main
+from course.cli import parse_config, refuse_before_start, run_main
 from course.distributed import distributed_session
 from course.impl import IMPLS, load_impl
 from course.rank_logging import log0
+from course.results import Table, command_line, write_results
+from phase4_production.checkpoint_files import folder_problem, sha256_file
 from solutions.phase4_production.sharded_checkpoint import writer_group
 
 PHASE = "phase4_production"
@@ -45,12 +48,17 @@ PHASE = "phase4_production"
 
 @dataclass
 class BenchConfig:
-    width: int = field(default=4096, metadata={"help": "width of each square Linear"})
-    layers: int = field(default=4, metadata={"help": "Linear layers (4 x 4096^2 fp32 = 268 MB)"})
-    saves: int = 3
-    steps: int = field(default=4, metadata={"help": "training steps between two saves"})
+    width: int = field(default=4096, metadata={"ge": 1, "help": "width of each square Linear"})
+    layers: int = field(
+        default=4, metadata={"ge": 1, "help": "Linear layers (4 x 4096^2 fp32 = 268 MB)"}
+    )
+    saves: int = field(default=3, metadata={"ge": 1, "help": "saves per mode (the median)"})
+    steps: int = field(default=4, metadata={"ge": 1, "help": "training steps between two saves"})
     directory: str = field(default="", metadata={"help": "where to write (default: a temp dir)"})
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
+    record: str = field(
+        default="", metadata={"help": "write the table to this results file (course/results.py)"}
+    )
 
 
 @dataclass
@@ -108,8 +116,70 @@ def measure(
     return Row(name, blocked, time.perf_counter() - started)
 
 
+def validate(config: BenchConfig) -> None:
+    """Refused before any process group: a --directory that cannot hold checkpoints."""
+    if config.directory:
+        problem = folder_problem(config.directory, "--directory")
+        if problem is not None:
+            raise ValueError(problem)
+
+
+GOAL_RATIO = 0.1  # async blocks at most this much of a synchronous dcp.save
+MTBF_HOURS = 24.0  # the Young's-interval example: a day between failures
+
+
+def blocked_table(rows: Sequence[Row]) -> Table:
+    """Each mode's median blocked time per checkpoint, and against dcp.save."""
+    reference = rows[1].median
+    table = Table(["mode", "blocked per checkpoint", "vs dcp.save"])
+    for row in rows:
+        table.add(row.mode, f"{row.median:.3f} s", f"{row.median / reference:.3f}x")
+    return table
+
+
+def young(delta: float, mtbf: float) -> tuple[float, float]:
+    """Young's interval sqrt(2 delta M) (seconds) and the fraction of time it loses,
+    delta / tau + tau / (2 M) (J. W. Young, CACM 1974)."""
+    tau = math.sqrt(2 * delta * mtbf)
+    return tau, delta / tau + tau / (2 * mtbf)
+
+
+def summary_values(rows: Sequence[Row], hashed: float, world: int) -> dict[str, str]:
+    """What the guide quotes from a run: the goal's ratio and verdict, the sha256's share of the
+    atomic save, Young's interval for the synchronous and the asynchronous save."""
+    by = {row.mode: row.median for row in rows}
+    sync, reused = by["dcp.save"], by["dcp.async_save, one stager"]
+    ratio = reused / sync
+    values = {
+        "world": str(world),
+        "atomic_s": f"{by['atomic torch.save + sha256 (rank 0)']:.3f} s",
+        "dcp_s": f"{sync:.3f} s",
+        "async_fresh_ratio": f"{by['dcp.async_save'] / sync:.3f}x",
+        "async_reused_ratio": f"{ratio:.3f}x",
+        "goal": f"{'met' if ratio <= GOAL_RATIO else 'not met'} ({ratio:.3f}x, goal <= "
+        f"{GOAL_RATIO}x of dcp.save)",
+        "sha256_s": f"{hashed:.2f} s",
+    }
+    for name, delta in (("sync", sync), ("async", reused)):
+        tau, lost = young(delta, MTBF_HOURS * 3600)
+        values[f"young_{name}_delta"] = f"{delta:.3f} s"
+        values[f"young_{name}_tau"] = f"{tau / 60:.1f} min"
+        values[f"young_{name}_lost"] = f"{100 * lost:.2f}%"
+    return values
+
+
+def sha256_seconds(folder: Path) -> float:
+    """How long hashing the newest atomic checkpoint's file takes (part of every atomic save)."""
+    newest = sorted(folder.glob("step_*/model.pt"))[-1]
+    t0 = time.perf_counter()
+    sha256_file(newest)
+    return time.perf_counter() - t0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(BenchConfig, argv, __doc__)
+    if (code := refuse_before_start(lambda _world: validate(config))) is not None:
+        return code
     ckpt = load_impl(PHASE, "checkpoint", config.impl)
     with distributed_session() as info:
         model, optimizer = build(config, info.device)
@@ -161,17 +231,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         train(model, optimizer, config.steps)
         step_s = (time.perf_counter() - t0) / config.steps
-        reference = rows[1].median
-        log0(
+        hashed = sha256_seconds(root / "atomic") if info.rank == 0 else 0.0
+        setup = (
             f"model {size_mb:.0f} MB, world {info.world_size}, {config.saves} saves, "
             f"{config.steps} steps of {step_s * 1e3:.0f} ms between saves"
         )
-        log0(f"{'mode':<38} {'blocked/ckpt (median)':>22} {'MB/s':>8} {'vs dcp.save':>12}")
-        for row in rows:
-            log0(
-                f"{row.mode:<38} {row.median:>20.3f} s {size_mb / row.median:>8.0f} "
-                f"{row.median / reference:>11.3f}x"
+        table = blocked_table(rows)
+        log0(setup)
+        log0(table.to_markdown())
+        if config.record and info.rank == 0:
+            values = summary_values(rows, hashed, info.world_size)
+            table.note = setup
+            path = write_results(
+                config.record, tables={"blocked": table}, values=values, command=command_line()
             )
+            log0(f"recorded: {path}")
         dist.barrier()
         if info.rank == 0 and not config.directory:
             shutil.rmtree(root, ignore_errors=True)

@@ -23,6 +23,7 @@ method, the table shows:
 """
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from course.comm_counter import CommCounter, CommRecord
 from course.datasets import PatternSpec, make_pattern_dataset
 from course.impl import IMPLS, load_impl
 from course.models import MLP, BabyCNN
+from course.results import Table, write_results
 from course.training import StepOutput, TrainingLoop, check_global_batch, evaluate
 from course.world import run_world
 
@@ -67,12 +69,15 @@ class BenchmarkConfig:
     )
     hidden: int = field(default=256, metadata={"help": "width of the MLP's two hidden layers"})
     global_batch_size: int = field(default=64, metadata={"help": "samples per step, all ranks"})
-    lr: float = 0.02
-    momentum: float = 0.9
+    lr: float = field(default=0.02, metadata={"gt": 0, "fix": "a positive learning rate"})
+    momentum: float = field(default=0.9, metadata={"ge": 0, "lt": 1})
     train_samples: int = 4096
     test_samples: int = 1024
     start_iter: int = field(default=10, metadata={"help": "plain all-reduce steps first (>= 2)"})
     seed: int = 0
+    record: str = field(
+        default="", metadata={"help": "write the table to this results file (course/results.py)"}
+    )
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference hooks or your templates"},
@@ -220,40 +225,173 @@ def run(config: BenchmarkConfig) -> list[MethodResult]:
     return result
 
 
-def format_table(results: Sequence[MethodResult], config: BenchmarkConfig) -> str:
+def setup_line(results: Sequence[MethodResult], config: BenchmarkConfig) -> str:
     base = next(r for r in results if r.label == "none")
     params = base.payload // 4
     name = "BabyCNN" if config.model == "cnn" else f"MLP 256-{config.hidden}-{config.hidden}-10"
-    lines = [
+    return (
         f"{name} ({params} parameters, fp32), {config.world} ranks (gloo, CPU), torch's DDP "
         f"(default buckets), global batch {config.global_batch_size}, "
         f"{config.epochs} epochs of {config.train_samples} samples, SGD lr {config.lr} momentum "
         f"{config.momentum}; compression from step {config.start_iter}; step time: median "
-        "of the compressed steps (slowest rank)",
-        "",
-        "| method | bytes/step/rank | vs none | on the wire (ring) | step ms | vs none "
-        "| test acc | vs none (points) | last epoch loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        "of the compressed steps (slowest rank)"
+    )
+
+
+def methods_table(results: Sequence[MethodResult]) -> Table:
+    base = next(r for r in results if r.label == "none")
+    table = Table(
+        ["method", "bytes/step/rank", "vs none", "on the wire (ring)", "step ms", "vs none",
+         "test acc", "vs none (points)", "last epoch loss"]
+    )  # fmt: skip
     for r in results:
-        time_ratio = r.step_seconds / base.step_seconds
-        points = 100 * (r.accuracy - base.accuracy)
-        lines.append(
-            f"| {r.label} | {r.payload} | {base.payload / r.payload:.1f}x smaller | "
-            f"{r.wire:.0f} | {1e3 * r.step_seconds:.2f} | {time_ratio:.2f}x "
-            f"| {100 * r.accuracy:.1f}% | {points:+.1f} | {r.loss:.4f} |"
-        )
+        table.add(
+            r.label, r.payload, f"{base.payload / r.payload:.1f}x smaller", f"{r.wire:.0f}",
+            f"{1e3 * r.step_seconds:.2f}", f"{r.step_seconds / base.step_seconds:.2f}x",
+            f"{100 * r.accuracy:.1f}%", f"{100 * (r.accuracy - base.accuracy):+.1f}",
+            f"{r.loss:.4f}",
+        )  # fmt: skip
+    return table
+
+
+def summary_values(results: Sequence[MethodResult]) -> dict[str, str]:
+    """The run's conclusions, computed: the accuracy margin, and the step-time ratios."""
+    base = next(r for r in results if r.label == "none")
+    by = {r.label: r for r in results}
     close = [
-        r for r in results
-        if r.label in ("PowerSGD r=2", "PowerSGD r=4")
-        and 100 * (base.accuracy - r.accuracy) <= MARGIN
+        label for label in ("PowerSGD r=2", "PowerSGD r=4")
+        if 100 * (base.accuracy - by[label].accuracy) <= MARGIN
     ]  # fmt: skip
-    verdict = "holds" if len(close) == 2 else "does NOT hold"
-    lines += [
+    heavy = [by[label].step_seconds / base.step_seconds for label in by if label[0] in "tP"]
+    points = {
+        label: f"{100 * (by[label].accuracy - base.accuracy):+.1f}"
+        for label in ("PowerSGD r=2", "PowerSGD r=4")
+    }
+    return {
+        "margin": "holds" if len(close) == 2 else "does NOT hold",
+        "margin_points": f"{points['PowerSGD r=2']} and {points['PowerSGD r=4']} points",
+        "heavy_step_ratio": f"{min(heavy):.2f}-{max(heavy):.2f}x",
+        "fp16_step_ratio": f"{by['fp16'].step_seconds / base.step_seconds:.2f}x",
+        "none_loss": f"{base.loss:.4f}",
+        "compressed_loss": f"{min(r.loss for r in results if r is not base):.4f}-"
+        f"{max(r.loss for r in results if r is not base):.4f}",
+    }
+
+
+def format_table(results: Sequence[MethodResult], config: BenchmarkConfig) -> str:
+    values = summary_values(results)
+    table = methods_table(results)
+    lines = [
+        setup_line(results, config),
         "",
-        f"Margin: PowerSGD rank >= 2 within {MARGIN:g} accuracy points of none: {verdict}.",
+        table.to_markdown(),
+        "",
+        f"Margin: PowerSGD rank >= 2 within {MARGIN:g} accuracy points of none: "
+        f"{values['margin']}.",
     ]
+    if config.record:
+        table.note = setup_line(results, config)
+        path = write_results(config.record, tables={"methods": table}, values=values)
+        lines.append(f"recorded: {path}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- bytes per step
+# (tests/benches/bench_4_4_compression.py: the learner's hooks against the formulas, in one run
+# with torch's own fp16 hook and with no compression)
+
+BYTES_METHODS: list[tuple[str, str, dict[str, Any]]] = [
+    ("none (torch's all-reduce)", "none", {}),
+    ("torch fp16_compress_hook", "torch-fp16", {}),
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("top-k 1%", "topk", {"topk_ratio": 0.01}),
+    ("PowerSGD r=1", "powersgd", {"powersgd_rank": 1}),
+    ("PowerSGD r=2", "powersgd", {"powersgd_rank": 2}),
+]
+BYTES_START_ITER = 2  # compressed from step 2; the bucket rebuild happens after step 0
+
+
+def formula_bytes(name: str, options: dict[str, Any], buckets: Sequence[Sequence[Any]]) -> int:
+    """What one rank must hand to collectives per step for ``buckets`` (each a list of gradient
+    shapes), by the guide's formulas: 16 bits per element (fp16, bf16), k float32 values + k
+    int64 indices with k = ceil(ratio x bucket elements) (top-k), the factors P (n x r) and Q
+    (m x r) of each matrix worth compressing (torch's rule) plus every other element as it is
+    (PowerSGD), 4 bytes per element (none)."""
+    total = 0
+    for shapes in buckets:
+        numel = sum(math.prod(shape) for shape in shapes)
+        if name in ("fp16", "bf16", "torch-fp16"):
+            total += 2 * numel
+        elif name == "topk":
+            total += 12 * max(1, math.ceil(options["topk_ratio"] * numel))
+        elif name == "powersgd":
+            for shape in shapes:
+                n, m = shape[0], math.prod(shape[1:]) if len(shape) > 1 else 1
+                r = min(n, m, options["powersgd_rank"])
+                total += 4 * ((n + m) * r if (n + m) * r * 2.0 < n * m else n * m)
+        else:
+            total += 4 * numel
+    return total
+
+
+def recording(hook: Any, buckets: list[list[tuple[int, ...]]]) -> Any:
+    """``hook``, noting the shapes of every bucket it is given (torch's DDP wants the second
+    parameter named ``bucket`` and no string annotations)."""
+
+    def hook_noting_buckets(state, bucket):
+        buckets.append([tuple(g.shape) for g in bucket.gradients()])
+        return hook(state, bucket)
+
+    return hook_noting_buckets
+
+
+def bytes_worker(impl: str) -> list[dict[str, Any]]:
+    """Every method of :data:`BYTES_METHODS` on the benchmark's MLP under torch's DDP: the bytes
+    a rank handed to collectives in one compressed step, the buckets' shapes, the formula."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.set_num_threads(1)
+    compression = load_impl(PHASE, "compression", impl)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for label, name, options in BYTES_METHODS:
+        module = make_model(BenchmarkConfig())
+        model = DistributedDataParallel(module)
+        made = (
+            (None, default_hooks.fp16_compress_hook)
+            if name == "torch-fp16"
+            else compression.make_comm_hook(name, start_iter=BYTES_START_ITER, seed=0, **options)
+        )
+        buckets: list[list[tuple[int, ...]]] = []
+        if made is not None:
+            model.register_comm_hook(made[0], recording(made[1], buckets))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        comm = CommCounter()
+        counted = BYTES_START_ITER + 1
+        for step in range(counted + 1):
+            x, y = torch.randn(16, 256, generator=g), torch.randint(0, 10, (16,), generator=g)
+            buckets.clear()
+            with comm if step == counted else contextlib.nullcontext():
+                optimizer.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+        if made is None:  # torch's Reducer all-reduces in C++: the buckets are the gradients
+            shapes = [[tuple(p.shape) for p in module.parameters()]]
+            measured = sum(p.numel() * p.element_size() for p in module.parameters())
+        else:
+            shapes, measured = list(buckets), payload_bytes(comm.records, world_size)
+        rows.append(
+            {
+                "label": label,
+                "name": name,
+                "measured": measured,
+                "formula": formula_bytes(name, options, shapes),
+                "buckets": len(shapes),
+            }
+        )
+    return rows
 
 
 def measure(config: BenchmarkConfig) -> Any:

@@ -47,7 +47,9 @@ from torch import nn
 
 from course.cli import parse_config, run_main
 from course.impl import IMPLS
+from course.results import Table, write_results
 from course.training import AutocastPrecision, Precision, TrainingLoop
+from phase4_production.device_peaks import peak_flops_per_second
 from solutions.phase4_production.imagenet_config import CapstoneConfig
 from solutions.phase4_production.imagenet_data import (
     DeviceLoader,
@@ -68,18 +70,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 @dataclass
 class BenchConfig:
     model: str = field(default="resnet50", metadata={"choices": ("resnet18", "resnet50")})
-    image_size: int = 224
-    batch: int = field(default=256, metadata={"help": "per-GPU batch"})
+    image_size: int = field(default=224, metadata={"ge": 16, "help": "crop size, px"})
+    batch: int = field(default=256, metadata={"ge": 1, "help": "per-GPU batch"})
     precision: str = field(default="bf16", metadata={"choices": tuple(DTYPES)})
-    steps: int = field(default=30, metadata={"help": "timed steps per row"})
-    warmup: int = field(default=5, metadata={"help": "untimed steps first (and compilation)"})
+    steps: int = field(default=30, metadata={"ge": 1, "help": "timed steps per row"})
+    warmup: int = field(
+        default=5, metadata={"ge": 0, "help": "untimed steps first (and compilation)"}
+    )
     compile: bool = field(default=False, metadata={"help": "add a torch.compile row"})
     channels_last: bool = field(default=True, metadata={"help": "the capstone's memory format"})
-    workers: int = field(default=0, metadata={"help": "DataLoader workers (0: every core)"})
-    jpegs: int = field(default=512, metadata={"help": "distinct JPEGs generated"})
-    decode_images: int = field(default=200, metadata={"help": "images per decoder row"})
+    workers: int = field(
+        default=0, metadata={"ge": 0, "help": "DataLoader workers (0: every core)"}
+    )
+    jpegs: int = field(default=512, metadata={"ge": 1, "help": "distinct JPEGs generated"})
+    decode_images: int = field(default=200, metadata={"ge": 1, "help": "images per decoder row"})
     cpu_smoke: bool = field(default=False, metadata={"help": "tiny config (default w/o CUDA)"})
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
+    record: str = field(
+        default="", metadata={"help": "write the tables to this results file (course/results.py)"}
+    )
 
 
 # ResNet-18 at 32 px in fp32 and NCHW: on CPUs without AMX bf16 autocast is slower than fp32,
@@ -310,19 +319,7 @@ def flops_per_image(model: nn.Module, config: BenchConfig, device: torch.device)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """The device's peak (4.5's datasheet table when monitoring.py exists, else measured)."""
-    try:
-        from solutions.phase4_production.monitoring import peak_flops_per_second
-    except ImportError:
-        a = torch.randn(1024, 1024, device=device, dtype=dtype)
-        best = float("inf")
-        for _ in range(4):
-            sync(device)
-            t0 = time.perf_counter()
-            a @ a
-            sync(device)
-            best = min(best, time.perf_counter() - t0)
-        return 2 * 1024**3 / best, "measured 1024^2 matmul"
+    """The device's peak: 4.5's datasheet table, or measured (phase4_production/device_peaks.py)."""
     return peak_flops_per_second(device, dtype)
 
 
@@ -401,36 +398,56 @@ def run(config: BenchConfig, device: torch.device) -> tuple[list[Row], dict[str,
     return rows, facts
 
 
-def format_tables(rows: list[Row], facts: dict[str, Any], config: BenchConfig) -> str:
+P5_CORES = 96  # an AWS p5.48xlarge: 96 physical cores (192 vCPUs) for 8 H100s
+
+
+def run_table(rows: list[Row], facts: dict[str, Any]) -> Table:
     reference = rows[0].images_per_second
     flops = facts["flops_per_image"]
-    lines = [
-        "| run | images/s | vs reference | step ms | data ms | forward ms | backward ms "
-        "| optimizer ms | MFU |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    table = Table(["run", "images/s", "vs reference", "step ms", "data ms", "forward ms",
+                   "backward ms", "optimizer ms", "MFU"])  # fmt: skip
     for row in rows:
         ms = {k: f"{v * 1e3:.1f}" for k, v in row.sections.items()}
         mfu = row.images_per_second * flops / facts["peak"]
-        lines.append(
-            f"| {row.name} | {row.images_per_second:,.1f} | "
-            f"{row.images_per_second / reference:.2f}x | {row.median * 1e3:.1f} | "
-            f"{ms.get('data', '-')} | {ms.get('forward', '-')} | {ms.get('backward', '-')} | "
-            f"{ms.get('optimizer', '-')} | {100 * mfu:.1f}% |"
-        )
+        table.add(
+            row.name, f"{row.images_per_second:,.1f}", f"{row.images_per_second / reference:.2f}x",
+            f"{row.median * 1e3:.1f}", ms.get("data", "-"), ms.get("forward", "-"),
+            ms.get("backward", "-"), ms.get("optimizer", "-"), f"{100 * mfu:.1f}%",
+        )  # fmt: skip
+    return table
+
+
+def decode_table(rows: list[Row], facts: dict[str, Any]) -> Table:
     best = rows[1].images_per_second  # the capstone, synthetic
-    lines += [
-        "",
-        "| decoder (decode + RandomResizedCrop + flip, 1 core) | images/s/core "
-        "| cores per GPU at the synthetic rate | cores per GPU at the H100 goal |",
-        "| --- | ---: | ---: | ---: |",
-    ]
+    table = Table(["decoder (decode + RandomResizedCrop + flip, 1 core)", "images/s/core",
+                   "cores per GPU at the synthetic rate", "cores per GPU at the H100 goal",
+                   "cores for 8 H100s"])  # fmt: skip
     for name, rate in facts["decode"].items():
-        lines.append(
-            f"| {name} ({DECODE_CROP} px crops of 500x375 JPEGs) | {rate:,.1f} | "
-            f"{best / rate:.2f} | {GOAL / rate:.1f} |"
-        )
-    return "\n".join(lines)
+        table.add(
+            f"{name} ({DECODE_CROP} px crops of 500x375 JPEGs)", f"{rate:,.1f}",
+            f"{best / rate:.2f}", f"{GOAL / rate:.1f}", f"{8 * GOAL / rate:.0f}",
+        )  # fmt: skip
+    return table
+
+
+def summary_values(rows: list[Row], facts: dict[str, Any]) -> dict[str, str]:
+    """The run's conclusions, computed: the capstone's step against the reference's, each
+    decoder's cores per GPU at the goal and whether 8 GPUs' worth fits in a p5's cores."""
+    values = {
+        "capstone_vs_reference": f"{rows[1].images_per_second / rows[0].images_per_second:.2f}x",
+        "gflop_per_image": f"{facts['flops_per_image'] / 1e9:.2f}",
+    }
+    for name, rate in facts["decode"].items():
+        cores = 8 * GOAL / rate
+        values[f"{name}_per_core"] = f"{rate:,.0f} images/s"
+        values[f"{name}_cores_per_gpu"] = f"{GOAL / rate:.1f}"
+        fits = "fits in" if cores <= P5_CORES else "exceeds"
+        values[f"{name}_p5"] = f"{cores:.0f} cores for 8 GPUs: {fits} a p5's {P5_CORES}"
+    return values
+
+
+def format_tables(rows: list[Row], facts: dict[str, Any], config: BenchConfig) -> str:
+    return f"{run_table(rows, facts).to_markdown()}\n\n{decode_table(rows, facts).to_markdown()}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -441,9 +458,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if getattr(config, key) == getattr(BenchConfig(), key):
                 setattr(config, key, value)
         config.cpu_smoke = True
-    if min(config.steps, config.batch, config.jpegs, config.decode_images) < 1:
-        print("error: --steps, --batch, --jpegs and --decode-images must be at least 1")
-        return 2
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     name = (
@@ -459,6 +473,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{facts['peak'] / 1e12:.2f} TFLOP/s ({facts['peak_source']})\n"
     )
     print(format_tables(rows, facts, config))
+    if config.record:
+        setup = (
+            f"{config.model} at {config.image_size} px, batch {config.batch}, {config.precision}, "
+            f"on {name}; {config.steps} timed steps after {config.warmup} warm-up"
+        )
+        run_rows, decode_rows = run_table(rows, facts), decode_table(rows, facts)
+        run_rows.note = setup
+        path = write_results(
+            config.record,
+            tables={"run": run_rows, "decode": decode_rows},
+            values=summary_values(rows, facts),
+        )
+        print(f"recorded: {path}")
     synthetic = rows[1].images_per_second
     if device.type == "cuda":
         verdict = "met" if synthetic >= GOAL else "NOT met"

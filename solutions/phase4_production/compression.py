@@ -61,10 +61,13 @@ def cast_compress_hook(
     # Hint 1: dividing before the sum keeps fp16 from overflowing (65504 is its largest
     #   value); the order cast -> divide matters for the last bit when the world is not a
     #   power of two.
-    # Hint 2: compressed = the buffer converted to dtype (a new tensor), divided in place by
-    #   the group size; start an async all-reduce of it on group; return the work's future
-    #   chained with .then(a function that copies the reduced value, fut.value()[0], back
-    #   into the buffer and returns the buffer). The callback communicates nothing.
+    # Hint 2: a 16-bit copy of the buffer, divided by the group size; an all-reduce of that
+    #   copy that runs while backward goes on; a future that, once the sum is there, copies it
+    #   back into the buffer and yields the buffer. What runs when the sum arrives only
+    #   computes: it starts no collective.
+    # Hint 3: buffer.to(dtype).div_(world); dist.all_reduce(..., group=group,
+    #   async_op=True).get_future().then(fn), where fn(done) copies done.value()[0] into the
+    #   buffer and returns it.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     buffer = bucket.buffer()

@@ -107,10 +107,10 @@ class PowerSGDState:
 def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
     """Whether a rows x cols matrix is worth sending as rank-``rank`` factors (torch's rule)."""
     # TODO 4.4: decide whether the factors are small enough to be worth it.
-    # Invariant: compress exactly when (rows + cols)·rank·min_compression_rate < rows·cols,
-    #   the rule of torch's _should_compress (strictly less).
-    # Hint 1: P has rows·rank numbers and Q cols·rank: compare what the factors cost, times
-    #   the minimum rate, with the matrix itself.
+    # Invariant: the same answer as torch's _should_compress for every rows, cols, rank and
+    #   rate, ties included (compress only when strictly cheaper).
+    # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum
+    #   rate says how much cheaper they must be to be worth the approximation.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     return (rows + cols) * rank * min_compression_rate < rows * cols
@@ -128,10 +128,11 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
     #   columns span what the first j columns spanned before.
     # Hint 1: one column at a time, left to right: normalize it, then subtract its component
     #   from the columns to its right (they are orthogonalized later).
-    # Hint 2: for each column, left to right: divide it in place by its norm
-    #   (torch.linalg.vector_norm over the rows, keepdim; + epsilon when it is not 0); then
-    #   from all later columns at once subtract (their dot products with it) x it: the dot
-    #   products are a sum over dim 0 of an element-wise product. Work on views, in place.
+    # Hint 2: for each column, left to right: scale it to unit length (epsilon added to the
+    #   length only when it is not 0), then remove from every later column its projection on
+    #   this one (all later columns at once). Work on views of the matrix, in place.
+    # Hint 3: col = matrix[:, i : i + 1]; torch.linalg.vector_norm(col, dim=0, keepdim=True);
+    #   rest = matrix[:, i + 1 :]; rest -= torch.sum(col * rest, dim=0, keepdim=True) * col.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     columns = matrix.shape[1]
@@ -179,11 +180,15 @@ def low_rank_average(
     # Hint 1: keep P and Q in state.p_memory[index] / state.q_memory[index] (flat, allocated
     #   when missing or when not warm-starting) and work on factor_views of them, so that one
     #   all-reduce sends every matrix's P (then every Q).
-    # Hint 2: warm = state.warm_start and index in state.q_memory; if not warm allocate both
-    #   memories (new_empty of the total sizes) and fill_random the Q views; orthogonalize
-    #   every Q (warm or not); P = M @ Q into each P view; all-reduce the P memory (no division:
-    #   it is orthogonalized next); orthogonalize every P; Q = Mᵀ @ P into each Q view;
-    #   all-reduce the Q memory and divide it by the world; M = P @ Qᵀ into each matrix.
+    # Hint 2: Q is this bucket's kept one when warm-starting and one exists, otherwise fresh
+    #   random memories for both factors; orthogonalize every Q; each P from its matrix and Q;
+    #   one all-reduce of all P's (no division: normalized next); orthogonalize every P; each
+    #   Q from its matrix transposed and P; one all-reduce of all Q's, then the average; each
+    #   matrix becomes its P times its Q transposed.
+    # Hint 3: warm = state.warm_start and index in state.q_memory; first.new_empty(total);
+    #   state.fill_random(q_views); torch.bmm(m.unsqueeze(0), q.unsqueeze(0),
+    #   out=p.unsqueeze(0)) (torch's kernels: `@` differs in the last bit, within tolerance);
+    #   dist.all_reduce(state.p_memory[index], group=group); state.q_memory[index].div_(world).
     # See guidelines.md#44-gradient-compression
     # >>> solution
     eps = state.orthogonalization_epsilon

@@ -92,9 +92,12 @@ def sparsify(state: TopKState, bucket: dist.GradBucket) -> tuple[torch.Tensor, t
     #   this bucket's elements, not the model's.
     # Hint 1: state.error_of(bucket) gives the old error; torch.topk on the absolute values
     #   gives the indices; values must keep their sign.
-    # Hint 2: total = buffer + old error (a new tensor); k from topk_count with this bucket's
-    #   numel; indices from topk of total.abs(); values = total at those indices; the new error
-    #   is a copy of total with those entries zeroed, stored in state.errors[bucket.index()].
+    # Hint 2: first the sum of this step's gradient and what was held back before (a new
+    #   tensor: the bucket stays as it is); then how many entries this bucket sends, and which
+    #   (largest magnitude); their signed values are what is sent; what is held back now is
+    #   that sum with the sent entries zeroed, kept for this bucket's next step.
+    # Hint 3: total = bucket.buffer() + state.error_of(bucket); topk_count(total.numel(),
+    #   state.ratio); torch.topk(total.abs(), k).indices; state.errors[bucket.index()].
     # See guidelines.md#44-gradient-compression
     # >>> solution
     total = bucket.buffer() + state.error_of(bucket)
@@ -122,9 +125,13 @@ def average_sparse(
     #   with the same bits on every rank; a rank sends its k values and k indices once.
     # Hint 1: an all-reduce cannot sum sparse vectors: gather the pairs (dist.all_gather or
     #   dist.all_gather_into_tensor, on group) and build the dense sum on every rank.
-    # Hint 2: gather values into a [world, k] tensor and indices into another; zero out; for
-    #   each rank in order add its values at its indices (an index can come from several
-    #   ranks, never twice from one); divide by the group size once, at the end.
+    # Hint 2: every rank's values and indices gathered on every rank (two gathers); out
+    #   cleared; each rank's values added at its indices, rank after rank in the same order
+    #   everywhere (an index may come from several ranks, never twice from one); one division
+    #   by the group size at the end.
+    # Hint 3: dist.all_gather_into_tensor(a flat tensor of world x k, values, group=group)
+    #   (the same for indices); out.zero_(); for each rank's row: out[its indices] += its
+    #   values; out.div_(world).
     # See guidelines.md#44-gradient-compression
     # >>> solution
     world = dist.get_world_size(group)

@@ -10,15 +10,16 @@ is a restart, and the program resumes from its newest checkpoint with a differen
 
 * **the data**: a checkpoint saved by 2 ranks cannot say "rank 1 was at sample 40 of its shard":
   shards depend on the world size. It stores the *global* position instead (samples of this
-  epoch's permutation already consumed, a multiple of the global batch), and the new world
-  splits what is left of the same permutation. :class:`ElasticSampler` does that: no sample is
+  epoch's permutation already consumed, by all ranks together), and the new world splits what
+  is left of the same permutation. :class:`ElasticSampler` does that: no sample is
   seen twice or skipped within the epoch, whatever the world sizes along the way.
 * **the batch**: with W ranks and a per-rank micro-batch m, one step sees W·m·A samples for A
   accumulation steps. :func:`plan_batches` applies one of two documented policies:
-  ``keep-global`` keeps the global batch B fixed and recomputes A = B / (W·m) (the optimisation
-  is the same, only slower or faster; the default), ``scale-lr`` keeps A = 1 and scales the
-  learning rate linearly with the global batch W·m (Goyal et al., "Accurate, Large Minibatch
-  SGD", 2017, the linear scaling rule), which changes the optimisation.
+  ``keep-global`` keeps the global batch B fixed and recomputes A for the new world (the
+  optimisation is the same, only slower or faster; the default), ``scale-lr`` keeps A = 1, so
+  the global batch follows the world, and scales the learning rate with it (Goyal et al.,
+  "Accurate, Large Minibatch SGD", 2017, the linear scaling rule), which changes the
+  optimisation.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def plan_batches(
 ) -> BatchPlan:
     """The batch plan of ``world_size`` ranks under ``policy`` (see the module docstring).
 
-    ``global_batch`` and ``base_lr`` are the configured values: under ``scale-lr`` the learning
-    rate is ``base_lr * (world_size * micro_batch) / global_batch``. Raises ValueError naming
-    the values when ``keep-global`` cannot split ``global_batch`` evenly.
+    ``global_batch`` and ``base_lr`` are the configured values: ``base_lr`` is the rate for
+    ``global_batch`` samples per step, which ``scale-lr`` rescales linearly to the samples a step
+    of this world takes. Raises ValueError naming the values when ``keep-global`` cannot split
+    ``global_batch`` evenly.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is unknown: choose one of {', '.join(POLICIES)}")
@@ -73,11 +75,10 @@ def plan_batches(
     #   samples per step (base_lr when they equal global_batch).
     # Hint 1: under keep-global a global batch that world_size x micro_batch does not divide
     #   cannot be kept: refuse it with a ValueError that names all three numbers.
-    # Hint 2: keep-global: the unit is world_size x micro_batch; refuse a global batch the unit does
-    #   not divide (name the three numbers and a size that works), else the accumulation steps are
-    #   global_batch / unit and the learning rate stays. scale-lr: one micro-batch per rank and
-    #   step, so the samples per step are the unit, and the learning rate is base_lr scaled by unit
-    #   / global_batch.
+    # Hint 2: keep-global: count how many micro-steps of the whole world fill the global batch,
+    #   and refuse (naming the numbers and a size that would work) when no whole number does.
+    #   scale-lr: a step is one micro-batch on every rank; the learning rate follows the linear
+    #   scaling rule of the guide.
     # See guidelines.md#43-elastic-training
     # >>> solution
     unit = world_size * micro_batch
@@ -98,10 +99,12 @@ class ElasticSampler(Sampler[int]):
 
     The epoch's order is a permutation of the dataset seeded by ``seed + epoch`` (the same on
     every rank and for every world size), cut to whole global batches. After
-    :meth:`set_position` (``position`` samples of it consumed, a multiple of ``global_batch``),
-    rank ``r`` of ``world_size`` takes, from every following block of ``global_batch`` samples,
-    the samples ``r, r + W, r + 2W, ...``: with a per-rank batch of ``global_batch / W`` the
-    ranks of one step together train on exactly one block.
+    :meth:`set_position` (``position`` samples of that order already trained, all ranks
+    together), the ranks share what is left so that each step's per-rank batches together are
+    the next ``global_batch`` samples of the order, and every sample of the epoch is trained
+    exactly once, whatever world sizes the epoch went through. ``position`` is any count: the
+    world that saved it may have stepped by another global batch (scale-lr: 2 ranks x 8 = 16 per
+    step, resumed by 3 ranks x 8), so the new world need not divide it.
     """
 
     def __init__(
@@ -131,12 +134,10 @@ class ElasticSampler(Sampler[int]):
         return self.size // self.global_batch * self.global_batch
 
     def set_position(self, epoch: int, position: int = 0) -> None:
-        """Start ``epoch`` after ``position`` of its samples (all ranks together) were consumed."""
-        if position % self.global_batch or not 0 <= position <= self.epoch_samples:
+        """Start ``epoch`` after ``position`` of its samples (all ranks together) were trained."""
+        if not 0 <= position <= self.epoch_samples:
             raise ValueError(
-                f"position={position} must be a multiple of the global batch "
-                f"{self.global_batch} in [0, {self.epoch_samples}]: positions are saved at "
-                "optimizer-step boundaries"
+                f"position={position} is outside the epoch's [0, {self.epoch_samples}] samples"
             )
         self.epoch, self.position = epoch, position
 
@@ -151,14 +152,16 @@ class ElasticSampler(Sampler[int]):
 
     def shard(self) -> list[int]:
         """This rank's indices of the rest of the epoch, in training order."""
-        # TODO 4.3: split what is left of the epoch's order over this world, block by block.
+        # TODO 4.3: split what is left of the epoch's order over this world, step by step.
         # Invariant: over all ranks the shards are disjoint and together are exactly
-        #   epoch_order()[position:]; each step's per-rank batches together form one block of
-        #   global_batch consecutive samples of that order.
-        # Hint 1: a block starts at a multiple of global_batch, itself a multiple of world_size,
-        #   so one strided slice of the remaining order does it.
-        # Hint 2: take the epoch's order, drop its first `position` samples, and take every
-        #   world_size-th of the rest starting at this rank's offset: a single strided slice.
+        #   epoch_order()[position:]; the first global_batch / world_size indices of every rank
+        #   together are the next global_batch samples of that order (and so on, step by step),
+        #   also when world_size does not divide position.
+        # Hint 1: two things happen to the order: what the earlier worlds trained goes away, and
+        #   the rest is dealt out to the ranks like cards. Which comes first matters.
+        # Hint 2: first drop the samples already trained (a global count, the same for every
+        #   rank), then from what remains give this rank every world_size-th sample, beginning at
+        #   its own offset; check on paper with position 16 and 3 ranks.
         # See guidelines.md#43-elastic-training
         # >>> solution
         return self.epoch_order()[self.position :][self.rank :: self.world_size]
@@ -168,4 +171,5 @@ class ElasticSampler(Sampler[int]):
         return iter(self.shard())
 
     def __len__(self) -> int:
-        return (self.epoch_samples - self.position) // self.world_size
+        left = self.epoch_samples - self.position  # dealt out as evenly as possible
+        return left // self.world_size + int(self.rank < left % self.world_size)

@@ -32,7 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 from course.training import StepEvent
-from solutions.phase4_production.checkpoint import CheckpointManager, gather_rng, restore_rng
+from solutions.phase4_production.checkpoint import (
+    CheckpointManager,
+    gather_rng,
+    restore_rng,
+    step_of,
+)
 
 STATE_FILE = "train_state.pt"
 
@@ -173,22 +178,27 @@ def resume(
     # TODO 4.2: agree on one checkpoint, load it with weights_only=True, restore everything.
     # Invariant: every rank resumes from the same step; after resume the model, optimizer,
     #   scheduler, scaler and this rank's generators are exactly as they were when it was saved.
-    # Hint 1: a one-element int64 tensor (on collective_device(group)) broadcast from group
-    #   rank 0 carries the chosen step; manager.path_for(step) names its directory and
-    #   manager.load(path, STATE_FILE) reads it.
+    # Hint 1: between ranks a number travels only inside a tensor (where the group's backend
+    #   wants it: collective_device); one value can also mean "nothing to resume". The manager
+    #   knows each step's folder and loads a file of it; the checkpoint module names a folder's
+    #   step.
     # Hint 2: rank 0 asks the manager for the newest valid checkpoint and writes its step (or -1)
     #   into the tensor, which is broadcast from the group's rank 0 (broadcast takes a global rank);
     #   -1 means a fresh start with no path and an empty dictionary. Otherwise every rank loads that
     #   step's state file, hands it to state.load_state_dicts, restores its own RNG states from the
     #   saved "rng" entry with its global rank (a KeyError is tolerated only when strict_rng is
     #   False) and returns the saved progress, the path and the dictionary.
+    # Hint 3: torch.tensor([-1], dtype=torch.int64, device=collective_device(group)),
+    #   step_of(manager.latest_valid()), dist.broadcast(t, src=dist.get_global_rank(group, 0)
+    #   or 0, group=group), manager.load(manager.path_for(step), STATE_FILE), restore_rng(saved[
+    #   "rng"], dist.get_rank()).
     # See guidelines.md#42-automatic-recovery
     # >>> solution
     chosen = torch.tensor([-1], dtype=torch.int64, device=collective_device(group))
     if dist.get_rank(group) == 0:
         latest = manager.latest_valid()
         if latest is not None:
-            chosen[0] = int(latest.name.removeprefix("step_"))
+            chosen[0] = step_of(latest)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(chosen, src=src, group=group)
     step = int(chosen.item())

@@ -44,7 +44,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: optim.base_lr=.inf (YAML's infinity) is refused like any bad number
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -309,10 +310,40 @@ def check_world(config: CapstoneConfig, world_size: int, cuda_devices: int) -> N
             f"train.accumulation_steps={config.train.accumulation_steps} x {world_size} ranks): "
             "an epoch would have no step; raise train_samples or lower the batch"
         )
+    if config.data.source == "synthetic" and config.data.val_samples < world_size:
+        raise ConfigError(
+            f"data.val_samples={config.data.val_samples} is smaller than the world "
+            f"({world_size} ranks): a rank would evaluate no image (fix: data.val_samples >= "
+            f"{world_size})"
+        )
     if config.data.decoder == "cuda" and cuda_devices == 0:
         raise ConfigError(
             "data.decoder=cuda: no CUDA device here; use data.decoder=pil or torchvision"
         )
+
+
+def steps_per_epoch(train_size: int, world_size: int, rank_batch: int) -> int:
+    """Optimizer steps per epoch: the sampler pads the epoch to a multiple of the world, the
+    loader drops each rank's last partial batch."""
+    return math.ceil(train_size / world_size) // rank_batch
+
+
+def checkpoint_settings(
+    config: CapstoneConfig, world_size: int, train_size: int
+) -> dict[str, str | int | float | bool | None]:
+    """The settings that shape a checkpoint's state (recorded in its manifest): a run whose
+    settings differ is refused by name before anything is loaded. The global batch (so the LR
+    schedule) and each rank's shard depend on the world, the saved position counts samples of
+    an epoch of so many steps."""
+    return {
+        "model.name": config.model.name,
+        "world size": world_size,
+        "global batch": config.global_batch(world_size),
+        "steps per epoch": steps_per_epoch(train_size, world_size, config.rank_batch()),
+        "train.seed": config.train.seed,
+        "train.precision": config.train.precision,
+        "optim.name": config.optim.name,
+    }
 
 
 def dump(config: CapstoneConfig) -> str:

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from course.cli import RankZeroParser, run_main
 from course.distributed import cleanup_distributed, setup_distributed
@@ -49,12 +48,18 @@ from course.training import (
     StepEvent,
     TrainingLoop,
 )
+from phase4_production.checkpoint_files import (
+    SettingsMismatch,
+    folder_problem,
+    newest_settings_problem,
+)
 from solutions.phase4_production.imagenet_config import (
     DEFAULT_CONFIG,
     CapstoneConfig,
     ConfigError,
     available_configs,
     check_world,
+    checkpoint_settings,
     dump,
     load_config,
 )
@@ -117,6 +122,7 @@ def prepare(argv: Sequence[str] | None) -> Launch:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_world(config, world_size, torch.cuda.device_count())
     folders = None
+    train_size = config.data.train_samples
     if config.data.source == "imagefolder":
         assert config.data.root is not None
         folders = check_imagefolder(config.data.root)
@@ -126,6 +132,22 @@ def prepare(argv: Sequence[str] | None) -> Launch:
                 f"data.root={config.data.root}: train/ has {len(folders.train)} images, fewer "
                 f"than one global batch of {global_batch}: lower data.batch_per_gpu"
             )
+        if len(folders.val) < world_size:
+            raise ConfigError(
+                f"data.root={config.data.root}: val/ has {len(folders.val)} images, fewer than "
+                f"the {world_size} ranks: a rank would evaluate no image"
+            )
+        train_size = len(folders.train)
+    if print_only:
+        return Launch(config, folders, print_only)
+    problem = folder_problem(config.checkpoint.dir, "checkpoint.dir")
+    if problem is not None:
+        raise ConfigError(problem)
+    if config.checkpoint.resume:
+        settings = checkpoint_settings(config, world_size, train_size)
+        mismatch = newest_settings_problem(Path(config.checkpoint.dir), settings)
+        if mismatch is not None:
+            raise ConfigError(f"checkpoint.dir={config.checkpoint.dir}: {mismatch}")
     return Launch(config, folders, print_only)
 
 
@@ -258,7 +280,9 @@ class CapstoneTrainer:
         self.state = self.fault.TrainState(self.model, self.optimizer, self.scheduler, self.scaler)
         Path(config.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         self.manager = self.ckpt.CheckpointManager(
-            config.checkpoint.dir, keep=config.checkpoint.keep
+            config.checkpoint.dir,
+            keep=config.checkpoint.keep,
+            settings=checkpoint_settings(config, self.world, self.loaders.train_size),
         )
         self.progress = self.fault.Progress()
         self.last_saved = -1
@@ -305,28 +329,6 @@ class CapstoneTrainer:
         )
         self.last_saved = self.progress.global_step
 
-    def check_compatible(self, saved: dict[str, Any]) -> None:
-        """A checkpoint of another model, world or epoch length is refused, with the reason.
-
-        The global batch (so the LR) and the sample order depend on the world size, and the
-        saved position counts samples of an epoch of ``steps_per_epoch`` steps: resuming across
-        a change of either would silently train on the wrong samples.
-        """
-        before = yaml.safe_load(saved.get("config", "")) or {}
-        was = (
-            before.get("model", {}).get("name"),
-            int(saved.get("world_size", self.world)),
-            int(saved.get("steps_per_epoch", self.steps_per_epoch)),
-        )
-        now = (self.config.model.name, self.world, self.steps_per_epoch)
-        if was != now:
-            raise RuntimeError(
-                f"checkpoint.dir={self.config.checkpoint.dir} holds a run of {was[0]} on {was[1]} "
-                f"ranks with {was[2]} steps per epoch; this run is {now[0]} on {now[1]} ranks "
-                f"with {now[2]}: resume with the same model, world and data, or choose another "
-                "checkpoint.dir"
-            )
-
     def run(self) -> dict[str, Any]:
         """Resume from the newest valid checkpoint (if any), train to the end, save."""
         c = self.config
@@ -342,7 +344,6 @@ class CapstoneTrainer:
         if c.checkpoint.resume:
             resumed = self.fault.resume(self.manager, self.state, group=self.group)
             if resumed.path is not None:
-                self.check_compatible(resumed.saved)
                 self.progress = resumed.progress
                 self.last_saved = self.progress.global_step
                 p = self.progress
@@ -393,11 +394,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = CapstoneTrainer(launch.config, launch.folders, device=info.device)
         trainer.run()
         dist.barrier()
-    except Exception as exc:
-        if not isinstance(exc, NotImplementedError):
-            step = trainer.loop.global_step if trainer is not None else 0
-            print(describe_failure(exc, info.rank, step), file=sys.stderr, flush=True)
+    except NotImplementedError:
         raise
+    except SettingsMismatch as err:  # a checkpoint written after prepare() looked
+        if info.rank == 0:
+            print(f"error: checkpoint.dir={launch.config.checkpoint.dir}: {err}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # one clear line per rank instead of a traceback: torchrun restarts
+        step = trainer.loop.global_step if trainer is not None else 0
+        print(describe_failure(exc, info.rank, step), file=sys.stderr, flush=True)
+        return 1
     finally:
         cleanup_distributed()
     return 0

@@ -12,7 +12,8 @@ Three measurements answer the questions asked of every slow training run:
 * **How much of the machine does it use?** Model FLOPs utilization (MFU, Chowdhery et al., PaLM,
   2022, appendix B): the FLOPs the model needs per step, counted once by
   ``torch.utils.flop_counter.FlopCounterMode`` on one forward and backward (training FLOPs =
-  forward + backward, about 3x forward), divided by the step time and the device's peak FLOP/s.
+  forward + backward, about 3x forward), divided by the step time and the device's peak FLOP/s
+  (phase4_production/device_peaks.py).
   Recomputation (activation checkpointing) is not counted: that would be hardware FLOPs (HFU).
 * **Who is slow?** A synchronous job runs at the speed of its slowest rank, and the others wait
   for it inside the next collective, so every rank's *total* step time is the same. What differs
@@ -82,8 +83,9 @@ class StepTimer:
         #   the time includes the kernels the section queued.
         # Hint 1: kernels run asynchronously: on a CUDA device, wait for them before reading
         #   the clock (start() shows how), or their time lands in a later section.
-        # Hint 2: read time.perf_counter() (after the device sync); add now - self.last to
-        #   self.sections[section] (0 when absent), then make now the new self.last.
+        # Hint 2: on CUDA wait for the device first; then read the clock once, credit the time
+        #   since the previous timing point to this section (on top of what it already has this
+        #   step), and remember this moment as the new previous timing point.
         # See guidelines.md#45-monitoring-and-profiling
         # >>> solution
         if self.device.type == "cuda":
@@ -128,10 +130,11 @@ def count_training_flops(
         # Invariant: the total is what FlopCounterMode reports for forward + backward of this
         #   batch (about 3x forward: the backward computes gradients of inputs and of weights),
         #   not forward alone, and nothing multiplied on top.
-        # Hint 1: FlopCounterMode(display=False) is a context manager that counts every matmul
-        #   and convolution run inside it, backward included; get_total_flops() reads the count.
-        # Hint 2: inside one `with FlopCounterMode(display=False) as counter:` run the loss of
-        #   scratch(*inputs) and its backward(); return float(counter.get_total_flops()).
+        # Hint 1: torch.utils.flop_counter.FlopCounterMode counts the FLOPs of whatever runs
+        #   while it is active (backward included) and can tell its total afterwards.
+        # Hint 2: one counting window around both passes on the scratch copy: the loss of its
+        #   output (the inputs may be several tensors), then the backward of that loss; the
+        #   counter's total, as a float, is the answer (with nothing multiplied on top).
         # See guidelines.md#45-monitoring-and-profiling
         # >>> solution
         with FlopCounterMode(display=False) as counter:
@@ -153,83 +156,14 @@ def model_flops_utilization(flops_per_step: float, step_seconds: float, peak_flo
             f"step_seconds={step_seconds}, peak_flops={peak_flops}: both must be positive"
         )
     # TODO 4.5: the model FLOPs achieved per second, as a fraction of the device's peak.
-    # Invariant: units cancel: FLOPs / seconds / (FLOP/s); a step that runs at the peak is 1.0.
+    # Invariant: a fraction without unit: a step whose FLOPs ran at the peak for its whole
+    #   duration is 1.0, one that took twice as long is 0.5.
     # Hint 1: the arguments are plain FLOPs, seconds and FLOP/s (no tera, no milli).
-    # Hint 2: achieved FLOP/s = flops_per_step / step_seconds; divide by peak_flops.
+    # Hint 2: first the rate the model achieved during the step, then its share of the peak.
     # See guidelines.md#45-monitoring-and-profiling
     # >>> solution
     return flops_per_step / step_seconds / peak_flops
     # <<< solution
-
-
-# Dense peak TFLOP/s per device (no 2:4 sparsity), from the vendors' datasheets: (name fragment,
-# lower case, most specific first) -> {precision: TFLOP/s}. tf32 is what fp32 matmuls use when
-# torch.backends.cuda.matmul.allow_tf32 is on.
-PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("h100 pcie", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
-    ("h100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM (HBM3)
-    ("h200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    ("a100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    ("v100", {"fp16": 125.0, "fp32": 15.7}),
-    ("l4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    ("mi300x", {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4}),
-)
-_MEASURED: dict[tuple[str, torch.dtype], float] = {}
-
-
-def precision_name(dtype: torch.dtype) -> str:
-    """bf16, fp16, tf32 (fp32 matmuls on tensor cores, when allowed) or fp32."""
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if dtype == torch.float16:
-        return "fp16"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-
-
-def measure_matmul_flops(
-    device: torch.device, dtype: torch.dtype = torch.float32, size: int = 512, repeats: int = 5
-) -> float:
-    """FLOP/s of the best of ``repeats`` square matmuls: an achievable peak, not a datasheet's."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first one warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - began)
-    return 2.0 * size**3 / best
-
-
-def peak_flops_per_second(
-    device: torch.device | str, dtype: torch.dtype = torch.float32, *, override: float | None = None
-) -> tuple[float, str]:
-    """The peak FLOP/s MFU divides by, and where it came from (for the log).
-
-    ``override`` (FLOP/s, e.g. from a ``--peak-tflops`` flag x 1e12) wins; a GPU found in
-    :data:`PEAK_TFLOPS` uses its datasheet's dense peak for ``dtype``; anything else (a CPU, an
-    unknown GPU) is measured once with :func:`measure_matmul_flops`.
-    """
-    device = torch.device(device)
-    if override is not None:
-        if override <= 0:
-            raise ValueError(f"peak FLOP/s {override}: must be positive")
-        return override, "given"
-    precision = precision_name(dtype)
-    if device.type != "cuda" and precision == "tf32":
-        precision = "fp32"  # tf32 is a GPU tensor-core mode
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, peaks in PEAK_TFLOPS:
-            if fragment in name.lower() and precision in peaks:
-                return peaks[precision] * 1e12, f"datasheet: {name} {precision} dense"
-    key = (str(device), dtype)
-    if key not in _MEASURED:
-        _MEASURED[key] = measure_matmul_flops(device, dtype)
-    return _MEASURED[key], f"measured: {precision} 512x512 matmul on {device}"
 
 
 # ----------------------------------------------------------------------------- stragglers
@@ -287,11 +221,13 @@ def find_stragglers(
     #   not named; the fastest rank is never named for being fast.
     # Hint 1: a rank knows only its own times: its median goes to every rank with one
     #   all-gather over `group`; then each rank applies the same rule to the same numbers.
-    # Hint 2: torch.median of this rank's window -> a float64 tensor of shape [1] on
-    #   collective_device(group); dist.all_gather into a list of get_world_size(group) such
-    #   tensors (group=group); the median of their concatenation; each group rank r above
-    #   threshold x that median becomes Straggler(global rank of r (dist.get_global_rank(group,
-    #   r), or r itself when group is None), its median, the median across ranks, threshold).
+    # Hint 2: this rank's median (one number, in a tensor where the group's backend wants it);
+    #   an all-gather of those over the group; the median of the gathered ones is the
+    #   reference; every group member strictly above threshold x the reference becomes a
+    #   Straggler named by its global rank, with its median, the reference and the threshold.
+    # Hint 3: torch.median, a float64 tensor of shape [1] on collective_device(group),
+    #   dist.all_gather(list, tensor, group=group), dist.get_global_rank(group, r) (r itself
+    #   when group is None).
     # See guidelines.md#45-monitoring-and-profiling
     # >>> solution
     device = collective_device(group)
@@ -311,20 +247,3 @@ def find_stragglers(
         if seconds > threshold * across
     ]
     # <<< solution
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-def peak_memory_bytes(device: torch.device | str) -> int:
-    """The most memory this rank has held: ``torch.cuda.max_memory_allocated`` on a GPU (tensors
-    only, the number that runs out first); on a CPU the process's peak resident set size
-    (``resource.getrusage``: KiB on Linux, bytes on macOS), everything the process touched."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)

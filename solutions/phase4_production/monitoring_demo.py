@@ -34,8 +34,11 @@ from course.distributed import distributed_session
 from course.impl import IMPLS, load_impl
 from course.models import BabyCNN
 from course.rank_logging import log0
+from course.results import Table, command_line, write_results
 from course.seeding import seed_everything
-from course.training import TrainingLoop, check_global_batch
+from course.training import SECTIONS, TrainingLoop, check_global_batch
+from phase4_production.checkpoint_files import folder_problem
+from phase4_production.device_peaks import peak_flops_per_second
 from phase4_production.training_monitor import TrainingMonitor, breakdown_table
 
 PHASE = "phase4_production"
@@ -47,7 +50,7 @@ class DemoConfig:
 
     epochs: int = 2
     global_batch_size: int = 64
-    lr: float = 0.05
+    lr: float = field(default=0.05, metadata={"gt": 0, "fix": "a positive learning rate"})
     train_samples: int = 2048
     slow_rank: int = field(default=-1, metadata={"help": "the rank to slow down (-1: none)"})
     slow_ms: float = field(default=30.0, metadata={"help": "its extra sleep per forward, ms"})
@@ -71,6 +74,9 @@ class DemoConfig:
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your phase 4 templates"},
     )
+    record: str = field(
+        default="", metadata={"help": "write the table to this results file (course/results.py)"}
+    )
 
 
 def validate(config: DemoConfig, world_size: int) -> None:
@@ -90,6 +96,9 @@ def validate(config: DemoConfig, world_size: int) -> None:
         problems.append(f"--threshold {config.threshold} must be > 1 (e.g. 1.5)")
     if config.peak_tflops < 0:
         problems.append(f"--peak-tflops {config.peak_tflops} must be > 0 (or 0: table/measured)")
+    folder = folder_problem(config.output_dir, "--output-dir")
+    if folder is not None:
+        problems.append(folder)
     try:
         check_global_batch(config.global_batch_size, world_size)
     except ValueError as err:
@@ -124,6 +133,49 @@ def slow_down(model: nn.Module, seconds: float) -> None:
     model.register_forward_pre_hook(sleep)
 
 
+def breakdown_results_table(rows: Sequence[dict[str, Any]]) -> Table:
+    """:func:`breakdown_table`'s rows as a results table."""
+    table = Table(["rank", *(f"{s} ms" for s in SECTIONS), "step ms", "busy ms", "MFU",
+                   "straggler"])  # fmt: skip
+    for row in rows:
+        mfu = "-" if row.get("mfu") is None else f"{100 * row['mfu']:.2f}%"
+        table.add(
+            row["rank"], *(f"{row[s]:.2f}" for s in SECTIONS), f"{row['step_ms']:.2f}",
+            f"{row['busy_ms']:.2f}", mfu, "yes" if row.get("straggler") else "",
+        )  # fmt: skip
+    return table
+
+
+def summary_values(
+    rows: Sequence[dict[str, Any]], monitor: TrainingMonitor, reports: int, config: DemoConfig
+) -> dict[str, str]:
+    """What the guide says about a run, computed from it: who was named how often, the step
+    time of every rank, how much longer the slow rank's forward was and how long the others
+    waited."""
+    named = sorted({s.rank for _, s in monitor.stragglers})
+    counts = {r: sum(1 for _, s in monitor.stragglers if s.rank == r) for r in named}
+    verdict = (
+        "; ".join(f"rank {r} named in {counts[r]} of {reports} reports" for r in named)
+        or f"nobody named in {reports} reports"
+    )
+    steps = [row["step_ms"] for row in rows]
+    values = {
+        "named": verdict,
+        "step_ms": f"{min(steps):.1f}-{max(steps):.1f} ms",
+        "busy_ms": ", ".join(f"rank {row['rank']} {row['busy_ms']:.1f} ms" for row in rows),
+    }
+    slow = [row for row in rows if row["rank"] == config.slow_rank]
+    others = [row for row in rows if row["rank"] != config.slow_rank]
+    if slow and others:
+        gap = slow[0]["forward"] - max(row["forward"] for row in others)
+        values["forward_gap_ms"] = f"{gap:.1f} ms"
+        values["others_wait"] = ", ".join(
+            f"rank {row['rank']} {row['sync'] + (row['backward'] if config.ddp else 0):.1f} ms"
+            for row in others
+        )
+    return values
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(DemoConfig, argv, __doc__)
     if (code := refuse_before_start(lambda world: validate(config, world))) is not None:
@@ -143,15 +195,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, x, lambda out: nn.functional.cross_entropy(out, y)
         )
         override = config.peak_tflops * 1e12 if config.peak_tflops else None
-        peak, source = monitoring.peak_flops_per_second(info.device, override=override)
+        peak, source = peak_flops_per_second(info.device, override=override)
         shared = torch.tensor([peak], dtype=torch.float64, device=info.device)
         dist.broadcast(shared, src=0)  # one peak for all ranks: a measured one varies per rank
         peak = float(shared)
-        log0(
+        header = (
             f"monitoring ({config.impl}), world {info.world_size}, {per_rank} samples per rank "
             f"per step: {flops / 1e6:.1f} MFLOP per step and rank (forward + backward, "
             f"FlopCounterMode); peak {peak / 1e9:.1f} GFLOP/s ({source})"
         )
+        log0(header)
         if info.rank == config.slow_rank:
             slow_down(model, config.slow_ms / 1e3)
         trained: nn.Module = model
@@ -211,6 +264,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log0(f"\nstraggler: rank {rank}, named in {times} of {reports} reports")
         else:
             log0(f"\nno straggler named in {reports} reports")
+        if config.record and info.rank == 0:
+            values = summary_values(rows, monitor, reports, config)
+            table = breakdown_results_table(rows)
+            table.note = header
+            path = write_results(
+                config.record,
+                tables={"breakdown": table},
+                values=values,
+                command=command_line(),
+            )
+            log0(f"recorded: {path}")
         if info.rank == 0:
             jsonl = Path(config.output_dir) / monitor.jsonl_name()
             log0(f"metrics: {jsonl}; TensorBoard: {Path(config.output_dir) / 'tensorboard'}")

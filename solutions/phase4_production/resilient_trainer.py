@@ -5,7 +5,11 @@ rank loads the newest valid checkpoint (exercise 4.1's manager, 4.2's :func:`res
 run ends with the same weights, bit for bit on CPU, as a run that never failed::
 
     uv run torchrun --standalone --nproc_per_node=2 --max-restarts=2 \
-        -m solutions.phase4_production.resilient_trainer --fail kill:rank=1:step=30
+        -m solutions.phase4_production.resilient_trainer --fail kill:rank=1:step=30 --compare
+
+Each failure is one line (the injected one, then what the other ranks saw and what happens
+next), the loss is printed per epoch, and ``--compare`` ends with whether the final weights equal
+an uninterrupted run's (trained again at the end, in a temporary folder).
 
 ``--fail`` takes failure specs (course/failure_injection.py), comma-separated: the i-th
 one fires on restart attempt i, so ``--fail kill:rank=1:step=6,raise:rank=0:step=13,
@@ -29,11 +33,13 @@ in the checkpoint): a sample seen twice, or one skipped at the end of an epoch, 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -63,6 +69,12 @@ from course.training import (
     StepOutput,
     TrainingLoop,
 )
+from phase4_production.checkpoint_files import (
+    Setting,
+    SettingsMismatch,
+    folder_problem,
+    newest_settings_problem,
+)
 from solutions.phase1_data_parallel.data_loader import DistributedShardSampler
 
 PHASE = "phase4_production"
@@ -70,16 +82,22 @@ PHASE = "phase4_production"
 
 @dataclass
 class ResilientConfig:
-    epochs: int = 2
-    train_samples: int = 512
-    global_batch: int = 32
-    micro_batch: int = 8
-    lr: float = 0.05
+    epochs: int = field(default=2, metadata={"ge": 1, "fix": "train at least one epoch"})
+    train_samples: int = field(
+        default=512, metadata={"ge": 1, "fix": "a positive multiple of --global-batch"}
+    )
+    global_batch: int = field(
+        default=32, metadata={"ge": 1, "help": "samples per optimizer step, all ranks together"}
+    )
+    micro_batch: int = field(
+        default=8, metadata={"ge": 1, "help": "--elastic: samples per rank per forward"}
+    )
+    lr: float = field(default=0.05, metadata={"gt": 0, "fix": "a positive rate, e.g. --lr 0.05"})
     checkpoint_dir: str = field(
         default="checkpoints/resilient", metadata={"help": "where checkpoints go (shared)"}
     )
-    checkpoint_every: int = field(default=5, metadata={"help": "optimizer steps"})
-    keep: int = field(default=3, metadata={"help": "checkpoints kept (newest K)"})
+    checkpoint_every: int = field(default=5, metadata={"ge": 1, "help": "optimizer steps"})
+    keep: int = field(default=3, metadata={"ge": 1, "help": "checkpoints kept (newest K)"})
     fail: str = field(
         default="",
         metadata={"help": "failure specs, comma-separated; the i-th fires on attempt i"},
@@ -88,23 +106,43 @@ class ResilientConfig:
         default=False, metadata={"help": "fire --fail inside the checkpoint write"}
     )
     collective_timeout: float = field(
-        default=30.0, metadata={"help": "seconds before a hung collective fails"}
+        default=30.0, metadata={"gt": 0, "help": "seconds before a hung collective fails"}
     )
     elastic: bool = field(default=False, metadata={"help": "global-position sampler (4.3)"})
     policy: str = field(default="keep-global", metadata={"choices": ("keep-global", "scale-lr")})
     leave_after: int = field(
         default=-1,
-        metadata={"help": "elastic demo: rank 1 of 2 makes its agent leave after this many steps"},
+        metadata={
+            "ge": -1,
+            "help": "elastic demo: rank 1 of 2 makes its agent leave after this many steps",
+        },
     )
-    step_sleep: float = field(default=0.0, metadata={"help": "seconds per step (for live demos)"})
-    seed: int = 0
+    step_sleep: float = field(
+        default=0.0, metadata={"ge": 0, "help": "seconds per step (for live demos)"}
+    )
+    seed: int = field(default=0, metadata={"ge": 0})
+    compare: bool = field(
+        default=False,
+        metadata={"help": "at the end, train again without failures and compare the weights"},
+    )
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
 
 
 def validate(config: ResilientConfig, world_size: int) -> None:
-    """Refuse bad values before the process group exists, naming the value and the fix."""
+    """Refuse bad values before the process group exists, naming the flag, the value and the fix.
+
+    parse_config has already refused non-finite and out-of-range numbers (the fields' metadata);
+    here: what depends on several flags, on the world size, on the checkpoint folder and on the
+    checkpoints already in it.
+    """
     problems = []
-    if config.train_samples % config.global_batch:
+    if config.train_samples < config.global_batch:
+        problems.append(
+            f"--train-samples {config.train_samples} is smaller than --global-batch "
+            f"{config.global_batch}: an epoch would have no step (fix: more samples or a "
+            "smaller batch)"
+        )
+    elif config.train_samples % config.global_batch:
         problems.append(
             f"--train-samples {config.train_samples} is not a multiple of --global-batch "
             f"{config.global_batch} (partial batches would make epochs uneven)"
@@ -113,14 +151,56 @@ def validate(config: ResilientConfig, world_size: int) -> None:
         problems.append(
             f"--global-batch {config.global_batch} is not divisible by the world size {world_size}"
         )
-    if config.checkpoint_every < 1 or config.keep < 1 or config.collective_timeout <= 0:
-        problems.append("--checkpoint-every, --keep and --collective-timeout must be positive")
+    unit = world_size * config.micro_batch
+    if config.elastic and config.policy == "keep-global" and config.global_batch % unit:
+        problems.append(
+            f"--global-batch {config.global_batch} is not divisible by the world size "
+            f"{world_size} x --micro-batch {config.micro_batch} = {unit} (fix: with "
+            "--policy keep-global a global batch every world size of the run divides)"
+        )
+    if config.elastic and config.policy == "scale-lr" and config.train_samples < unit:
+        problems.append(
+            f"--train-samples {config.train_samples} is smaller than one step of {world_size} "
+            f"ranks x --micro-batch {config.micro_batch}"
+        )
+    if config.compare and config.elastic:
+        problems.append(
+            "--compare needs a fixed world: an elastic run is reproducible but not bitwise "
+            "equal to a fixed-world one (fix: drop --compare or --elastic)"
+        )
+    folder = folder_problem(config.checkpoint_dir, "--checkpoint-dir")
+    if folder is not None:
+        problems.append(folder)
     try:
         failure_specs(config.fail)
     except ValueError as err:
         problems.append(f"--fail: {err}")
+    if not problems:
+        mismatch = newest_settings_problem(
+            Path(config.checkpoint_dir), checkpoint_settings(config, world_size)
+        )
+        if mismatch is not None:
+            problems.append(f"--checkpoint-dir {config.checkpoint_dir}: {mismatch}")
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def checkpoint_settings(config: ResilientConfig, world_size: int) -> dict[str, Setting]:
+    """The settings that shape the saved state: recorded in every manifest, and a run whose
+    settings differ is refused by name before anything is loaded (elastic runs may change the
+    world size, fixed ones may not: their shards depend on it)."""
+    settings: dict[str, Setting] = {
+        "--train-samples": config.train_samples,
+        "--global-batch": config.global_batch,
+        "--lr": config.lr,
+        "--seed": config.seed,
+        "--elastic": config.elastic,
+    }
+    if config.elastic:
+        settings |= {"--micro-batch": config.micro_batch, "--policy": config.policy}
+    else:
+        settings["world size"] = world_size
+    return settings
 
 
 def failure_specs(text: str) -> list[str]:
@@ -218,6 +298,7 @@ class SampleAudit(Callback):
         self.pending: list[torch.Tensor] = []
         self.reports: list[str] = []
         self.journal: Path | None = None
+        self.quiet = False  # --compare's uninterrupted run prints nothing
 
     def record(self, indices: torch.Tensor) -> None:
         self.pending.append(indices.to("cpu", torch.int64))
@@ -267,7 +348,7 @@ class SampleAudit(Callback):
             f"(world sizes: {worlds})"
         )
         self.reports.append(line)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not self.quiet:
             journal(self.journal, line)
         self.seen.zero_()
         self.epoch, self.worlds = epoch + 1, []
@@ -316,14 +397,40 @@ class Tracker(Callback):
             maybe_fail(event.global_step)
 
 
+class EpochLog(Callback):
+    """One line per epoch on rank 0: the mean loss over the steps this process trained."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+
+    def on_epoch_end(self, loop: TrainingLoop, result: EpochTotals) -> None:
+        t = self.t
+        if t.quiet or t.rank != 0:
+            return
+        steps = int(result.local["steps"])
+        partial = int(result.totals["samples"]) < t.epoch_samples
+        where = " (resumed mid-epoch: the steps after the checkpoint)" if partial else ""
+        journal(
+            t.journal_path,
+            f"epoch {result.epoch + 1}/{t.config.epochs}: loss {result.loss:.4f} over {steps} "
+            f"steps{where}",
+        )
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
 class Trainer:
-    """Builds everything from the config on this rank; :meth:`run` resumes and trains."""
+    """Builds everything from the config on this rank; :meth:`run` resumes and trains.
 
-    def __init__(self, config: ResilientConfig, group: dist.ProcessGroup | None = None) -> None:
+    ``quiet``: no journal and no per-epoch lines (``--compare``'s uninterrupted run).
+    """
+
+    def __init__(
+        self, config: ResilientConfig, group: dist.ProcessGroup | None = None, quiet: bool = False
+    ) -> None:
         self.config = config
+        self.quiet = quiet
         self.ckpt = load_impl(PHASE, "checkpoint", config.impl)
         self.fault = load_impl(PHASE, "fault_tolerance", config.impl)
         self.group = group
@@ -359,7 +466,12 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=2.0**10, growth_interval=7)
         self.state = self.fault.TrainState(self.model, self.optimizer, self.scheduler, self.scaler)
         Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        self.manager = self.ckpt.CheckpointManager(config.checkpoint_dir, keep=config.keep)
+        self.manager = self.ckpt.CheckpointManager(
+            config.checkpoint_dir,
+            keep=config.keep,
+            settings=checkpoint_settings(config, self.world),
+            log=self.log,
+        )
         loader = DataLoader(
             dataset,
             batch_size=per_rank,
@@ -376,13 +488,20 @@ class Trainer:
             sync_gradients=lambda m: average_gradients(m, group),
             accumulation_steps=accumulation,
             precision=ScaledFp32(self.device.type, torch.float32, self.scaler),
-            callbacks=[self.audit, Tracker(self)],
+            callbacks=[self.audit, Tracker(self), EpochLog(self)],
         )
         self.loop.audit = self.audit
-        self.audit.journal = self.journal_path = Path(config.checkpoint_dir) / "journal.txt"
+        journal_path: Path | None = None if quiet else Path(config.checkpoint_dir) / "journal.txt"
+        self.audit.quiet = quiet
+        self.audit.journal = self.journal_path = journal_path
         self.progress = self.fault.Progress()
         self.last_saved = -1
         self.steps_here = 0  # steps this process ran (for --leave-after)
+
+    def log(self, line: str) -> None:
+        """The checkpoint manager's lines (a checkpoint passed over, and why) in the journal."""
+        if not self.quiet:
+            journal(self.journal_path, line)
 
     def save(self) -> None:
         step = self.progress.global_step
@@ -405,8 +524,16 @@ class Trainer:
         if resumed.path is None:
             return resumed
         self.progress = resumed.progress
+        self.last_saved = self.progress.global_step  # saved already: no second save of it
         self.audit.load(resumed.saved)
         saved_world = int(resumed.saved.get("world_size", self.world))
+        if self.config.elastic and self.progress.position % self.plan.global_batch:
+            raise RuntimeError(
+                f"the checkpoint's position {self.progress.position} is not a whole number of "
+                f"this world's steps of {self.plan.global_batch} samples (--policy scale-lr "
+                "changed the step size mid-epoch): resume with the world that saved it, or use "
+                "--policy keep-global for runs whose world changes"
+            )
         if self.config.elastic and saved_world != self.world:
             # a rank the checkpoint had no RNG state for: a stream of its own, reproducibly
             torch.manual_seed(self.config.seed + 1000 * self.rank + self.progress.global_step)
@@ -421,7 +548,7 @@ class Trainer:
         """Resume if there is a checkpoint, train to the end, save the final state."""
         resumed = self.resume()
         p = self.progress
-        if self.rank == 0:
+        if self.rank == 0 and not self.quiet:
             where = (
                 f"resumed from {resumed.path.name} (epoch {p.epoch}, sample {p.position}, "
                 f"step {p.global_step})"
@@ -444,11 +571,22 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
+def short_error(exc: BaseException) -> str:
+    """The exception in one line: gloo's source location and its generic advice taken off, and a
+    lost peer said as such."""
+    lines = str(exc).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", lines[0] if lines else "")
+    text = text.split(". This is typically caused")[0].rstrip(".")
+    if re.search(r"Connection (?:reset|closed) by peer|Broken pipe", text):
+        text += " (another rank is gone: its own line says why)"
+    return f"{type(exc).__name__}: {text}"
+
+
 def describe_failure(exc: BaseException, rank: int, step: int) -> str:
-    """One clear line: what failed, and what happens next (a restart, or the end)."""
+    """Two lines: what failed, and what happens next (a restart, or the end)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    what = f"[rank {rank}] training failed after step {step}: {type(exc).__name__}: {exc}"
+    what = f"[rank {rank}] training failed after step {step}: {short_error(exc)}"
     if attempt < allowed:
         return (
             f"{what}\n  torchrun restarts the group (restart {attempt + 1} of {allowed}); it "
@@ -457,6 +595,36 @@ def describe_failure(exc: BaseException, rank: int, step: int) -> str:
     return (
         f"{what}\n  no restarts left (--max-restarts={allowed}, attempt {attempt}): the run "
         "stops; run the same command again to resume from the newest valid checkpoint"
+    )
+
+
+def uninterrupted_weights(config: ResilientConfig, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Collective: the same training without failures, in a folder of its own; final weights."""
+    folder = Path(config.checkpoint_dir) / "uninterrupted"
+    if dist.get_rank(group) == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier(group=group)
+    reference = replace(
+        config, checkpoint_dir=str(folder), fail="", fail_during_save=False, compare=False,
+        leave_after=-1, step_sleep=0.0,
+    )  # fmt: skip
+    os.environ.pop(FAIL_ENV, None)
+    weights = Trainer(reference, group, quiet=True).run()
+    dist.barrier(group=group)
+    if dist.get_rank(group) == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return weights
+
+
+def compare_line(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[bool, str]:
+    """Whether every tensor is bitwise equal, as the line the demo ends with."""
+    differ = [name for name in want if not torch.equal(got[name], want[name])]
+    if not differ:
+        return True, "final weights equal an uninterrupted run: yes (bitwise, every tensor)"
+    gap = max((got[n].double() - want[n].double()).abs().max().item() for n in differ)
+    return False, (
+        f"final weights equal an uninterrupted run: no ({len(differ)} of {len(want)} tensors "
+        f"differ, by up to {gap:.3e}: {', '.join(differ[:3])})"
     )
 
 
@@ -484,19 +652,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = None
     try:
         trainer = Trainer(config, group)
-        trainer.run()
+        weights = trainer.run()
         dist.barrier(group=group)
         if info.rank == 0:
             journal(
                 trainer.journal_path,
                 f"DONE step {trainer.progress.global_step} world {info.world_size}",
             )
+        if config.compare:
+            same, line = compare_line(weights, uninterrupted_weights(config, group))
+            if info.rank == 0:
+                print(line, flush=True)
+            return 0 if same else 1
     except NotImplementedError:
         raise
-    except Exception as exc:
+    except SettingsMismatch as err:  # a checkpoint written between validation and the resume
+        if info.rank == 0:
+            print(f"error: --checkpoint-dir {config.checkpoint_dir}: {err}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # one clear line instead of a traceback per rank: torchrun restarts
         step = trainer.loop.global_step if trainer is not None else 0
         print(describe_failure(exc, info.rank, step), file=sys.stderr, flush=True)
-        raise
+        return 1
     finally:
         cleanup_distributed()
     return 0

@@ -15,6 +15,15 @@ in a background thread while training goes on (torch/distributed/checkpoint/stat
 
 ``get_model_state_dict``/``get_optimizer_state_dict`` (torch/distributed/checkpoint/state_dict.py)
 give state dicts keyed by parameter name (not optimizer index), with DTensor shards as values.
+
+**A DCP folder is code-trusted input.** ``dcp.load`` unpickles the folder's ``.metadata`` with the
+full pickle module (torch/distributed/checkpoint/filesystem.py, ``read_metadata``): loading a
+crafted folder runs its code, ``weights_only`` or not. :func:`save` therefore writes 4.1's
+``manifest.json`` (every file's size and sha256) once the shards are written, and :func:`load`
+checks the folder against it *before* ``dcp.load``: a changed, truncated, missing or unlisted
+file is refused (:class:`CheckpointRejected`) and nothing is unpickled. That stops damage and a
+tamperer who did not also rewrite the manifest; ``manifest_sha256=`` (the digest :func:`save`
+returns) pins the manifest itself, for a folder that passed through hands you do not trust.
 Not an exercise: graded as the reference beside 4.1 (tests/phase4/grade_4_1_checkpoint.py).
 """
 
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +46,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from phase4_production.checkpoint_files import (
+    MANIFEST,
+    ManifestError,
+    manifest_digest,
+    read_manifest,
+    unlisted_files,
+)
+from solutions.phase4_production.checkpoint import verify_checkpoint, write_manifest
+
+
+class CheckpointRejected(ValueError):
+    """A DCP folder that does not match its manifest: refused before ``dcp.load`` unpickles it."""
 
 
 def build_sharded(
@@ -77,12 +100,54 @@ def state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def save(
     model: nn.Module, optimizer: torch.optim.Optimizer, path: str, use_async: bool = False
-) -> None:
-    """Every rank writes its shards to ``path``; ``use_async`` goes through ``async_save``."""
+) -> str:
+    """Every rank writes its shards to ``path``; ``use_async`` goes through ``async_save``.
+
+    Then rank 0 writes ``manifest.json`` over every file of the folder (step 0: a DCP folder is
+    not one of 4.1's step folders). Returns the manifest's sha256, on every rank: keep it to pin
+    the folder (:func:`load`'s ``manifest_sha256``).
+    """
     if use_async:
         save_async(model, optimizer, path).result()
     else:
         dcp.save(state(model, optimizer), checkpoint_id=path)
+    return write_folder_manifest(path)
+
+
+def write_folder_manifest(path: str) -> str:
+    """Collective: rank 0 lists every file DCP wrote in ``path`` in a manifest; its digest."""
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        folder = Path(path)
+        names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+        write_manifest(folder, 0, names)
+    dist.barrier()
+    return manifest_digest(Path(path))
+
+
+def check_folder(path: str, manifest_sha256: str | None = None) -> None:
+    """Raise :class:`CheckpointRejected` unless ``path`` is exactly what its manifest lists (and
+    the manifest is the pinned one, when ``manifest_sha256`` is given). Reads no pickle."""
+    folder = Path(path)
+    reason = verify_checkpoint(folder)
+    if reason is None:
+        try:
+            extra = unlisted_files(folder, read_manifest(folder))
+        except ManifestError as err:
+            extra, reason = [], str(err)
+        if extra:
+            reason = f"{extra[0]} is not in the manifest"
+    if (
+        reason is None
+        and manifest_sha256 is not None
+        and manifest_digest(folder) != manifest_sha256
+    ):
+        reason = f"{MANIFEST} is not the pinned one (its sha256 differs)"
+    if reason is not None:
+        raise CheckpointRejected(
+            f"refusing to dcp.load {path}: {reason}. dcp.load unpickles the folder's .metadata "
+            "(it can run code): load only folders that match the manifest written with them"
+        )
 
 
 _WRITER_GROUP: list[dist.ProcessGroup] = []
@@ -109,8 +174,21 @@ def save_async(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
     return future  # type: ignore[return-value]
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Read the slices this world's sharding needs, whatever world size saved them."""
+def load(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: str,
+    *,
+    verify: bool = True,
+    manifest_sha256: str | None = None,
+) -> None:
+    """Read the slices this world's sharding needs, whatever world size saved them.
+
+    ``verify`` (the default) checks the folder against its manifest first (:func:`check_folder`);
+    turn it off only for a folder you wrote yourself without one.
+    """
+    if verify:
+        check_folder(path, manifest_sha256)
     loaded = state(model, optimizer)
     dcp.load(loaded, checkpoint_id=path)
     set_model_state_dict(model, loaded["model"])

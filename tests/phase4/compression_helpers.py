@@ -236,8 +236,8 @@ def cast_problems(
         wrong = int((result != want).sum())
         return [
             f"{label}: {wrong} of {want.numel()} entries differ in the last bits from torch's "
-            f"hook: cast to {dtype} first, then divide in {dtype} (buffer.to(dtype).div_(world)), "
-            "as default_hooks does"
+            f"hook: the roundings differ; default_hooks casts to {dtype} first, then divides by "
+            f"the world in {dtype}, then sums (the same order gives the same bits)"
         ]
     return [
         f"{label}: differs from torch's default_hooks by up to "

@@ -245,13 +245,14 @@ def rng_worker(path: str) -> dict[str, Any]:
 @exercise("4.1")
 def test_each_ranks_rng_comes_back_from_its_own_keys_through_weights_only(tmp_path: Path) -> None:
     results = world(rng_worker, 2, str(tmp_path / "rng.pt"))
-    for rank, result in enumerate(results):
-        wrong = [k for k in result["keys"] if not k.startswith(f"rank{rank}/")]
-        if wrong or not result["keys"]:
+    for rank, result in enumerate(results):  # every rank's keys first: a capture under another
+        wrong = [k for k in result["keys"] if not k.startswith(f"rank{rank}/")]  # rank's keys
+        if wrong or not result["keys"]:  # makes the restore of the rank it collides with fail
             fail(
                 f"4.1 capture_rng({rank}) returned keys {result['keys']}; every key must start "
                 f"with 'rank{rank}/' so two ranks' states can share one file"
             )
+    for rank, result in enumerate(results):
         if result["missing"] or result["error"]:
             fail(
                 f"4.1 capture_rng({rank}) lacks {result['missing']} (restore_rng raised "
@@ -271,6 +272,56 @@ def test_each_ranks_rng_comes_back_from_its_own_keys_through_weights_only(tmp_pa
             "4.1 restore_rng(states holding only rank 0's keys, rank=1) did not raise KeyError; a "
             "rank must never take another rank's generator states"
         )
+
+
+def seeded_capture(c: Any, rank: int) -> tuple[dict[str, Any], list[float]]:
+    """Rank ``rank``'s generators seeded apart from every other rank's: its capture and the
+    draws that state gives."""
+    torch.manual_seed(1000 + rank)
+    np.random.seed(2000 + rank)
+    random.seed(3000 + rank)
+    return c.capture_rng(rank), draws()
+
+
+@exercise("4.1")
+def test_rng_keys_of_12_ranks_never_mix_ranks() -> None:
+    """Rank 1's prefix must not also select rank 10's and rank 11's keys: seen only at 11+ ranks."""
+    c = ckpt()
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        states: dict[str, Any] = {}
+        expected: dict[int, list[float]] = {}
+        for rank in range(12):
+            mine, expected[rank] = seeded_capture(c, rank)
+            wrong = sorted(k for k in mine if not k.startswith(f"rank{rank}/"))
+            if wrong or not mine:
+                fail(
+                    f"4.1 capture_rng({rank}) returned keys {wrong[:3] or sorted(mine)}; every "
+                    f"key must start with 'rank{rank}/' (its rank, then a slash) so that 12 "
+                    "ranks' states can share one file"
+                )
+            states.update(mine)
+        for order in ("rank 0 first", "rank 11 first"):
+            ranks = range(12) if order == "rank 0 first" else range(11, -1, -1)
+            merged = {k: v for r in ranks for k, v in states.items() if k.startswith(f"rank{r}/")}
+            for rank in range(12):
+                draws()  # move every generator on
+                c.restore_rng(merged, rank)
+                got = draws()
+                if got == expected[rank]:
+                    continue
+                took = [r for r, want in expected.items() if want == got]
+                told = f"rank {took[0]}'s states" if took else "states of no single rank"
+                fail(
+                    f"4.1 restore_rng(the states of 12 ranks, {order} in the file, rank={rank}) "
+                    f"restored {told}. Select exactly this rank's keys: the prefix "
+                    f"'rank{rank}/' with its slash ('rank{rank}' alone also matches "
+                    f"rank{rank}0/ and rank{rank}1/ when there are that many ranks)"
+                )
+    finally:
+        torch.set_rng_state(saved[0])
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
 
 
 # ----------------------------------------------------------------------------- no pickles

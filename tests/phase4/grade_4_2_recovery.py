@@ -89,6 +89,14 @@ def test_advance_counts_samples_and_rolls_over_at_the_end_of_an_epoch() -> None:
         fail(
             f"4.2 advance into epoch 1: got {p}, expected Progress(epoch=1, position=32, global_step=5)"
         )
+    p = fault.advance(fault.Progress(0, 96, 3), event(1, 4), 32, 128)
+    if (p.epoch, p.position, p.global_step) != (1, 32, 4):
+        fail(
+            f"4.2 advance(Progress(epoch=0, position=96, ...), a step of epoch 1) gave {p}; "
+            "expected Progress(epoch=1, position=32, global_step=4): epoch 0 ended before its "
+            "count reached epoch_samples (a loader that drops its last partial batch), and a "
+            "step of a new epoch starts a new count"
+        )
 
 
 # ----------------------------------------------------------------------------- in a forked world
@@ -118,6 +126,61 @@ def test_a_fresh_world_resumed_mid_epoch_ends_bitwise_equal(
     compare_weights(model, want, "4.2 the final checkpoint")
     if progress["global_step"] != 32:
         fail(f"4.2: the final checkpoint says global step {progress['global_step']}, expected 32")
+
+
+def _saved_linear(step: int) -> dict[str, Any]:
+    """What the trainer would save at ``step`` for a Linear(2, 2): weights equal to ``step``."""
+    ckpt = module("checkpoint")
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": None,
+        "scaler": None,
+        "progress": {"epoch": 0, "position": 8 * step, "global_step": step},
+        "world_size": 2,
+        "rng": {**ckpt.capture_rng(0), **ckpt.capture_rng(1)},
+    }
+
+
+def _stale_view_worker(directory: str) -> dict[str, Any]:
+    """Rank 1 looked at the folder before step 10 was complete: its own latest_valid is older."""
+    import torch.distributed as dist
+
+    fault, ckpt = module("fault_tolerance"), module("checkpoint")
+
+    class StaleView(ckpt.CheckpointManager):  # type: ignore[name-defined]
+        def latest_valid(self) -> Path | None:
+            return self.path_for(5)
+
+    rank = dist.get_rank()
+    manager = ckpt.CheckpointManager(directory) if rank == 0 else StaleView(directory)
+    model = torch.nn.Linear(2, 2)
+    state = fault.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    resumed = fault.resume(manager, state)
+    return {"step": resumed.progress.global_step, "weight": float(model.weight[0, 0])}
+
+
+@exercise("4.2")
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path: Path) -> None:
+    ckpt = module("checkpoint")
+    manager = ckpt.CheckpointManager(tmp_path, keep=5)
+    for step in (5, 10):
+        manager.save(step, {"train_state.pt": _saved_linear(step)})
+    got = world(_stale_view_worker, 2, str(tmp_path))
+    steps = [r["step"] for r in got]
+    if steps != [10, 10] or [r["weight"] for r in got] != [10.0, 10.0]:
+        fail(
+            f"4.2 resume: the ranks resumed from steps {steps} (weights "
+            f"{[r['weight'] for r in got]}); rank 0's latest_valid() is step 10, rank 1's own "
+            "look at the folder says step 5 (a checkpoint completed between two looks). Every "
+            "rank must load the checkpoint rank 0 chose: rank 0 asks latest_valid() and "
+            "broadcasts its step, the others take that step, not their own look"
+        )
 
 
 # ----------------------------------------------------------------------------- under torchrun

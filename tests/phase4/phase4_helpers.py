@@ -22,6 +22,7 @@ import torch.distributed as dist
 from grading import assert_bitwise_equal, impl, load, world
 
 from course.torchrun_runner import TorchrunRun, alive, run_torchrun
+from course.world import DEFAULT_WORLD_TIMEOUT, world_timeout
 
 PHASE = "phase4_production"
 TRAINER = "solutions.phase4_production.resilient_trainer"
@@ -117,6 +118,12 @@ def no_survivors(run: TorchrunRun, what: str) -> None:
         fail(f"{what}: processes outlived the scenario: {survivors}")
 
 
+def slow_machine_limit(seconds: float) -> float:
+    """A scenario's time bound, stretched as ``DTFS_WORLD_TIMEOUT`` stretches the worlds' (a
+    loaded machine is slower, not hung): x1 at the default 20 s, x3 at 60 s."""
+    return seconds * max(1.0, world_timeout() / DEFAULT_WORLD_TIMEOUT)
+
+
 def torchrun_trainer(
     cfg: Any,
     *,
@@ -131,7 +138,7 @@ def torchrun_trainer(
         config_args(cfg),
         nproc_per_node=nproc_per_node,
         max_restarts=max_restarts,
-        time_limit=time_limit,
+        time_limit=slow_machine_limit(time_limit),
         **kwargs,
     )
     raise_if_todo(run)
