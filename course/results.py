@@ -27,6 +27,8 @@ run printed.
 
     uv run python -m course.results --check   # exit 1 when a page and its results file disagree
     uv run python -m course.results --write   # re-render every block from the results files
+    uv run python -m course.results --rerun 'phase3*/results/*.json'   # re-run the recorded
+                                              # commands one after another, then re-render
 
 ``tests/test_claims.py`` runs the check, so CI fails when a page drifts from its data.
 """
@@ -259,12 +261,42 @@ def quoted_files(root: Path = PROJECT_ROOT) -> set[str]:
     return found
 
 
+def rerun(pattern: str, root: Path = PROJECT_ROOT) -> int:
+    """Run the recorded command of every results file matching ``pattern``, one at a time (a
+    quiet machine measures best), from the project root; return how many failed."""
+    import subprocess
+    import time
+
+    failed = 0
+    files = sorted(root.glob(pattern))
+    for number, path in enumerate(files, 1):
+        command = load_results(path)["command"]
+        print(f"[{number}/{len(files)}] {command}", flush=True)
+        started = time.perf_counter()
+        done = subprocess.run(command, shell=True, cwd=root, check=False)
+        print(f"  exit {done.returncode} after {time.perf_counter() - started:.0f} s", flush=True)
+        failed += done.returncode != 0
+    return failed
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check or re-render the guides' measured results.")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 when a page differs")
     mode.add_argument("--write", action="store_true", help="re-render every block from its file")
+    mode.add_argument(
+        "--rerun",
+        metavar="GLOB",
+        help="re-run the recorded command of each results file matching GLOB (relative to the "
+        "project root), then re-render the pages",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.rerun:
+        failed = rerun(args.rerun)
+        problems = check(write=True)
+        for problem in problems:
+            print(problem)
+        return 1 if failed or check() else 0
     problems = check(write=args.write)
     for problem in problems:
         print(problem)

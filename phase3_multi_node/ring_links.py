@@ -10,21 +10,24 @@ thread holds it while it reads an arriving message out of the socket (``handleEv
 ``read``), and ``Pair::send`` holds it while it writes a message in the caller's thread. On a
 connection that carries data both ways, a rank therefore cannot write its outgoing segment while
 its incoming one is being read: the two copies take turns. In a ring of two ranks the right and
-the left neighbour are the same rank, so *every* message of the ring shares one connection. Here a
-message from group rank a to group rank b travels on ``group`` when a < b and on a second group
-over the same ranks when a > b, so that each connection carries data one way only. Measured on a
-2-core machine (gloo, loopback, 8 MiB each way between two ranks, medians of 41): 4.9-5.3 ms with
-a connection per direction against 5.8-8.1 ms on one; the 2-rank ring at 16 MiB runs at
-1.14-1.25x ``dist.all_reduce``'s bandwidth with it and 0.96-1.05x without (guidelines.md, "3.1-3.3
-measured on this machine"). With three ranks or more the left and right links are different
-connections already and nothing changes.
+the left neighbour are the same rank, so *every* message of the ring shares one connection. Here,
+in a ring of two, the message from group rank 0 to 1 travels on ``group`` and the one from 1 to 0
+on a second group over the same ranks, so that each connection carries data one way only (the
+``ring_one_connection`` row of the ablation in guidelines.md, "3.1-3.3 measured on this machine",
+measures what it buys). With three ranks or more the left and right links are different
+connections already: each carries ring data one way, and ``group`` serves both.
 
 NCCL's point-to-point channels have no such lock (sends and receives run on their own CUDA
 streams), so for any backend but gloo both directions use ``group``.
 
-The second group is created once per group, the first time a ring runs on it, by the group's
-members only (``dist.new_group(..., use_local_synchronization=True)``): every member calls the
-ring on the same group at the same point, so they create it together.
+The second group is created once per group, the first time a ring runs on it, and only for a
+group that spans the whole world: creating a group advances a counter on the ranks that create
+it, and torch names groups by that counter (``_process_group_name`` in
+torch/distributed/distributed_c10d.py, hashed with the ranks under
+``use_local_synchronization=True``). If only some ranks created one, a later group created by
+other ranks (the ring on another subgroup, or any ``dist.new_group``) would get different names
+on different ranks and hang in its rendezvous. A 2-rank subgroup of a larger world therefore
+keeps one connection: correct, only without the speed-up.
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ _SECOND_CONNECTIONS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
 def second_connection(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A process group over ``group``'s ranks with connections of its own (gloo); else ``group``.
+    """A process group over ``group``'s ranks with connections of its own, for a gloo group that
+    spans the whole world; else ``group`` itself (see the module docstring for why).
 
-    Collective over the members of ``group`` the first time it is called for that group.
+    Collective over the world (every rank is a member) the first time it is called for a group.
     """
-    if dist.get_backend(group) != "gloo":
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
         return group
     second = _SECOND_CONNECTIONS.get(group)
     if second is None:
@@ -81,11 +85,12 @@ class RingLinks:
         """The links of this rank in a ring over ``group`` (None: the default group).
 
         ``per_direction=False`` sends both directions on ``group`` (the benchmark's ablation).
+        Only a ring of two needs a second connection; with more ranks ``group`` serves both.
         """
         group, rank, size = group_and_size(group)
         if size == 1:
             return cls(rank, size, peer(group, 0), peer(group, 0), group, group)
-        second = second_connection(group) if per_direction else group
+        second = second_connection(group) if per_direction and size == 2 else group
         right, left = (rank + 1) % size, (rank - 1) % size
         return cls(
             rank=rank,

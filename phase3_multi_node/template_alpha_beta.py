@@ -100,7 +100,8 @@ def halving_doubling_cost(nbytes: float, n: int) -> Cost:
     # Invariant: log2(p) halving and log2(p) doubling steps among p = 2^k core ranks, S/2, S/4,
     #   ... each; when n > p, one message of S in and one out for the folded pairs, and one
     #   more reduction of S.
-    # Hint 1: p = 1 << (n.bit_length() - 1); math.log2(p) is exact for a power of two.
+    # Hint 1: p is the largest power of two <= n (int.bit_length tells how many bits n has);
+    #   math.log2 is exact on a power of two. Cost objects add up (Cost.__add__).
     # See guidelines.md#the-alpha-beta-model
     raise NotImplementedError(
         "TODO 3.2: halving-doubling's counts, fold-in included "

@@ -52,9 +52,9 @@ def hierarchical_all_reduce(
         )
     # TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
     # Invariant: only the middle step crosses nodes, and it carries this rank's chunk (about
-    #   S/k), not the whole tensor; every call passes the topology's group for its step.
-    # Hint 1: the three ring functions of 3.1 take group=; reduce_scatter_ring(..., inplace=True)
-    #   returns a view of tensor, which both later steps can work on in place.
+    #   S/k), not the whole tensor; every step runs on the topology's group for it.
+    # Hint 1: your three ring functions of 3.1 each take a group; the reduce-scatter can work
+    #   in place and hand back a view of tensor, which both later steps can use as it is.
     # More hints: uv run python -m tests.hint 3.3
     # See guidelines.md#33-hierarchical-all-reduce
     raise NotImplementedError(

@@ -166,18 +166,19 @@ def check_layout(
 
 
 def build_stage(dense: nn.Sequential, topology: Topology) -> nn.Sequential:
-    """This rank's pipeline stage: its contiguous blocks of ``dense``, each a ``ParallelMLP``
-    holding this rank's tensor-parallel shard on ``topology.tp_group`` (copies: ``dense`` is
-    left unchanged). Stage s of pp holds blocks [s·k, (s+1)·k) with k = blocks / pp."""
+    """This rank's pipeline stage: its contiguous run of the blocks of ``dense`` (equal runs,
+    the first stage the first blocks), each a ``ParallelMLP`` holding this rank's
+    tensor-parallel shard (copies: ``dense`` is left unchanged)."""
     stack = StackConfig.of(dense)
     check_layout(topology.world_size, topology.dp_size, topology.tp_size, topology.pp_size, stack)
     # TODO 3.6: the blocks of this pipeline stage, each turned into a tensor-parallel block.
-    # Invariant: stage s = topology.pp_rank holds dense blocks [s*k, (s+1)*k), k = blocks/pp,
-    #   in order; each is sharded on topology.tp_group (fc1's rows / fc2's columns of this
-    #   tp rank, fc2's bias whole), so the stages of one pipeline together are the whole model.
-    # Hint 1: ParallelMLP.from_dense(block, group) (exercise 2.6) turns one DenseMLP into this
-    #   rank's shard; the group decides which shard. Blocks are split contiguously, like 2.5's
-    #   stages: the first stage gets the first blocks.
+    # Invariant: the pp stages hold equal, contiguous runs of the blocks, in order (stage 0 the
+    #   first run); each block is sharded among the ranks that split blocks in this layout
+    #   (fc1's rows / fc2's columns of this rank, fc2's bias whole), so the stages of one
+    #   pipeline together are the whole model.
+    # Hint 1: your ParallelMLP.from_dense of exercise 2.6 turns one DenseMLP into this rank's
+    #   shard over the group it is given; which of the topology's groups shards a block?
+    #   Blocks are split contiguously, like 2.5's stages: the first stage gets the first blocks.
     # More hints: uv run python -m tests.hint 3.6
     # See guidelines.md#36-3d-parallelism
     raise NotImplementedError(

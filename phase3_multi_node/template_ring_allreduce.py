@@ -3,38 +3,36 @@
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
 """Exercise 3.1: the ring all-reduce, reduce-scatter then all-gather around a ring of ranks.
 
-Rank r talks only to its two neighbours: it sends to ``right = (r + 1) % n`` and receives from
-``left = (r - 1) % n``. The tensor is cut into n chunks (:func:`chunk_bounds`, the pieces of
-``torch.tensor_split``). In the **reduce-scatter**, at step s (0 .. n-2) rank r sends chunk
-``(r - 1 - s) % n`` and receives chunk ``(r - 2 - s) % n``, which it reduces into its own copy:
-each chunk travels once around the ring collecting one contribution per hop, and after n-1 steps
-rank r holds chunk r fully reduced. In the **all-gather**, at step s rank r sends chunk
-``(r - s) % n`` and receives chunk ``(r - 1 - s) % n``: each reduced chunk travels around again,
-copied as it is. Every rank sends 2(n-1) chunks, 2(n-1)/n·S bytes for a tensor of S bytes,
-which no all-reduce can beat (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for
-clusters of workstations", JPDC 69(2), 2009). The time is 2(n-1)·alpha + 2(n-1)/n·S·beta: the
-bandwidth term stays below 2·S·beta however many ranks there are, the latency term grows with
-n. This is the algorithm Baidu brought to deep learning ("Bringing HPC techniques to deep
-learning", A. Gibiansky, 2017; baidu-research/baidu-allreduce), that Horovod built on, and that
-NCCL runs as ``NCCL_ALGO=Ring``.
+Rank r talks only to its two neighbours: it sends to the next rank of the ring (its *right*,
+``(r + 1) % n``) and receives from the previous one (its *left*). The tensor is cut into n chunks
+(:func:`chunk_bounds`, the pieces of ``torch.tensor_split``). Two halves follow, n-1 steps each,
+and at every step every rank sends exactly one chunk and receives exactly one:
 
-**Bitwise agreement.** Each chunk is reduced once, by the hops of its own trip (starting at rank
-``c + 1`` for chunk c), and then copied everywhere: every rank ends with the same bits, though
-not necessarily the bits of ``dist.all_reduce``, whose order of additions differs.
+* **reduce-scatter**: each chunk travels once around the ring, and every rank it passes adds its
+  own contribution before passing it on; the trip of chunk r ends at rank r, which then holds
+  chunk r reduced over every rank. What a rank sends at a step is what it reduced at the step
+  before. Which chunk a rank sends *first* follows from where each trip must end: work it out
+  on the 4-rank table of guidelines.md#31-the-ring-all-reduce.
+* **all-gather**: each reduced chunk travels around again, from its owner, copied as it is.
 
-**Speed.** A plain loop (post isend and irecv, wait, reduce, next step) leaves the link idle while
-the reduction runs and the CPU idle while the bytes travel. Here each chunk is cut into segments
-of ``segment_bytes``: a segment is reduced as soon as it arrives and forwarded at once, while the
-next segments are still on the wire (the pipelining of NCCL's and gloo's rings: gloo/allreduce.cc
-and NCCL's ``NCCL_BUFFSIZE`` slices); every receive is posted before the first send, so data can
-land the moment it is sent; reductions write straight into the output view and the all-gather
-receives straight into the output, so nothing is copied; receive buffers live in a pool reused
-across calls. :func:`ring_all_reduce` also overlaps the two halves at their seam: the
-all-gather's receives are posted before the reduce-scatter starts, under their own tag, and each
-segment of this rank's own chunk leaves as the all-gather's first step the moment its reduction
-is done (gloo's ring finishes the whole reduce-scatter first). Messages travel on
-:class:`~phase3_multi_node.ring_links.RingLinks`, which gives each direction of a link
-its own gloo connection (ring_links.py says why that matters with two ranks).
+Every rank sends 2(n-1) chunks, 2(n-1)/n·S bytes for a tensor of S bytes, which no all-reduce
+can beat (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 69(2), 2009). The time is 2(n-1)·alpha + 2(n-1)/n·S·beta: the bandwidth
+term stays below 2·S·beta however many ranks there are, the latency term grows with n. This is
+the algorithm Baidu brought to deep learning ("Bringing HPC techniques to deep learning", A.
+Gibiansky, 2017; baidu-research/baidu-allreduce), that Horovod built on, and that NCCL runs as
+``NCCL_ALGO=Ring``.
+
+**Bitwise agreement.** Each chunk is reduced once, by the hops of its own trip, and then copied
+everywhere: every rank ends with the same bits, though not necessarily the bits of
+``dist.all_reduce``, whose order of additions differs.
+
+**Speed** (guidelines.md#speed). Each chunk is cut into segments of ``segment_bytes``, reduced
+as they arrive and forwarded at once while later ones are on the wire (the pipelining of gloo's
+and NCCL's rings); every receive is posted before the first send; nothing is copied (reductions
+write into the tensor, the all-gather receives into it, receive buffers are pooled);
+:func:`ring_all_reduce` overlaps the halves at their seam; messages travel on
+:class:`~phase3_multi_node.ring_links.RingLinks` (a gloo connection per direction).
 """
 
 from __future__ import annotations
@@ -56,9 +54,8 @@ from phase3_multi_node.collective_support import (
 from phase3_multi_node.ring_links import RingLinks
 
 # 2 MiB segments: small enough that the reduction of one hides behind the transfer of the next,
-# large enough that the ~50 us of Python and gloo per message stay a few percent (1 MiB was 3-8%
-# slower with 4 ranks on 2 cores, 256 KiB 10-30%: benchmark_collectives --segment-kib; see
-# guidelines.md#speed).
+# large enough that the fixed cost of Python and gloo per message stays small (compare sizes
+# with benchmark_collectives --segment-kib; guidelines.md#speed).
 SEGMENT_BYTES = 2 << 20
 REDUCE_SCATTER_TAG = 0
 ALL_GATHER_TAG = 1  # own tag: the all-gather's receives are posted while reduce-scatter runs
@@ -80,7 +77,8 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     # TODO 3.1: cut numel elements into n contiguous chunks whose sizes differ by at most one.
     # Invariant: the chunks cover 0..numel exactly, in order, without overlap; the first
     #   numel % n of them are one element longer (torch.tensor_split's pieces).
-    # Hint 1: divmod(numel, n) gives the common size and how many chunks get one extra element.
+    # Hint 1: one integer division of numel by n gives both the common size and how many
+    #   chunks are one element longer.
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
@@ -145,12 +143,14 @@ def _reduce_scatter_steps(
     """
     flat, links, rank, n = plan.flat, plan.links, plan.rank, plan.n
     # TODO 3.1: the n-1 reduce-scatter steps: send a chunk right, reduce the one from the left.
-    # Invariant: at step s rank r sends chunk (r-1-s) % n and receives chunk (r-2-s) % n, which
-    #   it reduces into flat with combine_; after step n-2 flat's chunk r holds every rank's
-    #   contribution. Never block in a send: every rank sends at the same time.
-    # Hint 1: post the irecv (into a separate buffer: flat's chunk still holds your own value)
-    #   and the isend with links.irecv / links.isend (tag REDUCE_SCATTER_TAG), then wait, then
-    #   reduce. Return the isends' works without waiting for them: the caller does.
+    # Invariant: at every step each rank sends one chunk to its right and receives one from its
+    #   left, which it reduces (combine_) into its own copy of that chunk in flat; what it sends
+    #   at step s+1 is what it reduced at step s; after step n-2 chunk r of flat holds every
+    #   rank's contribution. Never block in a send: every rank sends at the same time.
+    # Hint 1: first find which chunk rank r sends at step 0 and which it receives, for any n:
+    #   trips end at their owner, so walk the guide's 4-rank table backwards from its last
+    #   step. A received chunk goes into a separate buffer (_POOL.get), not into flat: flat's
+    #   chunk still holds your own value. Return the isends' works without waiting for them.
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
@@ -162,10 +162,13 @@ def _reduce_scatter_steps(
 def _post_all_gather_receives(plan: RingPlan) -> Receives:
     """Post every irecv of the all-gather, step by step, straight into ``plan.flat``."""
     # TODO 3.1: post the all-gather's receives, each into its final place in flat.
-    # Invariant: at step s rank r receives chunk (r-1-s) % n, every segment of it, under
-    #   ALL_GATHER_TAG; nothing is sent here and nothing waited for.
-    # Hint 1: one list per step of (the view of flat, plan.links.irecv(view, ALL_GATHER_TAG))
-    #   for each segment of plan.pieces(r - 1 - s). Receive into flat itself: no buffer.
+    # Invariant: one list per step, in step order, holding (the view of flat, its irecv) for
+    #   every segment of the chunk that arrives at that step, under ALL_GATHER_TAG; nothing is
+    #   sent here and nothing waited for.
+    # Hint 1: at step 0 each rank sends the chunk it owns, and afterwards what it just
+    #   received: so the chunk arriving at step s is the one your left neighbour sends then.
+    #   Receive into flat itself (no buffer): the data is final when it lands.
+    # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
         "TODO 3.1: post the all-gather's receives, each into its final place in flat "
@@ -185,9 +188,10 @@ def _finish_all_gather(
     #   reduced again: every rank ends with the same bits); the last step's chunk is not sent
     #   on (its right neighbour started it). Every isend is waited for before returning: the
     #   caller may overwrite the tensor at once.
-    # Hint 1: walk receives step by step and segment by segment: wait for the segment and,
-    #   except at the last step, send it on with plan.links.isend(view, ALL_GATHER_TAG); then
-    #   wait_all(sends).
+    # Hint 1: the receives are already posted, in step order: a segment is final the moment it
+    #   lands, so it can be passed on at once. Waiting for a send before the next receive
+    #   serializes the ring; wait for the sends only at the end.
+    # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
         "TODO 3.1: the all-gather's steps: pass every received chunk on to the right, once "

@@ -122,8 +122,9 @@ def halving_doubling_all_reduce(
     #   me ^ d; the lower of the two keeps the lower half of the current range [lo, hi), sends
     #   the other half and reduces what it receives into the kept half. After the last step
     #   [lo, hi) is block me, reduced; doubling replays the pairs in reverse, exchanging ranges.
-    # Hint 1: split at mid = (lo + hi) // 2 on both sides of a pair, so the halves agree for
-    #   sizes that do not divide by p. Remember each step's ranges: doubling needs them back.
+    # Hint 1: both ranks of a pair must split [lo, hi) at the same middle, rounded the same way,
+    #   or sizes that do not divide by p leave elements out. Remember each step's ranges:
+    #   doubling needs them back.
     # More hints: uv run python -m tests.hint 3.2
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     raise NotImplementedError(

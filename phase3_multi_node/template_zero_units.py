@@ -68,8 +68,8 @@ class ZeroUnit:
         # TODO 3.5: reduce-scatter the full flat gradient: this rank gets the mean of its slice.
         # Invariant: the result has shard_numel elements: rank r's slice of sum_ranks(flat_grad)
         #   divided by the group size; flat_grad is the padded buffer (every rank the same size).
-        # Hint 1: dist.reduce_scatter_tensor(output, input, group=self.group) sums (gloo has no
-        #   AVG); the loss of each rank is the mean over its own samples only.
+        # Hint 1: torch's reduce-scatter collective (dist.reduce_scatter_tensor) hands rank r the
+        #   SUM of slice r (gloo has no AVG); each rank's loss is the mean over its own samples.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
@@ -106,8 +106,8 @@ class ZeroUnit:
         # TODO 3.5: all-gather every rank's slice into the full flat parameter buffer.
         # Invariant: afterwards flat_param[r·S:(r+1)·S] holds rank r's shard (S = shard_numel)
         #   on every rank, so every model parameter (a view of flat_param) is up to date.
-        # Hint 1: dist.all_gather_into_tensor(output, input, group=...) lays the pieces out in
-        #   group-rank order; in stages 1-2 the shard is a view of flat_param itself.
+        # Hint 1: torch's all-gather into one tensor (dist.all_gather_into_tensor) lays the pieces
+        #   out in group-rank order; in stages 1-2 the shard is a view of flat_param itself.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
@@ -120,7 +120,8 @@ class ZeroUnit:
         # TODO 3.5: give flat_param its memory back, then fill it with the whole layer.
         # Invariant: after gather() the layer's parameters hold the full, current values;
         #   calling it on a gathered unit costs nothing (no second all-gather).
-        # Hint 1: a freed storage has nbytes() == 0; untyped_storage().resize_(nbytes) regrows it.
+        # Hint 1: the memory behind a tensor is its storage (Tensor.untyped_storage()); a freed
+        #   one holds 0 bytes and can be grown back in place, so every view of it sees the memory.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
@@ -133,7 +134,8 @@ class ZeroUnit:
         # TODO 3.5: release the memory of the gathered layer, keeping the parameter objects.
         # Invariant: afterwards flat_param's storage holds 0 bytes and the model's parameters
         #   are still views of it (autograd saved them for backward: gather() refills them).
-        # Hint 1: shrink the storage (untyped_storage().resize_), do not replace the tensor.
+        # Hint 1: free the memory, not the tensor: the storage can be resized in place, and the
+        #   parameters (views of flat_param) must stay the same objects.
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
             "TODO 3.5: release the memory of the gathered layer, keeping the parameter objects "

@@ -96,7 +96,8 @@ def halving_doubling_cost(nbytes: float, n: int) -> Cost:
     # Invariant: log2(p) halving and log2(p) doubling steps among p = 2^k core ranks, S/2, S/4,
     #   ... each; when n > p, one message of S in and one out for the folded pairs, and one
     #   more reduction of S.
-    # Hint 1: p = 1 << (n.bit_length() - 1); math.log2(p) is exact for a power of two.
+    # Hint 1: p is the largest power of two <= n (int.bit_length tells how many bits n has);
+    #   math.log2 is exact on a power of two. Cost objects add up (Cost.__add__).
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     p = 1 << (n.bit_length() - 1)
@@ -146,9 +147,13 @@ def fit_alpha_beta(costs: Sequence[Cost], seconds: Sequence[float]) -> AlphaBeta
     #   beta; a fit that would make one of them negative sets it to 0 and refits the other.
     # Hint 1: divide each equation t_i = alpha·m_i + beta·v_i by t_i, then solve the 2x2 normal
     #   equations (A^T A) x = A^T b by hand (or with numpy.linalg.lstsq).
-    # Hint 2: rows a_i = (m_i / t_i, v_i / t_i), right-hand side 1. If the solution has alpha < 0
-    #   fit beta alone: beta = sum(v_i/t_i) / sum((v_i/t_i)^2), and symmetrically for beta < 0.
-    #   A degenerate system (all sizes equal) cannot tell the two apart: raise a ValueError.
+    # Hint 2: after the division each measurement is a row of two coefficients and a right-
+    #   hand side of 1; the 2x2 normal equations need five sums over the rows. A negative
+    #   unknown is set to 0 and the other one refitted alone (a one-unknown least squares).
+    #   When all sizes are equal the determinant is (about) 0: raise a ValueError naming it.
+    # Hint 3: rows (m_i / t_i, v_i / t_i); with saa, sbb, sab, sa, sb the sums of a·a, b·b,
+    #   a·b, a, b: det = saa·sbb - sab², alpha = (sa·sbb - sb·sab) / det, beta = (saa·sb -
+    #   sab·sa) / det; alpha < 0: beta = sb / sbb; beta < 0: alpha = sa / saa.
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     rows = [(c.rounds / t, c.bytes_sent / t) for c, t in zip(costs, seconds, strict=True)]

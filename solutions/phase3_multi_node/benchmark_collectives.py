@@ -16,6 +16,14 @@ one with the faster per-byte term.
     uv run python -m solutions.phase3_multi_node.benchmark_collectives --world 2 --max-mib 4 \
         --algorithms ring,dist.all_reduce --json rows.json --plot busbw.png
     uv run python -m solutions.phase3_multi_node.benchmark_collectives --impl templates
+    uv run python -m solutions.phase3_multi_node.benchmark_collectives --world 2 --world 4 \
+        --record phase3_multi_node/results/collectives.json
+
+With ``--impl templates`` an algorithm whose exercise is not written yet is skipped with one line
+(halving-doubling needs 3.2, hierarchical 3.3 and 3.1), and so is the fit (3.2's
+``alpha_beta``): the other rows are measured and printed all the same. Before timing, each
+algorithm's result is checked against the sum; a wrong one stops the run naming it.
+``--record PATH`` writes the tables and the figures the guide quotes (course/results.py).
 
 The harness's point-to-point ledger (a hang diagnostic of run_world) is switched off here
 (``DTFS_P2P_LEDGER=0``): it adds about 10 us to every isend/irecv, which ``dist.all_reduce``
@@ -24,7 +32,9 @@ never pays.
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import statistics
 import sys
 import time
@@ -37,15 +47,62 @@ import torch
 import torch.distributed as dist
 
 from course.cli import parse_config, run_main
-from course.impl import IMPLS, load_impl
+from course.impl import IMPLS, load_impl, module_name
+from course.results import Table, write_results
 from course.topology import Topology
-from course.world import run_world
+from course.world import WorldError, run_world
 
 PHASE = "phase3_multi_node"
 KIB, MIB = 1024, 2**20
+MAX_WORLD = 32
 ALGORITHMS = ("ring", "halving_doubling", "hierarchical", "dist.all_reduce")
 # --algorithms may also name these, for the ablation of the ring's speed (ring_variants.py)
-EXTRA_ALGORITHMS = ("ring_plain", "ring_unpipelined", "ring_unfused", "ring_one_connection")
+EXTRA_ALGORITHMS = (
+    "ring_simple",
+    "ring_plain",
+    "ring_unpipelined",
+    "ring_unfused",
+    "ring_one_connection",
+)
+# the exercise modules each algorithm runs (under --impl); the ablation's variants are the
+# reference's own (ring_variants.py) apart from ring_unpipelined, which is the --impl ring
+NEEDS: dict[str, tuple[str, ...]] = {
+    "ring": ("ring_allreduce",),
+    "ring_unpipelined": ("ring_allreduce",),
+    "halving_doubling": ("tree_allreduce",),
+    "hierarchical": ("hierarchical_allreduce", "ring_allreduce"),
+}
+FIT_NEEDS = ("alpha_beta",)
+GOAL_SIZES = (16 * 2**20, 64 * 2**20)  # the ring's speed goal: busbw >= 0.95x at these sizes
+GOAL_RATIO = 0.95
+_TODO_RAISE = re.compile(r'raise NotImplementedError\(\s*"(?P<text>TODO (?P<id>\d+\.\d+):[^"]*)')
+
+
+def unwritten_todo(phase: str, module: str, impl: str) -> str | None:
+    """One line naming the first TODO still unwritten in ``module`` under ``impl``, or None.
+
+    Read from the module's source (a template keeps its ``raise NotImplementedError("TODO
+    x.y: ...")`` until it is written), so nothing runs and no world is started for it.
+    """
+    if impl == "solutions":
+        return None
+    source = inspect.getsource(load_impl(phase, module, impl))
+    match = _TODO_RAISE.search(source)
+    if match is None:
+        return None
+    line = source[: match.start()].count("\n") + 1
+    where = module_name(phase, module, impl).replace(".", "/") + f".py:{line}"
+    goal = match["text"].split(":", 1)[1].strip()
+    return f"TODO {match['id']} not written ({where}): {goal}"
+
+
+def missing_for(algorithm: str, impl: str) -> str | None:
+    """Why ``algorithm`` cannot run under ``impl`` (an unwritten TODO), or None."""
+    for module in NEEDS.get(algorithm, ()):
+        reason = unwritten_todo(PHASE, module, impl)
+        if reason:
+            return reason
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,11 +150,13 @@ def _functions(impl: str, topology: Topology, segment_bytes: int) -> dict[str, C
     from solutions.phase3_multi_node.ring_variants import (
         one_connection_ring_all_reduce,
         plain_ring_all_reduce,
+        simple_ring_all_reduce,
         unfused_ring_all_reduce,
     )
 
     return {
         "ring": lambda t: ring.ring_all_reduce(t, segment_bytes=segment_bytes),
+        "ring_simple": simple_ring_all_reduce,
         "ring_plain": plain_ring_all_reduce,
         "ring_unpipelined": lambda t: ring.ring_all_reduce(t, segment_bytes=2**62),
         "ring_unfused": lambda t: unfused_ring_all_reduce(t, segment_bytes=segment_bytes),
@@ -121,7 +180,15 @@ def measure_worker(
     for nbytes in sizes:
         tensor = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
         for name in algorithms:  # warm-up: connections, pooled buffers, first-touch pages
+            tensor.fill_(1.0)
             functions[name](tensor)
+            if not bool((tensor == world).all()):  # the sum of ones over the world
+                wrong = int((tensor != world).sum())
+                raise ValueError(
+                    f"{name} on {world} ranks, {nbytes} bytes: {wrong} of {tensor.numel()} "
+                    f"elements differ from the sum ({world}) on rank {rank}; timing a wrong "
+                    "all-reduce means nothing: check it with its grader first"
+                )
         times: dict[str, list[float]] = {name: [] for name in algorithms}
         for _ in range(iterations_for(nbytes, world, scale)):
             for name in algorithms:
@@ -147,8 +214,10 @@ def run_benchmark(
     nodes: int = 2,
     segment_bytes: int = 2 * MIB,
     scale: float = 1.0,
+    timeout: float = 1800,
 ) -> list[Row]:
-    """Every (world, size, algorithm) median, worlds one after the other."""
+    """Every (world, size, algorithm) median, worlds one after the other (each world within
+    ``timeout`` seconds)."""
     known = ALGORITHMS + EXTRA_ALGORITHMS
     unknown = [a for a in algorithms if a not in known]
     if unknown:
@@ -166,7 +235,7 @@ def run_benchmark(
             world,
             (list(sizes), list(algorithms), impl, segment_bytes, scale),
             nodes=nodes,
-            timeout=1800,
+            timeout=timeout,
             env={"DTFS_P2P_LEDGER": "0"},
         )[0]
     return rows
@@ -255,36 +324,34 @@ def human(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """Markdown: one row per (world, size, algorithm); ratio = busbw / dist.all_reduce's."""
+def busbw_table(rows: Sequence[Row]) -> Table:
+    """One row per (world, size, algorithm); the last column is busbw / dist.all_reduce's."""
     reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
-    lines = [
-        "| world | size | algorithm | median ms | algbw GB/s | busbw GB/s "
-        "| busbw vs dist.all_reduce |",
-        "|---:|---:|---|---:|---:|---:|---:|",
-    ]
+    table = Table(["world", "size", "algorithm", "median ms", "algbw GB/s", "busbw GB/s",
+                   "busbw vs dist.all_reduce"])  # fmt: skip
     for r in rows:
         ref = reference.get((r.world, r.nbytes))
         ratio = f"{r.busbw / ref.busbw:.2f}x" if ref else "-"
-        lines.append(
-            f"| {r.world} | {human(r.nbytes)} | {r.algorithm} | {1e3 * r.median_s:.3f} | "
-            f"{r.algbw / 1e9:.3f} | {r.busbw / 1e9:.3f} | {ratio} |"
-        )
-    return "\n".join(lines)
+        table.add(r.world, human(r.nbytes), r.algorithm, f"{1e3 * r.median_s:.3f}",
+                  f"{r.algbw / 1e9:.3f}", f"{r.busbw / 1e9:.3f}", ratio)  # fmt: skip
+    return table
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Markdown: one row per (world, size, algorithm); ratio = busbw / dist.all_reduce's."""
+    return busbw_table(rows).to_markdown()
+
+
+def fits_table(fits: Sequence[Fit]) -> Table:
+    table = Table(["world", "algorithm", "alpha us", "beta ns/byte", "1/beta GB/s"])
+    for f in fits:
+        bandwidth = f"{1e-9 / f.beta:.3f}" if f.beta > 0 else "inf"
+        table.add(f.world, f.algorithm, f"{1e6 * f.alpha:.1f}", f"{1e9 * f.beta:.3f}", bandwidth)
+    return table
 
 
 def format_fits(fits: Sequence[Fit]) -> str:
-    lines = [
-        "| world | algorithm | alpha us | beta ns/byte | 1/beta GB/s |",
-        "|---:|---|---:|---:|---:|",
-    ]
-    for f in fits:
-        bandwidth = f"{1e-9 / f.beta:.3f}" if f.beta > 0 else "inf"
-        alpha_us, beta_ns = 1e6 * f.alpha, 1e9 * f.beta
-        lines.append(
-            f"| {f.world} | {f.algorithm} | {alpha_us:.1f} | {beta_ns:.3f} | {bandwidth} |"
-        )
-    return "\n".join(lines)
+    return fits_table(fits).to_markdown()
 
 
 def speed_goal(rows: Sequence[Row]) -> list[str]:
@@ -348,20 +415,53 @@ class BenchmarkConfig:
     """The benchmark's flags."""
 
     world: str = field(
-        default="2,4", metadata={"help": "world sizes: --world 2 --world 4, or --world 2,4"}
+        default="2,4",
+        metadata={"help": f"world sizes 2..{MAX_WORLD}: --world 2 --world 4, or --world 2,4"},
     )
-    min_kib: float = field(default=1.0, metadata={"help": "smallest message, KiB"})
-    max_mib: float = field(default=64.0, metadata={"help": "largest message, MiB"})
+    min_kib: float = field(
+        default=1.0,
+        metadata={"help": "smallest message, KiB", "gt": 0, "fix": "a size in KiB, e.g. 1"},
+    )
+    max_mib: float = field(
+        default=64.0,
+        metadata={
+            "help": "largest message, MiB",
+            "gt": 0,
+            "le": 1024,
+            "fix": "a size in MiB up to 1024, e.g. 64",
+        },
+    )
     algorithms: str = field(
         default=",".join(ALGORITHMS),
         metadata={"help": f"from {', '.join(ALGORITHMS + EXTRA_ALGORITHMS)}"},
     )
-    nodes: int = field(default=2, metadata={"help": "simulated nodes (hierarchical)"})
-    segment_kib: int = field(default=2048, metadata={"help": "ring segment size, KiB"})
-    repeat_scale: float = field(default=1.0, metadata={"help": "multiply the repeats by this"})
+    nodes: int = field(
+        default=2,
+        metadata={
+            "help": "simulated nodes (hierarchical)",
+            "ge": 1,
+            "fix": "1 or more nodes that divide every world, e.g. 2",
+        },
+    )
+    segment_kib: int = field(
+        default=2048,
+        metadata={"help": "ring segment size, KiB", "ge": 1, "fix": "e.g. 2048 (2 MiB)"},
+    )
+    repeat_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "multiply the repeats by this",
+            "gt": 0,
+            "le": 100,
+            "fix": "a factor such as 0.5 (quicker) or 2 (steadier)",
+        },
+    )
     impl: str = field(default="solutions", metadata={"choices": IMPLS, "help": "whose code"})
     json: str = field(default="", metadata={"help": "write the rows and fits to this file"})
     plot: str = field(default="benchmark_collectives.png", metadata={"help": "PNG ('' for none)"})
+    record: str = field(
+        default="", metadata={"help": "write the tables to this results file (course/results.py)"}
+    )
 
 
 def _merge_repeated(argv: Sequence[str], flag: str) -> list[str]:
@@ -381,51 +481,159 @@ def _merge_repeated(argv: Sequence[str], flag: str) -> list[str]:
     return [*rest, flag, ",".join(values)] if values else rest
 
 
+def validate(config: BenchmarkConfig) -> tuple[list[int], list[str], list[int]]:
+    """The worlds, algorithms and sizes to run, or a ValueError naming the bad flag and a fix.
+
+    Everything is checked here, before any process starts."""
+    try:
+        worlds = [int(w) for w in config.world.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--world {config.world!r}: give world sizes like 2 or 2,4") from None
+    bad = [w for w in worlds if not 2 <= w <= MAX_WORLD or w % config.nodes]
+    if not worlds or bad:
+        raise ValueError(
+            f"--world {config.world}: each world needs 2 to {MAX_WORLD} ranks and must divide "
+            f"into --nodes {config.nodes} simulated nodes of equal size (e.g. --world 2,4)"
+        )
+    algorithms = [a.strip() for a in config.algorithms.split(",") if a.strip()]
+    known = ALGORITHMS + EXTRA_ALGORITHMS
+    unknown = [a for a in algorithms if a not in known]
+    if not algorithms or unknown:
+        raise ValueError(
+            f"--algorithms {config.algorithms!r}: unknown {unknown or 'none given'}; choose from "
+            f"{', '.join(known)}"
+        )
+    if config.max_mib * 1024 < config.min_kib:
+        raise ValueError(
+            f"--min-kib {config.min_kib:g} is above --max-mib {config.max_mib:g} (= "
+            f"{config.max_mib * 1024:g} KiB): give a range such as --min-kib 1 --max-mib 64"
+        )
+    return worlds, algorithms, default_sizes(int(config.min_kib * KIB), int(config.max_mib * MIB))
+
+
+def _range(values: Sequence[float], unit: str, digits: int = 2) -> str:
+    low, high = min(values), max(values)
+    if f"{low:.{digits}f}" == f"{high:.{digits}f}":
+        return f"{low:.{digits}f}{unit}"
+    return f"{low:.{digits}f}-{high:.{digits}f}{unit}"
+
+
+def goal_table(rows: Sequence[Row]) -> Table:
+    """The ring's speed goal, cell by cell: busbw against dist.all_reduce's in the same run."""
+    table = Table(["world", "size", "ring busbw GB/s", "dist.all_reduce busbw GB/s", "ratio",
+                   f"goal >= {GOAL_RATIO}x"])  # fmt: skip
+    reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
+    for r in rows:
+        ref = reference.get((r.world, r.nbytes))
+        if r.algorithm == "ring" and ref and r.nbytes in GOAL_SIZES:
+            ratio = r.busbw / ref.busbw
+            table.add(r.world, human(r.nbytes), f"{r.busbw / 1e9:.3f}", f"{ref.busbw / 1e9:.3f}",
+                      f"{ratio:.2f}x", "met" if ratio >= GOAL_RATIO else "not met")  # fmt: skip
+    return table
+
+
+def summary_values(
+    rows: Sequence[Row], fits: Sequence[Fit] | None, lines: Sequence[str]
+) -> dict[str, str]:
+    """The figures a page quotes, computed from the rows (each a string, as printed)."""
+    values: dict[str, str] = {}
+    goal = goal_table(rows)
+    if goal.rows:
+        met = sum(row[-1] == "met" for row in goal.rows)
+        values["goal_met"] = f"{met} of {len(goal.rows)}"
+        values["goal_worst"] = min(goal.rows, key=lambda row: float(row[4][:-1]))[4]
+        for row in goal.rows:
+            values[f"goal_w{row[0]}_{row[1].replace(' ', '').lower()}"] = row[4]
+    reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
+    for world in sorted({r.world for r in rows}):
+        large = [r for r in rows if r.world == world and r.nbytes >= 4 * MIB]
+        if large:
+            values[f"large_busbw_w{world}"] = _range([r.busbw / 1e9 for r in large], " GB/s")
+        for algorithm in sorted({r.algorithm for r in rows} - {"dist.all_reduce"}):
+            ratios = [
+                r.busbw / reference[(world, r.nbytes)].busbw
+                for r in rows
+                if r.world == world and r.algorithm == algorithm and r.nbytes >= 4 * MIB
+                and (world, r.nbytes) in reference
+            ]  # fmt: skip
+            if ratios:
+                values[f"ratio_large_w{world}.{algorithm}"] = _range(ratios, "x")
+    del fits, lines  # the fits and crossovers are tables of their own
+    return values
+
+
+def record(
+    path: str, rows: Sequence[Row], fits: Sequence[Fit] | None, lines: Sequence[str]
+) -> Path:
+    """Write the tables and values of this run to a results file (course/results.py)."""
+    tables = {"busbw": busbw_table(rows), "goal": goal_table(rows)}
+    if fits is not None:
+        tables["fits"] = fits_table(fits)
+        crossings = Table(["prediction of the fitted models"])
+        for line in lines:
+            crossings.add(line)
+        tables["crossovers"] = crossings
+    return write_results(path, tables=tables, values=summary_values(rows, fits, lines))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _merge_repeated(list(sys.argv[1:] if argv is None else argv), "--world")
     config = parse_config(BenchmarkConfig, args, __doc__)
     try:
-        worlds = [int(w) for w in config.world.split(",") if w.strip()]
-    except ValueError:
-        print(f"error: --world {config.world!r}: give world sizes like 2 or 2,4", file=sys.stderr)
+        worlds, wanted, sizes = validate(config)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    algorithms = [a.strip() for a in config.algorithms.split(",") if a.strip()]
-    if config.segment_kib < 1 or config.min_kib <= 0 or config.max_mib * 1024 < config.min_kib:
-        print("error: --segment-kib >= 1 and 0 < --min-kib <= --max-mib·1024", file=sys.stderr)
+    skipped = {a: why for a in wanted if (why := missing_for(a, config.impl))}
+    algorithms = [a for a in wanted if a not in skipped]
+    for algorithm, why in skipped.items():
+        print(f"skipped {algorithm}: {why}")
+    if not any(a != "dist.all_reduce" for a in algorithms):
+        print("error: nothing of yours to measure yet: write 3.1 first", file=sys.stderr)
         return 2
-    sizes = default_sizes(int(config.min_kib * KIB), int(config.max_mib * MIB))
     started = time.perf_counter()
     try:
         rows = run_benchmark(
             worlds, sizes, algorithms, impl=config.impl, nodes=config.nodes,
             segment_bytes=config.segment_kib * KIB, scale=config.repeat_scale,
         )  # fmt: skip
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    fits = fit_models(rows, config.nodes, config.impl)
+    except WorldError as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
     print(format_table(rows))
-    print("\nFitted alpha-beta model (least squares relative to each median):\n")
-    print(format_fits(fits))
-    print("\nPredicted crossovers:")
-    for line in crossovers(fits, config.nodes, config.impl):
-        print(f"  {line}")
+    fit_missing = next(
+        (why for module in FIT_NEEDS if (why := unwritten_todo(PHASE, module, config.impl))), None
+    )
+    fits: list[Fit] | None = None
+    lines: list[str] = []
+    if fit_missing:
+        print(f"\nFitted alpha-beta model: skipped ({fit_missing})")
+    else:
+        fits = fit_models(rows, config.nodes, config.impl)
+        lines = crossovers(fits, config.nodes, config.impl)
+        print("\nFitted alpha-beta model (least squares relative to each median):\n")
+        print(format_fits(fits))
+        print("\nPredicted crossovers:")
+        for line in lines:
+            print(f"  {line}")
     goal = speed_goal(rows)
     if goal:
-        print("\nSpeed goal (ring busbw >= 0.95x dist.all_reduce at 16 and 64 MiB):")
+        print(f"\nSpeed goal (ring busbw >= {GOAL_RATIO}x dist.all_reduce at 16 and 64 MiB):")
         for line in goal:
             print(f"  {line}")
     if config.json:
         payload = {
             "rows": [r.as_dict() for r in rows],
-            "fits": [asdict(f) for f in fits],
+            "fits": [asdict(f) for f in fits or []],
             "torch": torch.__version__,
             "backend": "gloo",
         }
         Path(config.json).write_text(json.dumps(payload, indent=1))
     if config.plot:
-        save_plot(rows, fits, Path(config.plot), config.nodes, config.impl)
+        save_plot(rows, fits or [], Path(config.plot), config.nodes, config.impl)
         print(f"\nplot: {config.plot}")
+    if config.record:
+        print(f"\nrecorded: {record(config.record, rows, fits, lines)}")
     print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
     return 0
 

@@ -17,6 +17,11 @@ when DDP costs no more than backward alone, 0% when it costs backward plus all t
     uv run python -m solutions.phase3_multi_node.benchmark_ddp
     uv run python -m solutions.phase3_multi_node.benchmark_ddp --caps=1,5,25,100  # cost model
     uv run python -m solutions.phase3_multi_node.benchmark_ddp --impl templates
+    uv run python -m solutions.phase3_multi_node.benchmark_ddp --caps=-1,1,5,100 \
+        --record phase3_multi_node/results/ddp.json
+
+``--record PATH`` writes the table and the figures the guide quotes (course/results.py).
+``uv run python -m tests.bench 3.4`` measures your DDP against the guide's goal.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course.cli import benchmark_main, run_main
 from course.impl import IMPLS, load_impl
+from course.results import Table, write_results
 from course.world import run_world
 
 PHASE = "phase3_multi_node"
@@ -43,11 +49,46 @@ PHASE = "phase3_multi_node"
 class BenchmarkConfig:
     """The benchmark's flags."""
 
-    world: int = field(default=2, metadata={"help": "number of ranks"})
-    width: int = field(default=2048, metadata={"help": "width of each Linear layer"})
-    layers: int = field(default=4, metadata={"help": "number of width x width Linear layers"})
-    batch: int = field(default=32, metadata={"help": "samples per rank per step"})
-    steps: int = field(default=20, metadata={"help": "timed repetitions of each quantity"})
+    world: int = field(
+        default=2,
+        metadata={"help": "number of ranks", "ge": 2, "le": 32, "fix": "2 to 32 ranks, e.g. 2"},
+    )
+    width: int = field(
+        default=2048,
+        metadata={
+            "help": "width of each Linear layer",
+            "ge": 1,
+            "le": 16384,
+            "fix": "a width from 1 to 16384, e.g. 2048",
+        },
+    )
+    layers: int = field(
+        default=4,
+        metadata={
+            "help": "number of width x width Linear layers",
+            "ge": 1,
+            "le": 64,
+            "fix": "1 to 64 layers, e.g. 4",
+        },
+    )
+    batch: int = field(
+        default=32,
+        metadata={
+            "help": "samples per rank per step",
+            "ge": 1,
+            "le": 65536,
+            "fix": "a batch of at least 1 sample, e.g. 32",
+        },
+    )
+    steps: int = field(
+        default=20,
+        metadata={
+            "help": "timed repetitions of each quantity",
+            "ge": 1,
+            "le": 10000,
+            "fix": "at least 1 repetition, e.g. 20",
+        },
+    )
     caps: str = field(
         default="-1",
         metadata={
@@ -57,6 +98,9 @@ class BenchmarkConfig:
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "time the reference or your templates"},
+    )
+    record: str = field(
+        default="", metadata={"help": "write the table to this results file (course/results.py)"}
     )
 
 
@@ -72,14 +116,8 @@ def parse_caps(text: str) -> list[float]:
 
 
 def validate(config: BenchmarkConfig) -> None:
+    """What the field bounds cannot say: the caps (parse_caps names what is wrong)."""
     parse_caps(config.caps)
-    problems = [
-        f"--{name} {getattr(config, name)} must be >= {low}"
-        for name, low in (("world", 2), ("width", 1), ("layers", 1), ("batch", 1), ("steps", 1))
-        if getattr(config, name) < low
-    ]
-    if problems:
-        raise ValueError("; ".join(problems))
 
 
 def make_mlp(width: int, layers: int) -> nn.Sequential:
@@ -164,28 +202,67 @@ def hidden_share(fwd_bwd: float, local: float, comm: float) -> float:
     return min(1.0, max(0.0, (local + comm - fwd_bwd) / comm))
 
 
-def format_table(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> str:
+GOAL_RATIO = 1.05  # the guide's goal: our step time at most 1.05x torch DDP's
+
+
+def header(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> str:
     first = results[0]
-    lines = [
+    return (
         f"MLP {config.layers} x Linear({config.width}, {config.width}), fp32, "
         f"{first['grad_bytes'] / 2**20:.1f} MiB of gradients, world {config.world}, batch "
         f"{config.batch} per rank, medians of {config.steps} (slowest rank), CPU "
-        f"({first['threads']} thread(s) per rank)",
-        "",
-        "| bucket_cap_mb | buckets (MiB) | DDP | step ms | step vs torch | fwd+bwd ms "
-        "| local fwd+bwd ms | comm alone ms | comm hidden behind backward |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        f"({first['threads']} thread(s) per rank)"
+    )
+
+
+def ddp_table(results: Sequence[dict[str, Any]], impl: str) -> Table:
+    table = Table(
+        ["bucket_cap_mb", "buckets (MiB)", "DDP", "step ms", "step vs torch", "fwd+bwd ms",
+         "local fwd+bwd ms", "comm alone ms", "comm hidden behind backward"]
+    )  # fmt: skip
     for r in results:
         buckets = ", ".join(f"{b / 2**20:.1f}" for b in r["buckets"])
-        for name, label in (("ours", f"from scratch ({config.impl})"), ("torch", "torch DDP")):
+        for name, label in (("ours", f"from scratch ({impl})"), ("torch", "torch DDP")):
             hidden = hidden_share(r[f"fb {name}"], r["local"], r["comm"])
-            lines.append(
-                f"| {r['cap']} | {buckets} | {label} | {1e3 * r[f'step {name}']:.1f} | "
-                f"{r[f'step {name}'] / r['step torch']:.3f}x | {1e3 * r[f'fb {name}']:.1f} | "
-                f"{1e3 * r['local']:.1f} | {1e3 * r['comm']:.1f} | {100 * hidden:.0f}% |"
-            )
-    return "\n".join(lines)
+            table.add(
+                r["cap"], buckets, label, f"{1e3 * r[f'step {name}']:.1f}",
+                f"{r[f'step {name}'] / r['step torch']:.3f}x", f"{1e3 * r[f'fb {name}']:.1f}",
+                f"{1e3 * r['local']:.1f}", f"{1e3 * r['comm']:.1f}", f"{100 * hidden:.0f}%",
+            )  # fmt: skip
+    return table
+
+
+def step_ratios(results: Sequence[dict[str, Any]]) -> list[float]:
+    """Our step time over torch DDP's, one per cap."""
+    return [r["step ours"] / r["step torch"] for r in results]
+
+
+def summary_values(results: Sequence[dict[str, Any]]) -> dict[str, str]:
+    ratios = step_ratios(results)
+    met = sum(ratio <= GOAL_RATIO for ratio in ratios)
+    hidden = {
+        name: [hidden_share(r[f"fb {name}"], r["local"], r["comm"]) for r in results]
+        for name in ("ours", "torch")
+    }
+    return {
+        "step_ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}x",
+        "goal_met": f"{met} of {len(ratios)}",
+        "hidden_ours": f"{100 * min(hidden['ours']):.0f}-{100 * max(hidden['ours']):.0f}%",
+        "hidden_torch": f"{100 * min(hidden['torch']):.0f}-{100 * max(hidden['torch']):.0f}%",
+    }
+
+
+def format_table(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> str:
+    text = header(results, config) + "\n\n" + ddp_table(results, config.impl).to_markdown()
+    if config.record:
+        path = write_results(
+            config.record,
+            tables={"ddp": Table(["setup"], [[header(results, config)]]),
+                    "steps": ddp_table(results, config.impl)},
+            values=summary_values(results),
+        )  # fmt: skip
+        text += f"\n\nrecorded: {path}"
+    return text
 
 
 def measure(config: BenchmarkConfig) -> Any:

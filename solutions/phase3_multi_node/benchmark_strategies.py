@@ -26,6 +26,10 @@ after the last step shows that every strategy trained the same model.
     uv run python -m solutions.phase3_multi_node.benchmark_strategies
     uv run python -m solutions.phase3_multi_node.benchmark_strategies --world 4 --layers 8
     uv run python -m solutions.phase3_multi_node.benchmark_strategies --impl templates
+    uv run python -m solutions.phase3_multi_node.benchmark_strategies \
+        --record phase3_multi_node/results/strategies.json
+
+``--record PATH`` writes the tables and the figures the guide quotes (course/results.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from course.cli import benchmark_main, run_main
 from course.distributed import current_info
 from course.impl import IMPLS, load_impl
 from course.memory import SavedTensorMeter
+from course.results import Table, write_results
 from course.world import run_world
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 
@@ -65,35 +70,71 @@ MIB = 2**20
 class StrategiesConfig:
     """The benchmark's flags."""
 
-    world: int = field(default=2, metadata={"help": "number of ranks"})
-    width: int = field(default=1024, metadata={"help": "width of each Linear layer"})
-    layers: int = field(default=4, metadata={"help": "Linear layers (a multiple of --world)"})
-    global_batch: int = field(default=64, metadata={"help": "samples per step, all ranks"})
-    microbatches: int = field(default=4, metadata={"help": "the pipeline's micro-batches"})
-    steps: int = field(default=20, metadata={"help": "timed steps per strategy"})
-    lr: float = 1e-3
+    world: int = field(
+        default=2,
+        metadata={"help": "number of ranks", "ge": 2, "le": 32, "fix": "2 to 32 ranks, e.g. 2"},
+    )
+    width: int = field(
+        default=1024,
+        metadata={
+            "help": "width of each Linear layer",
+            "ge": 1,
+            "le": 16384,
+            "fix": "a width from 1 to 16384, e.g. 1024",
+        },
+    )
+    layers: int = field(
+        default=4,
+        metadata={
+            "help": "Linear layers (a multiple of --world)",
+            "ge": 1,
+            "le": 256,
+            "fix": "a multiple of --world, e.g. 4",
+        },
+    )
+    global_batch: int = field(
+        default=64,
+        metadata={
+            "help": "samples per step, all ranks",
+            "ge": 1,
+            "le": 1 << 20,
+            "fix": "a multiple of --world and --microbatches, e.g. 64",
+        },
+    )
+    microbatches: int = field(
+        default=4,
+        metadata={
+            "help": "the pipeline's micro-batches",
+            "ge": 1,
+            "le": 4096,
+            "fix": "a divisor of --global-batch, e.g. 4",
+        },
+    )
+    steps: int = field(
+        default=20,
+        metadata={
+            "help": "timed steps per strategy",
+            "ge": 1,
+            "le": 10000,
+            "fix": "at least 1 step, e.g. 20",
+        },
+    )
+    lr: float = field(
+        default=1e-3,
+        metadata={"help": "AdamW's learning rate", "gt": 0, "fix": "a positive rate, e.g. 1e-3"},
+    )
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your templates"},
+    )
+    record: str = field(
+        default="", metadata={"help": "write the tables to this results file (course/results.py)"}
     )
 
 
 def validate(config: StrategiesConfig) -> None:
     """Every bad flag at once, naming each and a fix."""
-    problems = [
-        f"--{name.replace('_', '-')} {getattr(config, name)} must be >= {low}"
-        for name, low in (
-            ("world", 2),
-            ("width", 1),
-            ("layers", 1),
-            ("global_batch", 1),
-            ("microbatches", 1),
-            ("steps", 1),
-        )
-        if getattr(config, name) < low
-    ]
-    if problems:
-        raise ValueError("; ".join(problems))
+    problems = []
     if config.layers % config.world:
         problems.append(
             f"--layers {config.layers} does not split into --world {config.world} equal pipeline "
@@ -317,58 +358,84 @@ def total_bytes(row: dict[str, Any]) -> int:
     )
 
 
-def format_tables(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> str:
-    """The summary table (the most loaded rank's bytes) and the per-rank breakdown."""
-    device = per_rank[0]["device"]
-    gpu = device.startswith("cuda")
+def header(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> str:
     params = sum(p.numel() for p in make_mlp(config.width, config.layers).parameters())
-    lines = [
+    return (
         f"MLP {config.layers} x Linear({config.width}, {config.width}), {params:,} parameters, "
-        f"float32, AdamW; global batch {config.global_batch}, world {config.world} on {device}; "
-        f"pipeline: {config.microbatches} micro-batches; medians of {config.steps} steps, the "
-        f"strategies in turn (slowest rank); bytes in MiB after a step, each strategy alone, "
-        f"on the rank holding the most",
-        "",
-        "| strategy | step ms | samples/s | vs torch DDP | params | grads | optimizer "
-        "| activations (peak) | DDP buckets | total | vs torch DDP |"
-        + (" GPU peak allocated |" if gpu else "")
-        + f" loss at step {WARMUP + config.steps} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        + ("---:|" if gpu else "")
-        + "---:|",
-    ]
+        f"float32, AdamW; global batch {config.global_batch}, world {config.world} on "
+        f"{per_rank[0]['device']}; pipeline: {config.microbatches} micro-batches; medians of "
+        f"{config.steps} steps, the strategies in turn (slowest rank); bytes in MiB after a "
+        "step, each strategy alone, on the rank holding the most"
+    )
+
+
+def summary_table(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> Table:
+    """One row per strategy: time, the most loaded rank's bytes, the loss."""
+    gpu = str(per_rank[0]["device"]).startswith("cuda")
+    table = Table(
+        ["strategy", "step ms", "samples/s", "vs torch DDP", "params", "grads", "optimizer",
+         "activations (peak)", "DDP buckets", "total", "vs torch DDP"]
+        + (["GPU peak allocated"] if gpu else [])
+        + [f"loss at step {WARMUP + config.steps}"]
+    )  # fmt: skip
     base = per_rank[0]["torch DDP"]
     base_total = max(total_bytes(r["torch DDP"]) for r in per_rank)
     for name in STRATEGIES:
         rows = [r[name] for r in per_rank]
         heaviest = max(rows, key=total_bytes)
         step = rows[0]["step"]
-        rate = config.global_batch / step
-        gpu_cell = f" {_mib(max(r['gpu_peak'] for r in rows))} |" if gpu else ""
-        lines.append(
-            f"| {name} | {1e3 * step:.1f} | {rate:.0f} | {base['step'] / step:.3f}x | "
-            f"{_mib(heaviest['params'])} | {_mib(heaviest['grads'])} | "
-            f"{_mib(heaviest['optimizer'])} | {_mib(heaviest['activations'])} | "
-            f"{_mib(heaviest['buckets'])} | {_mib(total_bytes(heaviest))} | "
-            f"{total_bytes(heaviest) / base_total:.3f}x |{gpu_cell} {rows[0]['loss']:.6f} |"
-        )
-    lines += [
-        "",
-        "per rank (MiB):",
-        "",
-        "| strategy | rank | params | grads | optimizer | activations (peak) | DDP buckets "
-        "| total |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+        gpu_cell = [_mib(max(r["gpu_peak"] for r in rows))] if gpu else []
+        table.add(
+            name, f"{1e3 * step:.1f}", f"{config.global_batch / step:.0f}",
+            f"{base['step'] / step:.3f}x", _mib(heaviest["params"]), _mib(heaviest["grads"]),
+            _mib(heaviest["optimizer"]), _mib(heaviest["activations"]),
+            _mib(heaviest["buckets"]), _mib(total_bytes(heaviest)),
+            f"{total_bytes(heaviest) / base_total:.3f}x", *gpu_cell, f"{rows[0]['loss']:.6f}",
+        )  # fmt: skip
+    return table
+
+
+def per_rank_table(per_rank: Sequence[dict[str, Any]]) -> Table:
+    table = Table(["strategy", "rank", "params", "grads", "optimizer", "activations (peak)",
+                   "DDP buckets", "total"])  # fmt: skip
     for name in STRATEGIES:
         for rank, r in enumerate(per_rank):
             row = r[name]
-            lines.append(
-                f"| {name} | {rank} | {_mib(row['params'])} | {_mib(row['grads'])} | "
-                f"{_mib(row['optimizer'])} | {_mib(row['activations'])} | "
-                f"{_mib(row['buckets'])} | {_mib(total_bytes(row))} |"
-            )
-    return "\n".join(lines)
+            table.add(name, rank, _mib(row["params"]), _mib(row["grads"]),
+                      _mib(row["optimizer"]), _mib(row["activations"]), _mib(row["buckets"]),
+                      _mib(total_bytes(row)))  # fmt: skip
+    return table
+
+
+def summary_values(per_rank: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Speed and memory of each strategy against torch DDP, and whether the losses agree."""
+    base = per_rank[0]["torch DDP"]
+    base_total = max(total_bytes(r["torch DDP"]) for r in per_rank)
+    values: dict[str, str] = {}
+    for name in STRATEGIES:
+        key = name.split(" (")[0].replace(" ", "_").replace("+", "plus")
+        heaviest = max((r[name] for r in per_rank), key=total_bytes)
+        values[f"speed.{key}"] = f"{base['step'] / per_rank[0][name]['step']:.2f}x"
+        values[f"memory.{key}"] = f"{total_bytes(heaviest) / base_total:.2f}x"
+    losses = {f"{per_rank[0][name]['loss']:.6f}" for name in STRATEGIES}
+    values["losses_agree"] = "yes" if len(losses) == 1 else f"no ({', '.join(sorted(losses))})"
+    return values
+
+
+def format_tables(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> str:
+    """The summary table (the most loaded rank's bytes) and the per-rank breakdown."""
+    summary, ranks = summary_table(per_rank, config), per_rank_table(per_rank)
+    text = "\n".join([header(per_rank, config), "", summary.to_markdown(), "",
+                      "per rank (MiB):", "", ranks.to_markdown()])  # fmt: skip
+    if config.record:
+        path = write_results(
+            config.record,
+            tables={"setup": Table(["setup"], [[header(per_rank, config)]]),
+                    "summary": summary, "per_rank": ranks},
+            values=summary_values(per_rank),
+        )  # fmt: skip
+        text += f"\n\nrecorded: {path}"
+    return text
 
 
 def measure(config: StrategiesConfig) -> Any:

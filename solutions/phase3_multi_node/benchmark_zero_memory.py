@@ -17,6 +17,11 @@ Timings on a shared 2-core machine are noisy; bytes are exact.
     uv run python -m solutions.phase3_multi_node.benchmark_zero_memory
     uv run python -m solutions.phase3_multi_node.benchmark_zero_memory --worlds 2 --hidden 64
     uv run python -m solutions.phase3_multi_node.benchmark_zero_memory --paper
+    uv run python -m solutions.phase3_multi_node.benchmark_zero_memory --paper \
+        --record phase3_multi_node/results/zero_memory.json
+
+``--record PATH`` writes the tables the guide quotes (course/results.py); ``uv run python -m
+tests.bench 3.5`` checks every rank of your ZeRO against the formulas.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from course.cli import parse_config, run_main
 from course.comm_counter import CommCounter
 from course.impl import IMPLS, load_impl
 from course.models import MLP
+from course.results import Table, write_results
 from course.world import run_world
 from solutions.phase3_multi_node import zero_accounting as acc
 from solutions.phase3_multi_node import zero_library as lib
@@ -121,13 +127,12 @@ def _kib(nbytes: float) -> str:
     return f"{nbytes / 1024:.1f}"
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """A markdown table: measured vs formula bytes (KiB), communication, step time."""
-    lines = [
-        "| N | implementation | Ψ | params | grads | optimizer | total | formula total | "
-        "comm / step (formula) | step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def memory_table(rows: Sequence[Row]) -> Table:
+    """Measured vs formula bytes (KiB), communication, step time."""
+    table = Table(
+        ["N", "implementation", "Ψ", "params", "grads", "optimizer", "total", "formula total",
+         "comm / step (formula)", "step ms"]
+    )  # fmt: skip
     for row in rows:
         formula = "-" if row.formula is None else _kib(row.formula.total)
         if row.formula is not None and row.formula == row.held:
@@ -138,48 +143,117 @@ def format_table(rows: Sequence[Row]) -> str:
             comm = f"{_kib(row.volume)} broadcast + DDP's all-reduce (C++, 2Ψ)"
         else:
             comm = f"{_kib(row.volume)} ({_kib(row.formula_volume or 0)})"
-        lines.append(
-            f"| {row.world} | {row.name} | {row.psi} | {_kib(row.held.params)} | "
-            f"{_kib(row.held.grads)} | {_kib(row.held.optimizer)} | {_kib(row.held.total)} | "
-            f"{formula} | {comm} | {row.step_seconds * 1e3:.1f} |"
-        )
-    return "\n".join(lines)
+        table.add(
+            row.world, row.name, row.psi, _kib(row.held.params), _kib(row.held.grads),
+            _kib(row.held.optimizer), _kib(row.held.total), formula, comm,
+            f"{row.step_seconds * 1e3:.1f}",
+        )  # fmt: skip
+    return table
 
 
-def paper_table(psi: float = 7.5e9, world: int = 64) -> str:
-    """The paper's Figure 1 example (7.5B parameters, N = 64): fp32 and mixed precision (K=12)."""
-    lines = [
-        f"Ψ = {psi:.2g} parameters, N = {world} ranks, GB per rank:",
-        "",
-        "| stage | fp32 Adam (4+4+8)Ψ | mixed precision (2+2+12)Ψ |",
-        "|---|---|---|",
-    ]
+def format_table(rows: Sequence[Row]) -> str:
+    """A markdown table: measured vs formula bytes (KiB), communication, step time."""
+    return memory_table(rows).to_markdown()
+
+
+def summary_values(rows: Sequence[Row]) -> dict[str, str]:
+    """How many ZeRO rows equal their formula, in bytes and in communication volume."""
+    zero = [r for r in rows if r.formula is not None]
+    bytes_equal = sum(r.formula == r.held for r in zero)
+    volume_equal = sum(r.formula_volume == r.volume for r in zero)
+    return {
+        "bytes_equal": f"{bytes_equal} of {len(zero)}",
+        "volume_equal": f"{volume_equal} of {len(zero)}",
+    }
+
+
+def per_rank_worker(hidden: int, impl: str) -> list[dict[str, Any]]:
+    """ZeRO stages 1-3 on this world: this rank's bytes after one step beside the formula."""
+    zero = load_impl("phase3_multi_node", "zero", impl)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16 * world, IN_FEATURES, generator=g), torch.randint(10, (16 * world,))
+    xs, ys = x[rank * 16 : (rank + 1) * 16], y[rank * 16 : (rank + 1) * 16]
+    out = []
+    for stage in (1, 2, 3):
+        model, optimizer = zero.zero_wrap(_model(hidden), lambda ps: torch.optim.AdamW(ps), stage)
+        nn.functional.cross_entropy(model(xs), ys).backward()
+        optimizer.step()
+        psi = acc.padded_psi(model, world)
+        out.append(
+            {
+                "world": world, "rank": rank, "stage": stage, "psi": psi,
+                "held": acc.held_bytes(model, optimizer),
+                "formula": acc.formula_bytes(stage, psi, world),
+            }
+        )  # fmt: skip
+        optimizer.zero_grad()
+    return out
+
+
+def paper_rows(psi: float = 7.5e9, world: int = 64) -> Table:
+    """The paper's Figure 1 example (7.5B parameters, N = 64): GB per rank, fp32 and mixed
+    precision (K = 12)."""
+    table = Table(["stage", "fp32 Adam (4+4+8)Ψ", "mixed precision (2+2+12)Ψ"])
     n = int(psi) - int(psi) % world
     for stage in range(4):
         fp32 = acc.formula_bytes(stage, n, world).total / 1e9
         mixed = acc.formula_bytes(stage, n, world, p=2, g=2, k=12).total / 1e9
-        lines.append(f"| {stage} | {fp32:.1f} | {mixed:.1f} |")
-    return "\n".join(lines)
+        table.add(stage, f"{fp32:.1f}", f"{mixed:.1f}")
+    return table
+
+
+def paper_table(psi: float = 7.5e9, world: int = 64) -> str:
+    """The paper's Figure 1 example as printed text."""
+    head = f"Ψ = {psi:.2g} parameters, N = {world} ranks, GB per rank:"
+    return head + "\n\n" + paper_rows(psi, world).to_markdown()
+
+
+MAX_WORLD = 16
 
 
 @dataclass
 class BenchConfig:
-    worlds: str = field(default="2,4", metadata={"help": "comma-separated world sizes"})
-    hidden: int = field(default=256, metadata={"help": "MLP width (3 hidden layers)"})
-    steps: int = 5
+    worlds: str = field(
+        default="2,4", metadata={"help": f"comma-separated world sizes, 1 to {MAX_WORLD}"}
+    )
+    hidden: int = field(
+        default=256,
+        metadata={
+            "help": "MLP width (3 hidden layers)",
+            "ge": 1,
+            "le": 8192,
+            "fix": "a width from 1 to 8192, e.g. 256",
+        },
+    )
+    steps: int = field(
+        default=5,
+        metadata={"help": "steps per row", "ge": 1, "le": 1000, "fix": "1 to 1000 steps, e.g. 5"},
+    )
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
     paper: bool = field(default=False, metadata={"help": "print the paper's 7.5B example too"})
+    record: str = field(
+        default="", metadata={"help": "write the tables to this results file (course/results.py)"}
+    )
+
+
+def parse_worlds(text: str) -> list[int]:
+    """``"2,4"`` -> ``[2, 4]``, or a ValueError naming the flag, the value and the fix."""
+    try:
+        worlds = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--worlds {text!r}: give world sizes like 2,4") from None
+    if not worlds or not all(1 <= w <= MAX_WORLD for w in worlds):
+        raise ValueError(f"--worlds {text}: each world size must be 1 to {MAX_WORLD}, e.g. 2,4")
+    return worlds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(BenchConfig, argv, __doc__)
     try:
-        worlds = [int(w) for w in config.worlds.split(",") if w]
-    except ValueError:
-        print(f"error: --worlds {config.worlds!r}: give world sizes like 2,4", file=sys.stderr)
-        return 2
-    if not worlds or min(worlds) < 1 or config.hidden < 1 or config.steps < 1:
-        print("error: --worlds, --hidden and --steps must be positive", file=sys.stderr)
+        worlds = parse_worlds(config.worlds)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     rows: list[Row] = []
     for world in worlds:
@@ -190,6 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.paper:
         print()
         print(paper_table())
+    if config.record:
+        tables = {"memory": memory_table(rows)}
+        if config.paper:
+            tables["paper"] = paper_rows()
+        path = write_results(config.record, tables=tables, values=summary_values(rows))
+        print(f"\nrecorded: {path}")
     return 0
 
 

@@ -72,10 +72,11 @@ def assign_buckets(
     #   last limit repeating); closed buckets in closing order, then the still-open ones.
     # Hint 1: backward computes the last layer's gradients first: start from index n-1. Keep
     #   one open bucket (indices and bytes) per kind, and per kind how many it has closed.
-    # Hint 2: for each index from n-1 down to 0: append it to its kind's open bucket and add
-    #   its size; if the bucket's bytes >= limits[min(closed, len(limits) - 1)], move the
-    #   bucket to the result, start a new empty one for that kind and count one more closed.
-    #   At the end append the non-empty open buckets (in the order their kinds first appeared).
+    # Hint 2: for each index from the last down to 0: add it (and its bytes) to its kind's open
+    #   bucket; when that bucket's bytes reach the limit for this kind's next bucket, the
+    #   bucket is closed: it goes to the result and its kind starts an empty one. At the end
+    #   the buckets still open and not empty follow, in the order their kinds first appeared.
+    # Hint 3: limit = limits[min(closed_of_kind, len(limits) - 1)]; close when bytes >= limit.
     # See guidelines.md#34-ddp-from-scratch
     # >>> solution
     open_buckets: dict[Hashable, list[int]] = {}

@@ -36,12 +36,33 @@ PHASE = "phase3_multi_node"
 class DemoConfig:
     """Flags of the demo; every rank must be given the same values."""
 
-    epochs: int = 2
-    global_batch_size: int = 128
-    lr: float = 0.05
-    train_samples: int = 2048
+    epochs: int = field(
+        default=2, metadata={"ge": 1, "le": 1000, "fix": "1 to 1000 epochs, e.g. 2"}
+    )
+    global_batch_size: int = field(
+        default=128,
+        metadata={"ge": 1, "le": 1 << 16, "fix": "a multiple of the world size, e.g. 128"},
+    )
+    lr: float = field(
+        default=0.05,
+        metadata={"gt": 0, "le": 10, "fix": "a positive learning rate up to 10, e.g. 0.05"},
+    )
+    train_samples: int = field(
+        default=2048,
+        metadata={
+            "ge": 1,
+            "le": 1 << 20,
+            "fix": "at least one global batch of samples, e.g. 2048",
+        },
+    )
     bucket_cap_mb: float = field(
-        default=0.01, metadata={"help": "bucket size in MiB (small, so BabyCNN gets 3 buckets)"}
+        default=0.01,
+        metadata={
+            "help": "bucket size in MiB (small, so BabyCNN gets 3 buckets)",
+            "ge": 0,
+            "le": 1024,
+            "fix": "a size in MiB from 0 (a bucket per parameter) to 1024, e.g. 25",
+        },
     )
     impl: str = field(
         default="solutions",
@@ -61,6 +82,12 @@ def validate(config: DemoConfig, world_size: int) -> None:
         check_global_batch(config.global_batch_size, world_size)
     except ValueError as err:
         problems.append(f"--global-batch-size: {err}")
+    if 1 <= config.train_samples < config.global_batch_size:
+        problems.append(
+            f"--train-samples {config.train_samples} is fewer than one global batch "
+            f"(--global-batch-size {config.global_batch_size}): not a single step would run; "
+            f"use at least {config.global_batch_size}"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 

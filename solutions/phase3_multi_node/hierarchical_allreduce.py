@@ -49,13 +49,15 @@ def hierarchical_all_reduce(
         )
     # TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
     # Invariant: only the middle step crosses nodes, and it carries this rank's chunk (about
-    #   S/k), not the whole tensor; every call passes the topology's group for its step.
-    # Hint 1: the three ring functions of 3.1 take group=; reduce_scatter_ring(..., inplace=True)
-    #   returns a view of tensor, which both later steps can work on in place.
-    # Hint 2: chunk = reduce_scatter_ring(tensor, op, topology.intra_node_group, inplace=True);
-    #   ring_all_reduce on chunk over topology.inter_node_group; then all_gather_ring(chunk,
-    #   tensor, topology.intra_node_group). With one node or one rank per node, the steps over a
-    #   group of one rank do nothing, and the result is a plain ring.
+    #   S/k), not the whole tensor; every step runs on the topology's group for it.
+    # Hint 1: your three ring functions of 3.1 each take a group; the reduce-scatter can work
+    #   in place and hand back a view of tensor, which both later steps can use as it is.
+    # Hint 2: three calls in order: the reduce-scatter over the ranks of this node (in place),
+    #   an all-reduce of the chunk it returned over the ranks that share this local rank on
+    #   every node, and an all-gather of that chunk into tensor over this node again. With one
+    #   node, or one rank per node, the steps over a group of one rank do nothing.
+    # Hint 3: chunk = reduce_scatter_ring(tensor, op, <intra-node group>, inplace=True); then
+    #   ring_all_reduce(chunk, op, <inter-node group>); then all_gather_ring(chunk, tensor, ...).
     # See guidelines.md#33-hierarchical-all-reduce
     # >>> solution
     chunk = reduce_scatter_ring(tensor, op, topology.intra_node_group, inplace=True)

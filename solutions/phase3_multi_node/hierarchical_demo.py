@@ -18,7 +18,6 @@ hierarchical algorithm and with a flat ring; rank 0 then prints the totals.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,9 +66,14 @@ def check_hierarchical(topology: Topology, numel: int, impl: str) -> dict[str, A
     data = torch.randint(-8, 9, (numel,), generator=g).float()  # exact in every order
     reference = data.clone()
     dist.all_reduce(reference)
+    node_sum = data.clone()  # what a run that never crossed nodes would give
+    dist.all_reduce(node_sum, group=topology.intra_node_group)
     mine, flat = data.clone(), data.clone()
     with CommCounter() as counter:
         hierarchical(mine, topology)
+    k = topology.ranks_per_node
+    pieces = zip(torch.tensor_split(mine, k), torch.tensor_split(reference, k), strict=True)
+    wrong_chunks = [i for i, (a, b) in enumerate(pieces) if not torch.equal(a, b)]
     collectives = sorted({r.op for r in counter.records if not r.is_point_to_point})
     groups = sorted({r.group_ranks or () for r in counter.records if r.op in ("send", "isend")})
     hier_sent = _sent_by_group(counter, topology)
@@ -83,6 +87,8 @@ def check_hierarchical(topology: Topology, numel: int, impl: str) -> dict[str, A
         "per_node": topology.ranks_per_node,
         "nbytes": numel * 4,
         "equal": bool(torch.equal(mine, reference)),
+        "node_sum_only": bool(torch.equal(mine, node_sum)) and topology.num_nodes > 1,
+        "wrong_chunks": wrong_chunks,
         "ring_equal": bool(torch.equal(flat, reference)),
         "hierarchical": hier_sent,
         "per_group": _sent_per_group(counter, topology),
@@ -96,15 +102,20 @@ def check_hierarchical(topology: Topology, numel: int, impl: str) -> dict[str, A
 class DemoConfig:
     """Flags of the demo."""
 
-    numel: int = field(default=1 << 16, metadata={"help": "float32 elements to all-reduce"})
+    numel: int = field(
+        default=1 << 16,
+        metadata={
+            "help": "float32 elements to all-reduce",
+            "ge": 1,
+            "le": 1 << 28,
+            "fix": "1 to 268435456 elements (1 GiB), e.g. 65536",
+        },
+    )
     impl: str = field(default="solutions", metadata={"choices": IMPLS, "help": "whose code runs"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(DemoConfig, argv, __doc__)
-    if config.numel < 1:
-        print(f"error: --numel {config.numel}: give at least 1 element", file=sys.stderr)
-        return 2
+    config = parse_config(DemoConfig, argv, __doc__)  # refuses a bad --numel by name
     setup_distributed(timeout_seconds=60)
     try:
         topology = Topology.build()

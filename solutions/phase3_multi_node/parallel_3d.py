@@ -163,22 +163,25 @@ def check_layout(
 
 
 def build_stage(dense: nn.Sequential, topology: Topology) -> nn.Sequential:
-    """This rank's pipeline stage: its contiguous blocks of ``dense``, each a ``ParallelMLP``
-    holding this rank's tensor-parallel shard on ``topology.tp_group`` (copies: ``dense`` is
-    left unchanged). Stage s of pp holds blocks [s·k, (s+1)·k) with k = blocks / pp."""
+    """This rank's pipeline stage: its contiguous run of the blocks of ``dense`` (equal runs,
+    the first stage the first blocks), each a ``ParallelMLP`` holding this rank's
+    tensor-parallel shard (copies: ``dense`` is left unchanged)."""
     stack = StackConfig.of(dense)
     check_layout(topology.world_size, topology.dp_size, topology.tp_size, topology.pp_size, stack)
     # TODO 3.6: the blocks of this pipeline stage, each turned into a tensor-parallel block.
-    # Invariant: stage s = topology.pp_rank holds dense blocks [s*k, (s+1)*k), k = blocks/pp,
-    #   in order; each is sharded on topology.tp_group (fc1's rows / fc2's columns of this
-    #   tp rank, fc2's bias whole), so the stages of one pipeline together are the whole model.
-    # Hint 1: ParallelMLP.from_dense(block, group) (exercise 2.6) turns one DenseMLP into this
-    #   rank's shard; the group decides which shard. Blocks are split contiguously, like 2.5's
-    #   stages: the first stage gets the first blocks.
-    # Hint 2: k from the number of blocks (dense_blocks(dense) lists them) and
-    #   topology.pp_size; the k blocks starting at pp_rank * k; one ParallelMLP.from_dense per
-    #   block with topology.tp_group (not the world, not the pp or dp group); all of them in
-    #   one nn.Sequential.
+    # Invariant: the pp stages hold equal, contiguous runs of the blocks, in order (stage 0 the
+    #   first run); each block is sharded among the ranks that split blocks in this layout
+    #   (fc1's rows / fc2's columns of this rank, fc2's bias whole), so the stages of one
+    #   pipeline together are the whole model.
+    # Hint 1: your ParallelMLP.from_dense of exercise 2.6 turns one DenseMLP into this rank's
+    #   shard over the group it is given; which of the topology's groups shards a block?
+    #   Blocks are split contiguously, like 2.5's stages: the first stage gets the first blocks.
+    # Hint 2: the blocks per stage from the number of blocks (dense_blocks lists them) and the
+    #   pipeline size; this stage's contiguous run of them, found from its pipeline rank; each
+    #   turned into its tensor-parallel shard on the tensor-parallel group (not the world, not
+    #   the pp or dp group); all of them, in order, in one nn.Sequential.
+    # Hint 3: k = len(blocks) // topology.pp_size; blocks[pp_rank * k : (pp_rank + 1) * k];
+    #   ParallelMLP.from_dense(block, topology.tp_group) for each.
     # See guidelines.md#36-3d-parallelism
     # >>> solution
     blocks = dense_blocks(dense)
@@ -210,8 +213,8 @@ def replica_batch(batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tens
     #   the whole batch's gradient.
     # Hint 1: the data-parallel rank, not the global rank, picks the slice: the tp ranks and
     #   the stages of one replica work on the same samples.
-    # Hint 2: the size of one slice from the batch size and dp_size; rows from
-    #   dp_rank * size, size of them.
+    # Hint 2: one slice is the batch size divided by dp_size; replica dp_rank's slice starts
+    #   after the dp_rank slices before it.
     # See guidelines.md#36-3d-parallelism
     # >>> solution
     size = batch.shape[0] // dp_size

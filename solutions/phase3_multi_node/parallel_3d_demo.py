@@ -46,18 +46,76 @@ PHASE = "phase3_multi_node"
 class DemoConfig:
     """Flags of the demo; every rank must be given the same values."""
 
-    dp: int = field(default=-1, metadata={"help": "data-parallel degree; -1: what tp x pp leave"})
-    tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
-    pp: int = field(default=1, metadata={"help": "pipeline-parallel degree (stages)"})
-    hidden: int = 16
-    ffn_hidden: int = field(default=64, metadata={"help": "inner width of each MLP block"})
-    blocks: int = field(default=4, metadata={"help": "MLP blocks in the stack"})
-    global_batch: int = field(default=32, metadata={"help": "samples per step, all replicas"})
-    microbatches: int = field(default=4, metadata={"help": "micro-batches per replica"})
-    steps: int = 5
-    lr: float = 0.1
+    dp: int = field(
+        default=-1,
+        metadata={
+            "help": "data-parallel degree; -1: what tp x pp leave",
+            "ge": -1,
+            "le": 1024,
+            "fix": "-1 (what tp x pp leave) or a degree >= 1",
+        },
+    )
+    tp: int = field(
+        default=1,
+        metadata={"help": "tensor-parallel degree", "ge": 1, "le": 1024, "fix": "e.g. --tp 2"},
+    )
+    pp: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline-parallel degree (stages)",
+            "ge": 1,
+            "le": 1024,
+            "fix": "e.g. --pp 2",
+        },
+    )
+    hidden: int = field(
+        default=16, metadata={"ge": 1, "le": 8192, "fix": "a width from 1 to 8192, e.g. 16"}
+    )
+    ffn_hidden: int = field(
+        default=64,
+        metadata={
+            "help": "inner width of each MLP block",
+            "ge": 1,
+            "le": 32768,
+            "fix": "a multiple of --tp, e.g. 64",
+        },
+    )
+    blocks: int = field(
+        default=4,
+        metadata={
+            "help": "MLP blocks in the stack",
+            "ge": 1,
+            "le": 1024,
+            "fix": "a multiple of --pp, e.g. 4",
+        },
+    )
+    global_batch: int = field(
+        default=32,
+        metadata={
+            "help": "samples per step, all replicas",
+            "ge": 1,
+            "le": 1 << 16,
+            "fix": "a multiple of dp x --microbatches, e.g. 32",
+        },
+    )
+    microbatches: int = field(
+        default=4,
+        metadata={
+            "help": "micro-batches per replica",
+            "ge": 1,
+            "le": 4096,
+            "fix": "e.g. --microbatches 4",
+        },
+    )
+    steps: int = field(
+        default=5, metadata={"ge": 1, "le": 10000, "fix": "1 to 10000 steps, e.g. 5"}
+    )
+    lr: float = field(
+        default=0.1,
+        metadata={"gt": 0, "le": 100, "fix": "a positive learning rate, e.g. 0.1"},
+    )
     schedule: str = field(default="1f1b", metadata={"choices": SCHEDULES})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"ge": 0, "fix": "a seed >= 0, e.g. 0"})
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your phase3 templates"},
@@ -77,6 +135,8 @@ def validate(config: DemoConfig, world_size: int) -> None:
     ]
     if config.lr <= 0:
         problems.append(f"--lr {config.lr} must be > 0")
+    if config.dp == 0 or config.dp < -1:
+        problems.append(f"--dp {config.dp}: give -1 (what tp x pp leave) or a degree >= 1")
     if not problems:
         try:
             check_layout(

@@ -36,6 +36,7 @@ class SendEvent:
     chunk: int  # index of the chunk the elements belong to; -1 when not inside the tensor
     start: int  # element offset in the tensor
     numel: int
+    clock: float = 0.0  # time.perf_counter() itself: CLOCK_MONOTONIC, one clock for every rank
 
 
 @contextmanager
@@ -53,10 +54,10 @@ def _recording_sends(
         inside = 0 <= offset < tensor.numel()
         chunk = next((i for i, (lo, hi) in enumerate(bounds) if lo <= offset < hi), -1)
         peer = dst if dst is not None else int(kwargs.get("dst", -1))
+        now = time.perf_counter()
         events.append(
-            SendEvent(rank, time.perf_counter() - t0, peer, chunk if inside else -1, offset,
-                      sent.numel())
-        )  # fmt: skip
+            SendEvent(rank, now - t0, peer, chunk if inside else -1, offset, sent.numel(), now)
+        )
         return original(sent, dst, *args, **kwargs)
 
     saved = [(module, module.isend) for module in (dist, c10d)]
@@ -132,3 +133,105 @@ def model_time(fit: Fit, impl: str = "solutions") -> Callable[[float], float]:
     from solutions.phase3_multi_node.benchmark_collectives import cost_of
 
     return lambda s: cost_of(fit.algorithm, s, fit.world, 2, impl).time(fit.alpha, fit.beta)
+
+
+# ----------------------------------------------------------------------------- conclusions
+# Every sentence the notebook states about its results is printed by one of these, computed from
+# the run's own data (tests/test_ring_notebook_claims.py recomputes them from the printed tables).
+
+
+def grid_lines(grid: Sequence[Sequence[int]]) -> list[str]:
+    """What the recorded grid shows: one chunk per link per step; the all-gather's start."""
+    world = len(grid)
+    steps = min(len(row) for row in grid)
+    permutation = all(
+        sorted(grid[rank][step] for rank in range(world)) == list(range(world))
+        for step in range(steps)
+    )
+    own_first = all(grid[rank][world - 1] == rank for rank in range(world))
+    forwarded = all(
+        grid[rank][step + 1] == grid[(rank - 1) % world][step]
+        for rank in range(world)
+        for step in range(steps - 1)
+    )
+    return [
+        f"every one of the {steps} steps sends each chunk exactly once (a permutation): "
+        f"{'yes' if permutation else 'no'}",
+        f"each rank's first all-gather send is its own chunk: {'yes' if own_first else 'no'}",
+        "at every step after the first a rank sends what its left neighbour sent the step "
+        "before: "
+        f"{'yes' if forwarded else 'no'}",
+    ]
+
+
+def seam_lines(events: Sequence[SendEvent], world: int) -> list[str]:
+    """Per rank r: when it sent the first segment of its own chunk (its all-gather's first
+    step), how many segments of chunk r its left neighbour still had to send it (the
+    reduce-scatter's last step). Both sides are read on ``time.perf_counter``, the machine's
+    monotonic clock, the same in every process of one machine."""
+    lines = []
+    for rank in range(world):
+        own = [e.clock for e in events if e.rank == rank and e.chunk == rank]
+        left = (rank - 1) % world
+        incoming = [e.clock for e in events if e.rank == left and e.chunk == rank]
+        if not own or not incoming:
+            continue
+        later = sum(t > min(own) for t in incoming)
+        lines.append(
+            f"rank {rank}: its all-gather began while its left neighbour still had {later} of "
+            f"the {len(incoming)} reduce-scatter segments of chunk {rank} to send it"
+        )
+    return lines
+
+
+def curve_lines(rows: Sequence[Row]) -> list[str]:
+    """Per world and algorithm: the size where busbw was highest, and whether that is the
+    largest size measured (still rising) or busbw fell after it."""
+    lines = []
+    for world in sorted({r.world for r in rows}):
+        largest = max(r.nbytes for r in rows if r.world == world)
+        for algorithm in dict.fromkeys(r.algorithm for r in rows if r.world == world):
+            mine = [r for r in rows if r.world == world and r.algorithm == algorithm]
+            best = max(mine, key=lambda r: r.busbw)
+            shape = (
+                "at the largest size measured"
+                if best.nbytes == largest
+                else "below the largest size measured, then lower"
+            )
+            lines.append(
+                f"world {world}, {algorithm}: busbw highest at {_human(best.nbytes)}, {shape}"
+            )
+    return lines
+
+
+def model_lines(fits: Sequence[Fit], smallest: float, largest: float, impl: str) -> list[str]:
+    """Per world: which fitted model predicts the shortest time at the smallest and at the
+    largest size measured."""
+    lines = []
+    for world in sorted({f.world for f in fits}):
+        mine = [f for f in fits if f.world == world]
+        for label, size in (("smallest", smallest), ("largest", largest)):
+            best = min(mine, key=lambda f: model_time(f, impl)(size))
+            lines.append(
+                f"world {world}: at the {label} size measured ({_human(size)}) the fitted models "
+                f"predict {best.algorithm} fastest"
+            )
+    return lines
+
+
+def alpha_lines(fits: Sequence[Fit]) -> list[str]:
+    """The fitted per-message costs, per world (what sets the crossovers)."""
+    lines = []
+    for world in sorted({f.world for f in fits}):
+        alphas = [1e6 * f.alpha for f in fits if f.world == world]
+        lines.append(
+            f"world {world}: fitted alpha from {min(alphas):.0f} to {max(alphas):.0f} us per "
+            "message"
+        )
+    return lines
+
+
+def _human(nbytes: float) -> str:
+    from solutions.phase3_multi_node.benchmark_collectives import human
+
+    return human(nbytes)

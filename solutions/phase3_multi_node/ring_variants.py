@@ -1,8 +1,13 @@
 """Other rings, for the benchmark's ablation: what each technique of the exercise's ring buys.
 Not an exercise; ``benchmark_collectives --algorithms
-ring_plain,ring_unpipelined,ring_unfused,ring_one_connection,ring,dist.all_reduce`` runs them
-beside the exercise's ring (``ring``).
+ring_simple,ring_plain,ring_unpipelined,ring_unfused,ring_one_connection,ring,dist.all_reduce``
+runs them beside the exercise's ring (``ring``).
 
+* :func:`simple_ring_all_reduce` (``ring_simple``) is the straightforward correct ring on the
+  exercise's helpers: receive buffers from a pool, the links of ``RingLinks`` (a connection per
+  direction), one message per chunk; at each step it posts its receive and its send, waits for
+  both, then reduces; the all-gather runs after the reduce-scatter, step by step, receiving
+  straight into place. No segments, no overlap of the halves, nothing posted ahead.
 * :func:`plain_ring_all_reduce` (``ring_plain``) is the first ring most people write: each step
   sends a copy of the chunk and receives into a freshly allocated buffer, waits for both, then
   reduces; the all-gather receives into a buffer too and copies it into place. Every call
@@ -22,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from phase3_multi_node.collective_support import (
+    BufferPool,
     ReduceOp,
     check_reduce_args,
     combine_,
@@ -29,7 +35,35 @@ from phase3_multi_node.collective_support import (
     peer,
     wait_all,
 )
+from phase3_multi_node.ring_links import RingLinks
 from solutions.phase3_multi_node import ring_allreduce as ring
+
+_POOL = BufferPool()
+
+
+def simple_ring_all_reduce(
+    tensor: torch.Tensor, op: object = ReduceOp.SUM, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Step by step, one message per chunk, waiting for each step (see the module docstring)."""
+    check_reduce_args(tensor, op)
+    links = RingLinks.of(group)
+    rank, n = links.rank, links.size
+    if n == 1:
+        return tensor
+    chunks = list(torch.tensor_split(tensor.view(-1), n))
+    for step in range(n - 1):
+        sent, received = chunks[(rank - 1 - step) % n], chunks[(rank - 2 - step) % n]
+        buffer = _POOL.get(received.numel(), received)
+        works = [links.irecv(buffer, 0)] if received.numel() else []
+        works += [links.isend(sent, 0)] if sent.numel() else []
+        wait_all(works)
+        combine_(received, buffer, op)
+    for step in range(n - 1):
+        sent, received = chunks[(rank - step) % n], chunks[(rank - 1 - step) % n]
+        works = [links.irecv(received, 1)] if received.numel() else []
+        works += [links.isend(sent, 1)] if sent.numel() else []
+        wait_all(works)
+    return tensor
 
 
 def plain_ring_all_reduce(

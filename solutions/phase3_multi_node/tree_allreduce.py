@@ -108,10 +108,12 @@ def halving_doubling_all_reduce(
     #   the result and returns.
     # Hint 1: with n = 6, p = 4 and e = 2: rank 0 sends to 1, rank 2 sends to 3; then ranks
     #   1, 3, 4, 5 run the power-of-two algorithm as 0, 1, 2, 3.
-    # Hint 2: a folded rank sends flat to its partner and then receives the final result into
-    #   flat from it (blocking send then recv is safe here: the partner receives first). An odd
-    #   rank below 2e receives into a buffer from rank - 1 and combines it into flat. Map every
-    #   peer to a global rank with peer(group, r).
+    # Hint 2: a folded rank sends its whole tensor to its partner, then receives the final
+    #   result back into it, and is done (blocking calls are safe: the partner receives first).
+    #   Its partner receives that tensor into a separate buffer and combines it into its own.
+    #   Every peer is a group rank to map to a global one.
+    # Hint 3: folded: dist.send(flat, dst=peer(group, me), group=group), then dist.recv back;
+    #   an odd rank < 2e: dist.recv(buffer, src=peer(group, rank - 1), ...), combine_(flat, ...).
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     # >>> solution
     if role == "folded":
@@ -129,11 +131,18 @@ def halving_doubling_all_reduce(
     #   me ^ d; the lower of the two keeps the lower half of the current range [lo, hi), sends
     #   the other half and reduces what it receives into the kept half. After the last step
     #   [lo, hi) is block me, reduced; doubling replays the pairs in reverse, exchanging ranges.
-    # Hint 1: split at mid = (lo + hi) // 2 on both sides of a pair, so the halves agree for
-    #   sizes that do not divide by p. Remember each step's ranges: doubling needs them back.
-    # Hint 2: a core rank's partner is core_rank_to_group(me ^ d, n) in the group. Halving:
-    #   exchange(flat[give], a pooled buffer of the kept size, partner, group), then combine_
-    #   into flat[keep]. Doubling, steps reversed: exchange(flat[keep], flat[give], ...).
+    # Hint 1: both ranks of a pair must split [lo, hi) at the same middle, rounded the same way,
+    #   or sizes that do not divide by p leave elements out. Remember each step's ranges:
+    #   doubling needs them back.
+    # Hint 2: the partner is a core rank: map it back to its group rank (core_rank_to_group),
+    #   then to a global one. Halving, per step: split at mid, decide which half you keep,
+    #   exchange (send the half you give, receive the partner's copy of the half you keep into
+    #   a buffer), reduce it into the kept half, remember the step. Doubling: the steps in
+    #   reverse, sending what you hold and receiving the half you gave into place. At the end
+    #   an odd rank below 2e sends the result back to its folded partner.
+    # Hint 3: partner = peer(group, core_rank_to_group(me ^ d, n)); the lower rank is the one
+    #   with me & d == 0; exchange(flat[give], buffer, partner, group) then combine_(flat[keep],
+    #   buffer, op); doubling: exchange(flat[keep], flat[give], partner, group).
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     # >>> solution
     lo, hi = 0, flat.numel()

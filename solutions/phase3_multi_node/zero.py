@@ -80,9 +80,12 @@ class ZeroOptimizer:
         #   after AdamW on the whole batch; the inner optimizer only ever saw this rank's shards.
         # Hint 1: stage 1 still holds the full gradient in unit.flat_grad and its shard.grad is
         #   a view of this rank's slice of it; stages 2-3 reduced in backward already.
-        # Hint 2: stage 1: for each unit copy unit.reduce_scatter(unit.flat_grad) into
-        #   unit.shard.grad; then self.inner.step(); then, in stages 1-2 only, every unit
-        #   all-gathers its parameters (stage 3 gathers before the next forward instead).
+        # Hint 2: three phases, in order: in stage 1 only, each unit's reduce-scatter of its full
+        #   gradient goes into its shard's gradient (in place: the optimizer holds that tensor);
+        #   then the inner optimizer's step; then, in stages 1-2 only, each unit brings its
+        #   parameters up to date (stage 3 gathers before the next forward instead).
+        # Hint 3: unit.shard.grad.copy_(unit.reduce_scatter(unit.flat_grad)); self.inner.step();
+        #   unit.all_gather_params() for each unit when self.stage < 3.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         if self.stage == 1:
@@ -141,8 +144,9 @@ def install_stage3_hooks(layer: nn.Module, units: list[ZeroUnit]) -> None:
     #   one layer); every parameter is full-size whenever autograd or forward reads it.
     # Hint 1: nn.Module has register_forward_pre_hook, register_forward_hook and
     #   register_full_backward_pre_hook; each hook gets the module and its inputs/outputs.
-    # Hint 2: the forward pre-hook and the backward pre-hook call unit.gather() for every unit
-    #   of the layer; the forward hook calls unit.free() for each (return None from all three).
+    # Hint 2: two small functions over the layer's units, one gathering each, one freeing
+    #   each; the first registered as the forward pre-hook and the backward pre-hook, the
+    #   second as the forward hook (all three return None: they change nothing they get).
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     def gather(*_: Any) -> None:

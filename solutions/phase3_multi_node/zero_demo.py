@@ -39,10 +39,25 @@ class ZeroDemoConfig:
     """Flags of the demo; every rank must be given the same values."""
 
     stage: int = field(default=2, metadata={"choices": [1, 2, 3], "help": "ZeRO stage"})
-    steps: int = 20
-    global_batch_size: int = field(default=64, metadata={"help": "samples per step, all ranks"})
-    hidden: int = 128
-    lr: float = 1e-3
+    steps: int = field(
+        default=20, metadata={"ge": 1, "le": 10000, "fix": "1 to 10000 steps, e.g. 20"}
+    )
+    global_batch_size: int = field(
+        default=64,
+        metadata={
+            "help": "samples per step, all ranks",
+            "ge": 1,
+            "le": 1 << 16,
+            "fix": "a multiple of the world size, e.g. 64",
+        },
+    )
+    hidden: int = field(
+        default=128, metadata={"ge": 1, "le": 8192, "fix": "a width from 1 to 8192, e.g. 128"}
+    )
+    lr: float = field(
+        default=1e-3,
+        metadata={"gt": 0, "le": 10, "fix": "a positive learning rate up to 10, e.g. 1e-3"},
+    )
     impl: str = field(
         default="solutions",
         metadata={

@@ -30,7 +30,9 @@ def padded_size(numel: int, world_size: int) -> int:
     # TODO 3.5: round the flat buffer's length up so that it divides evenly by the world.
     # Invariant: padded_size(n, N) % N == 0, n <= padded_size(n, N) < n + N.
     # Hint 1: 107 elements on 4 ranks need 1 element of padding: 27 per rank.
-    # Hint 2: ceiling division (n + N - 1) // N gives the elements per rank; multiply back.
+    # Hint 2: the elements per rank are numel divided by the world, rounded up (a ceiling
+    #   division in integers); the padded size is that times the world.
+    # Hint 3: -(-numel // world_size) is the ceiling of numel / world_size.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     return -(-numel // world_size) * world_size
@@ -49,7 +51,8 @@ def shard_bounds(padded_numel: int, world_size: int, rank: int) -> tuple[int, in
     # TODO 3.5: the contiguous slice of the padded buffer owned by `rank` (a rank of the group).
     # Invariant: the N slices have equal lengths, do not overlap, and cover the buffer in rank
     #   order (rank 0 first), which is the order all_gather_into_tensor lays pieces out.
-    # Hint 1: every slice has padded_numel // world_size elements.
+    # Hint 1: every slice has the same length, the padded size shared equally among the ranks;
+    #   rank r's slice comes after the r slices before it.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     shard = padded_numel // world_size

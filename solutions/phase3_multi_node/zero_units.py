@@ -65,10 +65,11 @@ class ZeroUnit:
         # TODO 3.5: reduce-scatter the full flat gradient: this rank gets the mean of its slice.
         # Invariant: the result has shard_numel elements: rank r's slice of sum_ranks(flat_grad)
         #   divided by the group size; flat_grad is the padded buffer (every rank the same size).
-        # Hint 1: dist.reduce_scatter_tensor(output, input, group=self.group) sums (gloo has no
-        #   AVG); the loss of each rank is the mean over its own samples only.
-        # Hint 2: allocate the output (layout.shard_numel elements, flat_grad's dtype), reduce-
-        #   scatter into it on self.group, divide it by self.world_size, return it.
+        # Hint 1: torch's reduce-scatter collective (dist.reduce_scatter_tensor) hands rank r the
+        #   SUM of slice r (gloo has no AVG); each rank's loss is the mean over its own samples.
+        # Hint 2: a new output of one slice (layout.shard_numel elements, flat_grad's dtype and
+        #   device), the reduce-scatter into it on this unit's group, then the division by the
+        #   group size; return it.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         out = torch.empty(self.layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
@@ -105,10 +106,10 @@ class ZeroUnit:
         # TODO 3.5: all-gather every rank's slice into the full flat parameter buffer.
         # Invariant: afterwards flat_param[r·S:(r+1)·S] holds rank r's shard (S = shard_numel)
         #   on every rank, so every model parameter (a view of flat_param) is up to date.
-        # Hint 1: dist.all_gather_into_tensor(output, input, group=...) lays the pieces out in
-        #   group-rank order; in stages 1-2 the shard is a view of flat_param itself.
-        # Hint 2: pass a copy of the shard as the input (stages 1-2: input and output must not
-        #   overlap) and flat_param as the output, on self.group.
+        # Hint 1: torch's all-gather into one tensor (dist.all_gather_into_tensor) lays the pieces
+        #   out in group-rank order; in stages 1-2 the shard is a view of flat_param itself.
+        # Hint 2: the input is this rank's shard, detached (and copied in stages 1-2: input and
+        #   output must not overlap), the output the whole flat_param, on this unit's group.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         mine = self.shard.detach()
@@ -122,9 +123,10 @@ class ZeroUnit:
         # TODO 3.5: give flat_param its memory back, then fill it with the whole layer.
         # Invariant: after gather() the layer's parameters hold the full, current values;
         #   calling it on a gathered unit costs nothing (no second all-gather).
-        # Hint 1: a freed storage has nbytes() == 0; untyped_storage().resize_(nbytes) regrows it.
-        # Hint 2: if the storage is already full size return; else resize it to
-        #   padded_numel * element_size() bytes and call all_gather_params().
+        # Hint 1: the memory behind a tensor is its storage (Tensor.untyped_storage()); a freed
+        #   one holds 0 bytes and can be grown back in place, so every view of it sees the memory.
+        # Hint 2: if the storage already holds the whole padded buffer, return; otherwise grow it
+        #   to the padded buffer's bytes and fill it with all_gather_params().
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         storage = self.flat_param.untyped_storage()
@@ -140,7 +142,8 @@ class ZeroUnit:
         # TODO 3.5: release the memory of the gathered layer, keeping the parameter objects.
         # Invariant: afterwards flat_param's storage holds 0 bytes and the model's parameters
         #   are still views of it (autograd saved them for backward: gather() refills them).
-        # Hint 1: shrink the storage (untyped_storage().resize_), do not replace the tensor.
+        # Hint 1: free the memory, not the tensor: the storage can be resized in place, and the
+        #   parameters (views of flat_param) must stay the same objects.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         self.flat_param.untyped_storage().resize_(0)

@@ -23,15 +23,80 @@ from phase3_helpers import (
     values_problems,
 )
 
+from course import p2p_ledger
+from course.world import RankDied, WorldHung
+
 
 def halving_doubling() -> Any:
     return module("tree_allreduce").halving_doubling_all_reduce
 
 
+def fold_hang_note(exc: WorldHung) -> str:
+    """A specific cause when a folded rank waits for a result its partner never sent back."""
+    for rank in exc.hung:
+        op = p2p_ledger.waiting_on(exc.pending.get(rank, ()))
+        if op is None or op.is_send or op.peer != rank + 1 or rank % 2:
+            continue
+        partner = p2p_ledger.waiting_on(exc.pending.get(rank + 1, ()))
+        if partner is None or partner.peer != rank:
+            return (
+                f"The fold-in's way back is missing: rank {rank} (folded) waits for the result "
+                f"from its partner {rank + 1}, which went on without sending it. At the end each "
+                "odd rank below 2e sends the reduced tensor back to its even partner."
+            )
+    return ""
+
+
+BLOCKS = (
+    "in halving-doubling on p ranks, rank r ends the halving holding block r (of p) reduced, "
+    "and the doubling copies the other blocks back"
+)
+
+
+def blocks_diagnosis(data: torch.Tensor) -> list[str]:
+    """On a power-of-two world: is each rank's own block right (the halving worked) and only
+    the blocks the doubling brings back wrong, or is its own block wrong already?"""
+    n = dist.get_world_size()
+    if n & (n - 1) or data.numel() % n:
+        return []
+    mine, total = data.clone(), data.clone()
+    halving_doubling()(mine)
+    dist.all_reduce(total)
+    wrong = [
+        i
+        for i, (a, b) in enumerate(zip(mine.tensor_split(n), total.tensor_split(n), strict=True))
+        if not torch.equal(a, b)
+    ]
+    everyone: list[list[int]] = [[] for _ in range(n)]
+    dist.all_gather_object(everyone, wrong)
+    if not any(everyone):
+        return []
+    own_wrong = [r for r, bad in enumerate(everyone) if r in bad]
+    if not own_wrong:
+        return [
+            "every rank's own block (block r on rank r, what the halving leaves it) is right, "
+            "and only blocks the doubling should bring back are wrong: replay the halving's "
+            "steps in reverse order (d = 1, 2, ..., p/2), each pair exchanging the range it "
+            "kept for the range it gave up at that step"
+        ]
+    return [
+        f"ranks {own_wrong} hold a wrong own block (block r on rank r, what the halving "
+        "leaves it): at each halving step both partners must split the current range at the "
+        "same middle, the lower rank keep the lower half, send the other half and reduce what "
+        "it receives into the half it keeps"
+    ]
+
+
 def values_worker() -> list[str]:
     n = dist.get_world_size()
     fn = halving_doubling()
-    problems = values_problems(fn, "halving_doubling_all_reduce", sizes_for(n))
+    problems = values_problems(
+        fn,
+        "halving_doubling_all_reduce",
+        sizes_for(n),
+        diagnose=blocks_diagnosis,
+        chunk_meaning=BLOCKS,
+    )
     return problems or (random_float_problems(fn) if n in (3, 4) else [])
 
 
@@ -50,7 +115,19 @@ def test_halving_doubling_equals_dist_all_reduce(world_size: int) -> None:
         if fold
         else ""
     )
-    results = small_world(values_worker, world_size, hint=hint)
+    try:
+        results = small_world(values_worker, world_size, hint=hint, hang_note=fold_hang_note)
+    except RankDied as exc:
+        if exc.exitcode != -6:  # not SIGABRT: not gloo's check on message sizes
+            raise
+        exc.args = (
+            "3.2: a rank was aborted by gloo, which happens when a receive gets a message of "
+            "another size; in halving-doubling the two partners of a step then disagree on the "
+            "ranges they exchange: both split [lo, hi) at the same middle (rounded the same "
+            "way) and give and keep complementary halves; the fold-in moves whole tensors.\n"
+            + str(exc),
+        )
+        raise
     first_problems(
         [p for rank_problems in results for p in rank_problems],
         f"3.2 halving_doubling_all_reduce on {world_size} ranks{fold}, compared with "

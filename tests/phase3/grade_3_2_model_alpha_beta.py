@@ -79,7 +79,10 @@ def test_fit_recovers_alpha_and_beta() -> None:
             fail(
                 f"3.2 fit_alpha_beta on exact ring times (n = {n}, alpha = 50 us, beta = 1 ns/byte) "
                 f"returned alpha = {fit.alpha:.4g} s, beta = {fit.beta:.4g} s/byte: on times the "
-                "model made, the least-squares solution is the model itself"
+                "model made, the least-squares solution is the model itself, so the system "
+                "solved is not the model's: after dividing equation i by t_i its coefficients "
+                "are m_i/t_i and v_i/t_i and its right-hand side is 1 (m_i = cost.rounds, v_i = "
+                "cost.bytes_sent)"
             )
         noisy = ab().fit_alpha_beta(*synthetic(alpha, beta, n, noise=0.05))
         if not (abs(noisy.alpha / alpha - 1) < 0.3 and abs(noisy.beta / beta - 1) < 0.1):

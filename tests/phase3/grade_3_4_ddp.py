@@ -38,8 +38,10 @@ from ddp_helpers import (
     logging_allreduce_hook,
     params_of,
     program,
+    raise_unwritten_todo,
     raises_in_rank,
     record_grad_events,
+    reset_problems,
     shard,
     small_world,
     worst,
@@ -195,6 +197,7 @@ def overlap_worker(steps: int) -> dict[str, Any]:
             if step == 0:
                 problems += _overlap_problems(events, names, model)
                 problems += _content_problems(calls.contents, names, grads, world_size)
+            problems += reset_problems(ddp, step + 1)
     problems += _launch_order_problems(ddp_cls)
     if not all(calls.async_flags):
         problems.append(
@@ -238,6 +241,15 @@ def _overlap_problems(events: EventRecorder, names: list[list[str]], model: nn.M
             "the first bucket's all-reduce started only after the last gradient was computed: no "
             "communication overlapped backward. Launch each bucket from the hook of its last "
             "gradient (async), and only wait in the callback at the end"
+        ]
+    waits = [i for i, (kind, _) in enumerate(order) if kind == "wait"]
+    if waits and waits[0] < grads[-1]:
+        call = order[waits[0]][1]
+        return [
+            f"bucket {call}'s all-reduce was waited for while backward was still computing "
+            "gradients (before the last one was ready): the hook blocked until the all-reduce "
+            "finished, so backward stood still while it ran and nothing overlapped. Keep the "
+            "work on the bucket and wait for it only in _finish_reduction, when backward is over"
         ]
     problems = []
     for number, bucket in enumerate(names[:-1]):
@@ -378,6 +390,7 @@ def no_sync_worker(steps: int, micro: int) -> dict[str, Any]:
     single = chain_mlp(100)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, single)]
     calls = []
+    unreset: list[str] = []
     samples = micro * 2 * world_size
     with CommCounter() as comm:
         for step in range(steps):
@@ -396,17 +409,46 @@ def no_sync_worker(steps: int, micro: int) -> dict[str, Any]:
                 else:
                     (LOSS(ddp(xm), ym) / micro).backward()
             calls.append(comm.count("all_reduce") - before)
+            unreset += reset_problems(ddp, step + 1)
             LOSS(single(x), y).backward()
             for optimizer in optimizers:
                 optimizer.step()
     name, diff = worst(params_of(ddp.module), params_of(single))
-    return {"calls": calls, "buckets": len(ddp.buckets), "name": name, "diff": diff}
+    x, y = batch(99, 2 * world_size, 10, 5)
+    x_mine, y_mine = shard(x, rank, world_size), shard(y, rank, world_size)
+    with CommCounter() as nested:  # a forward inside an outer no_sync, after an inner one ended
+        with ddp.no_sync(), ddp.no_sync():
+            pass
+        with ddp.no_sync():
+            with ddp.no_sync():
+                pass
+            LOSS(ddp(x_mine), y_mine).backward()
+    try:
+        with ddp.no_sync():
+            raise KeyError("raised inside the block")
+    except KeyError:
+        pass
+    return {
+        "calls": calls,
+        "buckets": len(ddp.buckets),
+        "name": name,
+        "diff": diff,
+        "unreset": unreset[:1],
+        "nested_calls": nested.count("all_reduce"),
+        "restored_after_raise": bool(ddp.require_backward_grad_sync),
+    }
 
 
 @exercise("3.4")
 def test_no_sync_accumulates_and_all_reduces_once_per_step() -> None:
     steps, micro = 3, 3
     for rank, result in enumerate(small_world(no_sync_worker, 2, steps, micro)):
+        if result["unreset"]:
+            fail(
+                f"3.4 no_sync(): {micro} micro-batches per step, all but the last under "
+                f"no_sync(); on rank {rank}, {result['unreset'][0]} (not a no_sync() problem: "
+                "every backward that synchronizes must leave the buckets ready for the next)"
+            )
         want = [result["buckets"]] * steps
         if result["calls"] != want:
             fail(
@@ -415,6 +457,18 @@ def test_no_sync_accumulates_and_all_reduces_once_per_step() -> None:
                 f"expected {want} (once per bucket per optimizer step). Forwards run inside "
                 "no_sync() must build backwards that do not communicate, and the flag must be "
                 "restored when the block ends"
+            )
+        if result["nested_calls"]:
+            fail(
+                f"3.4 no_sync(): on rank {rank} a backward inside an outer no_sync(), after an "
+                f"inner no_sync() had ended, called dist.all_reduce {result['nested_calls']} "
+                "times: the inner block switched synchronization back on. When the block ends, "
+                "put back the value the flag had before it (it may already be off), not True"
+            )
+        if not result["restored_after_raise"]:
+            fail(
+                f"3.4 no_sync(): on rank {rank}, after a no_sync() block that raised, "
+                "synchronization stayed off: restore the flag in a finally clause"
             )
         if result["diff"] > TOLERANCE:
             fail(
@@ -504,6 +558,7 @@ def training_worker(case: str) -> list[str]:
             single.use_extra = r == world_size - 1  # type: ignore[assignment]
             total = total + LOSS(single(shard(x, r, world_size)), shard(y, r, world_size))
         (total / world_size).backward()
+        problems += reset_problems(ours, step + 1)
         if as_view:
             problems += _view_problems(ours, step)
         if find_unused and step == 0:
@@ -704,6 +759,8 @@ def test_demo_refuses_bad_flags_all_at_once() -> None:
 @exercise("3.4")
 @pytest.mark.reference
 def test_benchmark_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    raise_unwritten_todo(buckets_module())  # reported as the TODO, not as a failed benchmark
+    raise_unwritten_todo(ddp_module())
     benchmark = program("benchmark_ddp")
     args = ["--width", "64", "--layers", "2", "--steps", "2", "--caps", "0.01"]
     assert benchmark.main([*args, *impl_flag()]) == 0

@@ -278,6 +278,12 @@ def values_problems(results: list[Run3D], dp: int, tp: int, pp: int) -> list[str
             )
         else:
             mean = sum(float(loss) for loss in last if loss is not None) / len(last)
+            fed = feeding_problem(results, dp) if step == 1 else None
+            if abs(mean - losses[step - 1]) > TOLERANCE and fed:
+                return [
+                    f"step 1: the mean of the replicas' losses is {mean:.12f}; one process on "
+                    f"the whole batch gets {losses[step - 1]:.12f}, and {fed}"
+                ]
             if abs(mean - losses[step - 1]) > TOLERANCE:
                 problems.append(
                     f"step {step}: the mean of the replicas' losses is {mean:.12f}; one process "
@@ -370,26 +376,33 @@ def test_each_replica_runs_its_own_slice_in_microbatches(dp: int, tp: int, pp: i
             )
             break
     if not problems:  # the right sizes: are they the right samples? (stage 0 reads the data)
-        for rank, run in enumerate(results):
-            stage, replica, shard = run.coords
-            if stage:
-                continue
-            for step, sums in enumerate(run.microbatch_sums):
-                expected = microbatch_sums(step, dp)
-                if _close(sums, expected[replica]):
-                    continue
-                whose = [d for d in range(dp) if _close(sums, expected[d])]
-                got = f"replica {whose[0]}'s samples" if whose else "other samples"
-                problems.append(
-                    f"rank {rank} (dp rank {replica}, tp rank {shard}): its micro-batches in "
-                    f"step {step + 1} held {got}, not replica {replica}'s (samples "
-                    f"{replica * GLOBAL_BATCH // dp}-{(replica + 1) * GLOBAL_BATCH // dp - 1}): "
-                    "the slice is picked by topology.dp_rank, so that every rank of a replica "
-                    "(all its tp ranks) sees the same samples and the replicas together see "
-                    "the whole batch"
-                )
-                break
+        fed = feeding_problem(results, dp)
+        if fed:
+            problems.append(fed)
     report(problems, f"{label(dp, tp, pp)}: the samples each stage processes in a step:")
+
+
+def feeding_problem(results: list[Run3D], dp: int) -> str | None:
+    """The first stage-0 rank whose micro-batches held other samples than its replica's."""
+    for rank, run in enumerate(results):
+        stage, replica, shard = run.coords
+        if stage:
+            continue
+        for step, sums in enumerate(run.microbatch_sums):
+            expected = microbatch_sums(step, dp)
+            if _close(sums, expected[replica]):
+                continue
+            whose = [d for d in range(dp) if _close(sums, expected[d])]
+            got = f"replica {whose[0]}'s samples" if whose else "other samples"
+            return (
+                f"rank {rank} (dp rank {replica}, tp rank {shard}): its micro-batches in "
+                f"step {step + 1} held {got}, not replica {replica}'s (samples "
+                f"{replica * GLOBAL_BATCH // dp}-{(replica + 1) * GLOBAL_BATCH // dp - 1}): "
+                "the slice is picked by topology.dp_rank, so that every rank of a replica "
+                "(all its tp ranks) sees the same samples and the replicas together see "
+                "the whole batch"
+            )
+    return None
 
 
 def _close(got: list[float], want: list[float]) -> bool:

@@ -48,16 +48,23 @@ HANG_ADVICE = (
 
 
 def small_world(
-    fn: Callable[..., Any], world_size: int, *args: Any, nodes: int = 1, hint: str = ""
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    nodes: int = 1,
+    hint: str = "",
+    hang_note: Callable[[WorldHung], str] | None = None,
 ) -> list[Any]:
     """A world of 2-6 ranks; a hang is reported after the world timeout (20 s by default), with
-    the usual causes of a hang in hand-made collectives in front of the harness's report, and
+    the usual causes of a hang in hand-made collectives in front of the harness's report (or, if
+    ``hang_note`` reads a specific cause from the messages left pending, that cause), and
     ``hint`` (what this exercise most likely got wrong) in front of any rank failure."""
     prefix = f"{hint}\n" if hint else ""
     try:
         return world(fn, world_size, *args, nodes=nodes)
     except WorldHung as exc:
-        exc.args = (prefix + HANG_ADVICE + str(exc),)
+        note = hang_note(exc) if hang_note is not None else ""
+        exc.args = ((note + " Details:\n" if note else prefix + HANG_ADVICE) + str(exc),)
         raise
     except RankDied as exc:
         exc.args = (
@@ -120,10 +127,51 @@ def differs(mine: torch.Tensor, ref: torch.Tensor) -> str:
     return f"at indices {bad}: expected {ref[bad].tolist()}, got {mine[bad].tolist()}"
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on at least one (a collective: call it on all)."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+Diagnose = Callable[[torch.Tensor], list[str]]
+
+
+def race_problems(fn: Callable[..., Any], data: torch.Tensor, label: str) -> list[str]:
+    """Run ``fn`` twice more on ``data``: results that change between identical runs mean a race
+    (a collective: every rank calls it, and every rank reports the same verdict)."""
+    rank = dist.get_rank()
+    first, second = data.clone(), data.clone()
+    fn(first)
+    fn(second)
+    changed = not torch.equal(first, second)
+    if not any_rank(changed):
+        return []
+    where = f"rank {rank}" if changed else "another rank"
+    return [
+        f"{label} also gave different results in two more runs on the same input ({where}): "
+        "the result depends on more than the input, so something is read that no message of "
+        "this call wrote: a receive buffer read before its irecv completed or where no "
+        "message landed (stale data from an earlier call), or a tensor overwritten while a "
+        "pending isend still reads it"
+    ]
+
+
 def values_problems(
-    fn: Callable[..., Any], label: str, sizes: list[int], seed: int = 1000
+    fn: Callable[..., Any],
+    label: str,
+    sizes: list[int],
+    seed: int = 1000,
+    diagnose: Diagnose | None = None,
+    chunk_meaning: str = "",
 ) -> list[str]:
-    """Run ``fn(tensor, op=...)`` (an in-place all-reduce) against ``dist.all_reduce``."""
+    """Run ``fn(tensor, op=...)`` (an in-place all-reduce) against ``dist.all_reduce``.
+
+    Every rank learns whether any rank got a wrong result (one small all-reduce per case), so
+    that on the first wrong case all of them run ``diagnose(input)`` together (it may
+    communicate): what it returns is added to the report. ``chunk_meaning`` says what a wrong
+    chunk means for this algorithm.
+    """
     rank, n = dist.get_rank(), dist.get_world_size()
     problems = []
     g = torch.Generator().manual_seed(seed + rank)
@@ -133,15 +181,19 @@ def values_problems(
             mine, ref = data.clone(), data.clone()
             out = fn(mine)
             dist.all_reduce(ref)
-            if not torch.equal(mine, ref):
+            wrong = not torch.equal(mine, ref)
+            if wrong:
                 problems.append(
                     f"rank {rank}: size {size}, {dtype}: differs from dist.all_reduce "
-                    f"{differs(mine, ref)}{chunk_hint(mine, ref, n)}"
+                    f"{differs(mine, ref)}{chunk_hint(mine, ref, n, chunk_meaning)}"
                 )
             if out is None or out.data_ptr() != mine.data_ptr():
                 problems.append(f"{label} must reduce in place and return the input tensor")
-        if problems:  # report the first size that fails: later ones may crash on it
-            return problems
+            if any_rank(wrong):
+                if diagnose is not None:
+                    problems += diagnose(data)
+                problems += race_problems(fn, data, label)
+                return problems  # the first case that fails: later ones may crash on it
     for op_name in OPS:
         op = getattr(dist.ReduceOp, op_name)
         data = torch.randint(1, 4, (2 * n + 1,), generator=g).double()
@@ -163,9 +215,10 @@ def values_problems(
     return problems
 
 
-def chunk_hint(mine: torch.Tensor, ref: torch.Tensor, n: int) -> str:
+def chunk_hint(mine: torch.Tensor, ref: torch.Tensor, n: int, meaning: str = "") -> str:
     """Name the chunks (torch.tensor_split's) that came out wrong: a mistake in the chunk
-    arithmetic usually spoils whole chunks, a wrong last boundary only the tail."""
+    arithmetic usually spoils whole chunks, a wrong last boundary only the tail; ``meaning``
+    says what a wrong chunk means for the algorithm under test."""
     if mine.numel() < n:
         return ""
     pieces = zip(torch.tensor_split(mine, n), torch.tensor_split(ref, n), strict=True)
@@ -178,6 +231,8 @@ def chunk_hint(mine: torch.Tensor, ref: torch.Tensor, n: int) -> str:
             f"; only the last chunk is wrong and {mine.numel()} does not divide by {n}: check "
             "the last chunk's boundary (the chunks must cover every element)"
         )
+    elif meaning:
+        tail = f": {meaning}"
     return f" (wrong chunks of {n}: {wrong}{tail})"
 
 
@@ -234,3 +289,67 @@ def collectives(counter: CommCounter) -> list[CommRecord]:
 
 def close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+
+
+class _TracedWork:
+    """A point-to-point work that notes in its trace when someone waits for it."""
+
+    def __init__(self, work: Any, trace: P2PTrace, op: str, tag: int, ident: int) -> None:
+        self._work, self._trace, self._op, self._tag, self._ident = work, trace, op, tag, ident
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._trace.events.append(("wait", self._op, self._tag, self._ident))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class P2PTrace:
+    """``with P2PTrace() as trace:`` records every ``dist.isend``/``dist.irecv`` posted and every
+    ``wait()`` on their works, in order: ``(kind, op, tag, id)`` with kind "post" or "wait"."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int, int]] = []
+        self._saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> P2PTrace:
+        self._saved = (dist.isend, dist.irecv)
+
+        def wrap(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            def posted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                work = original(tensor, *args, **kwargs)
+                tag = int(kwargs.get("tag", args[2] if len(args) > 2 else 0))
+                ident = len(self.events)
+                self.events.append(("post", op, tag, ident))
+                return None if work is None else _TracedWork(work, self, op, tag, ident)
+
+            return posted
+
+        dist.isend = wrap("isend", dist.isend)
+        dist.irecv = wrap("irecv", dist.irecv)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._saved is not None
+        dist.isend, dist.irecv = self._saved
+
+    def unwaited_sends(self) -> int:
+        """Sends posted in the block whose work nobody waited for."""
+        posted = {ident for kind, op, _, ident in self.events if kind == "post" and op == "isend"}
+        waited = {ident for kind, op, _, ident in self.events if kind == "wait" and op == "isend"}
+        return len(posted - waited)
+
+    def send_waits_with_receives_pending(self, tag: int) -> int:
+        """The most receives under ``tag`` still pending when a send under ``tag`` was waited
+        for (0: every such send was waited for only once its receives were all done)."""
+        pending: set[int] = set()
+        worst = 0
+        for kind, op, event_tag, ident in self.events:
+            if event_tag != tag:
+                continue
+            if op == "irecv":
+                (pending.add if kind == "post" else pending.discard)(ident)
+            elif kind == "wait":
+                worst = max(worst, len(pending))
+        return worst

@@ -1,0 +1,54 @@
+"""3.4's goal: a training step with your DDP takes at most 1.05x the time of torch's DDP.
+
+    uv run python -m tests.bench 3.4                    # your DDP, torch's default buckets
+    uv run python -m tests.bench 3.4 --impl solutions --quick
+
+One world of 2 ranks trains the same MLP (4 x Linear(2048, 2048), 64 MiB of fp32 gradients;
+``--quick``: 1024 wide, fewer repeats) with your ``DistributedDataParallel`` and with torch's,
+in the same processes, steps alternating so that load on the machine hits both alike; each
+step is timed as the slowest rank's (zero_grad, forward, backward with the averaging inside it,
+SGD step), and the medians are compared. It needs only exercise 3.4 (``ddp_buckets`` and
+``ddp``). The detailed table (overlap, communication alone, other bucket caps) is
+``solutions.phase3_multi_node.benchmark_ddp``'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from benches import verdict
+from course.world import WorldError
+from solutions.phase3_multi_node import benchmark_ddp as bench
+from solutions.phase3_multi_node.benchmark_collectives import unwritten_todo
+
+GOAL = "3.4: step time with your DDP <= 1.05x torch DDP's (2 ranks, 64 MiB of gradients)"
+
+
+def main(argv: Sequence[str]) -> int:
+    p = verdict.parser(__doc__.splitlines()[0])
+    args = p.parse_args(list(argv))
+    for module in ("ddp_buckets", "ddp"):
+        missing = unwritten_todo("phase3_multi_node", module, args.impl)
+        if missing:
+            print(missing)
+            return 2
+    config = bench.BenchmarkConfig(
+        width=1024 if args.quick else 2048, steps=6 if args.quick else 20, impl=args.impl
+    )
+    try:
+        results = bench.measure(config)
+    except WorldError as err:
+        print(f"the measurement could not run: {str(err).splitlines()[0]}")
+        return 2
+    print(bench.header(results, config) + "\n")
+    print(bench.ddp_table(results, config.impl).to_markdown())
+    ratio = bench.step_ratios(results)[0]
+    goal = verdict.Goal("step time, your DDP / torch DDP", bench.GOAL_RATIO, at_least=False)
+    print()
+    print(goal.verdict(ratio))
+    return 0 if goal.met(ratio) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""Every bad setting of phase 3's programs (3.1-3.6: demos and benchmarks) is refused before any
+process group or rank starts, with exit status 2 and one line naming the flag and the value.
+
+Each case runs the program's ``main`` in this process with a bad flag. Starting a process group
+(``dist.init_process_group``) or a world of ranks (``run_world``) fails the test: a setting must
+be refused before either. Under torchrun every rank validates before ``init_process_group``; the
+world size the program would see is set through ``WORLD_SIZE``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = pytest.mark.harness
+
+PACKAGE = "solutions.phase3_multi_node"
+
+# (program, argv, WORLD_SIZE, words the message must contain: the flag and the value)
+CASES: list[tuple[str, list[str], int, tuple[str, ...]]] = [
+    ("hierarchical_demo", ["--numel", "0"], 4, ("--numel", "0")),
+    ("hierarchical_demo", ["--numel", "-5"], 4, ("--numel", "-5")),
+    ("ddp_demo", ["--epochs", "0"], 2, ("--epochs", "0")),
+    ("ddp_demo", ["--lr", "-1"], 2, ("--lr", "-1")),
+    ("ddp_demo", ["--lr", "inf"], 2, ("--lr", "inf")),
+    ("ddp_demo", ["--bucket-cap-mb", "-1"], 2, ("--bucket-cap-mb", "-1")),
+    ("ddp_demo", ["--train-samples", "0"], 2, ("--train-samples", "0")),
+    ("ddp_demo", ["--global-batch-size", "7"], 2, ("--global-batch-size", "7")),
+    ("ddp_demo", ["--train-samples", "64"], 2, ("--train-samples", "64")),
+    ("zero_demo", ["--steps", "0"], 2, ("--steps", "0")),
+    ("zero_demo", ["--lr", "-1"], 2, ("--lr", "-1")),
+    ("zero_demo", ["--lr", "nan"], 2, ("--lr", "nan")),
+    ("zero_demo", ["--hidden", "0"], 2, ("--hidden", "0")),
+    ("zero_demo", ["--global-batch-size", "3"], 2, ("--global-batch-size", "3")),
+    ("parallel_3d_demo", ["--tp", "0"], 4, ("--tp", "0")),
+    ("parallel_3d_demo", ["--pp", "0"], 4, ("--pp", "0")),
+    ("parallel_3d_demo", ["--dp", "0"], 4, ("--dp", "0")),
+    ("parallel_3d_demo", ["--dp", "-2"], 4, ("--dp", "-2")),
+    ("parallel_3d_demo", ["--lr", "0"], 4, ("--lr", "0")),
+    ("parallel_3d_demo", ["--microbatches", "0"], 4, ("--microbatches", "0")),
+    ("parallel_3d_demo", ["--steps", "0"], 4, ("--steps", "0")),
+    ("parallel_3d_demo", ["--seed", "-1"], 4, ("--seed", "-1")),
+    ("parallel_3d_demo", ["--dp", "2", "--tp", "2", "--pp", "2"], 4, ("dp=2", "world size 4")),
+    ("parallel_3d_demo", ["--tp", "3", "--dp", "1", "--pp", "1"], 3, ("tp=3", "ffn_hidden=64")),
+    ("benchmark_collectives", ["--world", "3"], 1, ("--world", "3")),
+    ("benchmark_collectives", ["--world", "1"], 1, ("--world", "1")),
+    ("benchmark_collectives", ["--world", "two"], 1, ("--world", "two")),
+    ("benchmark_collectives", ["--min-kib", "0"], 1, ("--min-kib", "0")),
+    ("benchmark_collectives", ["--max-mib", "inf"], 1, ("--max-mib", "inf")),
+    ("benchmark_collectives", ["--segment-kib", "0"], 1, ("--segment-kib", "0")),
+    ("benchmark_collectives", ["--repeat-scale", "0"], 1, ("--repeat-scale", "0")),
+    ("benchmark_collectives", ["--nodes", "0"], 1, ("--nodes", "0")),
+    ("benchmark_collectives", ["--algorithms", "ring,magic"], 1, ("--algorithms", "magic")),
+    ("benchmark_collectives", ["--min-kib", "4096", "--max-mib", "1"], 1, ("--min-kib", "4096")),
+    ("benchmark_ddp", ["--world", "1"], 1, ("--world", "1")),
+    ("benchmark_ddp", ["--steps", "0"], 1, ("--steps", "0")),
+    ("benchmark_ddp", ["--width", "0"], 1, ("--width", "0")),
+    ("benchmark_ddp", ["--batch", "0"], 1, ("--batch", "0")),
+    ("benchmark_ddp", ["--caps=-2"], 1, ("--caps", "-2")),
+    ("benchmark_zero_memory", ["--worlds", "0"], 1, ("--worlds", "0")),
+    ("benchmark_zero_memory", ["--worlds", "two"], 1, ("--worlds", "two")),
+    ("benchmark_zero_memory", ["--hidden", "0"], 1, ("--hidden", "0")),
+    ("benchmark_zero_memory", ["--steps", "0"], 1, ("--steps", "0")),
+    ("benchmark_strategies", ["--world", "1"], 1, ("--world", "1")),
+    ("benchmark_strategies", ["--layers", "3"], 1, ("--layers", "3")),
+    ("benchmark_strategies", ["--microbatches", "0"], 1, ("--microbatches", "0")),
+    ("benchmark_strategies", ["--lr", "-1"], 1, ("--lr", "-1")),
+    ("benchmark_strategies", ["--steps", "0"], 1, ("--steps", "0")),
+    ("benchmark_strategies", ["--global-batch", "63"], 1, ("--global-batch", "63")),
+]
+
+
+def _started(*_: Any, **__: Any) -> None:
+    raise AssertionError("a process group or a world of ranks was started before the refusal")
+
+
+@pytest.mark.parametrize(
+    ("program", "argv", "world", "words"),
+    CASES,
+    ids=[f"{program}{' '.join(['', *argv])}" for program, argv, _, _ in CASES],
+)
+def test_a_bad_setting_is_refused_by_name_before_anything_starts(
+    program: str,
+    argv: list[str],
+    world: int,
+    words: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    module = importlib.import_module(f"{PACKAGE}.{program}")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "init_process_group", _started)
+    if hasattr(module, "run_world"):
+        monkeypatch.setattr(module, "run_world", _started)
+    try:
+        code = module.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    said = (out.err + out.out).strip()
+    assert code == 2, f"{program} {' '.join(argv)}: exit status {code}, expected 2\n{said}"
+    lines = said.splitlines()
+    assert len(lines) == 1, f"{program} {' '.join(argv)}: expected one line, got:\n{said}"
+    missing = [word for word in words if word not in lines[0]]
+    assert not missing, f"{program} {' '.join(argv)}: the refusal lacks {missing}: {lines[0]}"
