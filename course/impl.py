@@ -12,9 +12,12 @@ Tests choose with ``pytest --impl``; demos, benchmarks and notebook workers choo
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from types import ModuleType
 
 IMPLS = ("solutions", "templates")
+_TODO_RAISE = re.compile(r'raise NotImplementedError\(\s*"(?P<text>TODO (?P<id>\d+\.\d+):[^"]*)')
 
 
 class ImplementationError(ImportError):
@@ -36,3 +39,22 @@ def load_impl(phase: str, module: str, impl: str) -> ModuleType:
     except Exception as exc:
         where = name.replace(".", "/") + ".py"
         raise ImplementationError(f"could not import {where}: {type(exc).__name__}: {exc}") from exc
+
+
+def unwritten_todo(phase: str, module: str, impl: str) -> str | None:
+    """One line naming the first TODO still unwritten in ``module`` under ``impl``, or None.
+
+    Read from the module's source (a template keeps its ``raise NotImplementedError("TODO
+    x.y: ...")`` until it is written), so nothing runs and no world is started for it: a
+    benchmark or ``tests.bench`` says which TODO it needs instead of failing inside a world.
+    """
+    if impl == "solutions":
+        return None
+    source = inspect.getsource(load_impl(phase, module, impl))
+    match = _TODO_RAISE.search(source)
+    if match is None:
+        return None
+    line = source[: match.start()].count("\n") + 1
+    where = module_name(phase, module, impl).replace(".", "/") + f".py:{line}"
+    goal = match["text"].split(":", 1)[1].strip()
+    return f"TODO {match['id']} not written ({where}): {goal}"

@@ -32,9 +32,7 @@ never pays.
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import statistics
 import sys
 import time
@@ -47,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from course.cli import parse_config, run_main
-from course.impl import IMPLS, load_impl, module_name
+from course.impl import IMPLS, load_impl, unwritten_todo
 from course.results import Table, write_results
 from course.topology import Topology
 from course.world import WorldError, run_world
@@ -75,25 +73,6 @@ NEEDS: dict[str, tuple[str, ...]] = {
 FIT_NEEDS = ("alpha_beta",)
 GOAL_SIZES = (16 * 2**20, 64 * 2**20)  # the ring's speed goal: busbw >= 0.95x at these sizes
 GOAL_RATIO = 0.95
-_TODO_RAISE = re.compile(r'raise NotImplementedError\(\s*"(?P<text>TODO (?P<id>\d+\.\d+):[^"]*)')
-
-
-def unwritten_todo(phase: str, module: str, impl: str) -> str | None:
-    """One line naming the first TODO still unwritten in ``module`` under ``impl``, or None.
-
-    Read from the module's source (a template keeps its ``raise NotImplementedError("TODO
-    x.y: ...")`` until it is written), so nothing runs and no world is started for it.
-    """
-    if impl == "solutions":
-        return None
-    source = inspect.getsource(load_impl(phase, module, impl))
-    match = _TODO_RAISE.search(source)
-    if match is None:
-        return None
-    line = source[: match.start()].count("\n") + 1
-    where = module_name(phase, module, impl).replace(".", "/") + f".py:{line}"
-    goal = match["text"].split(":", 1)[1].strip()
-    return f"TODO {match['id']} not written ({where}): {goal}"
 
 
 def missing_for(algorithm: str, impl: str) -> str | None:
