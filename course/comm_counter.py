@@ -56,6 +56,11 @@ _PEER_ARGS = {
 }
 
 
+# All-to-alls take (output, input): their bytes are the input's, this rank's own piece included
+# (the piece it keeps never leaves the process, but it is handed to the collective).
+_INPUT_ARGS = {"all_to_all_single": "input", "all_to_all": "input_tensor_list"}
+
+
 @dataclass(frozen=True)
 class CommRecord:
     """One call: which op, how many bytes of tensor it carried, and where it went.
@@ -125,7 +130,10 @@ def _record(
         bound = signature.bind(*args, **kwargs).arguments
     except TypeError:  # a wrong call: let torch raise its own error, count what can be read
         bound = dict(kwargs)
-    tensor = args[0] if args else kwargs.get("tensor", kwargs.get("tensor_list"))
+    if name in _INPUT_ARGS:  # the first argument is the output: count what this rank hands over
+        tensor = bound.get(_INPUT_ARGS[name])
+    else:
+        tensor = args[0] if args else kwargs.get("tensor", kwargs.get("tensor_list"))
     group = bound.get("group")
     peer = None
     if name in _PEER_ARGS:

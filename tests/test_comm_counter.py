@@ -86,6 +86,17 @@ def pairs_rank() -> dict[str, Any]:
     out["world_collective"] = _scenario(comm, info)
     out["world_inside_world"] = comm.crossing(range(dist.get_world_size()))
 
+    with CommCounter() as comm:  # all-to-alls take (output, input): the input is what is sent
+        outgoing = torch.zeros(6)  # 2 elements to the partner, 4 kept: uneven splits
+        incoming = torch.zeros(6)
+        splits = [4, 2] if info.group_rank == 0 else [2, 4]
+        dist.all_to_all_single(
+            incoming, outgoing, output_split_sizes=splits, input_split_sizes=splits,
+            group=info.group,
+        )
+        dist.all_to_all_single(output=torch.zeros(4), input=torch.zeros(4), group=info.group)
+    out["all_to_all"] = [record.nbytes for record in comm.records]
+
     with CommCounter() as comm:  # the classic slip: a group rank passed where a global one goes
         t = _message()
         if dist.get_rank() == 2:
@@ -184,3 +195,9 @@ def test_crossing_without_a_world_treats_the_default_group_as_outside() -> None:
     )
     assert counter.crossing([0, 1]) == counter.records[1:3]
     assert counter.crossing([0, 1, 2, 3]) == [counter.records[1]]  # no world to compare with
+
+
+def test_all_to_all_counts_the_input_it_hands_over(pairs: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(pairs):
+        # positional (output, input) and keyword calls alike: the input's 24 and 16 bytes
+        assert result["all_to_all"] == [24, 16], (rank, result["all_to_all"])

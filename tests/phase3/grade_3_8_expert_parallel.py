@@ -1,0 +1,893 @@
+"""Exercise 3.8, expert parallelism: ``uv run pytest tests/test_phase3.py -m ex3_8``.
+
+Everything is compared with one process that holds every expert and sees every rank's tokens
+(``solutions/phase3_multi_node/moe_reference.py``: a plain loop over tokens), in float64:
+
+* in this process, the three decisions of part 1 on their own: ``route`` (the k most probable
+  experts, weights renormalized), ``keep_within_capacity`` (first come first served over the whole
+  group, in rank then token order) and ``load_balancing_loss`` (Switch Transformer's, with k
+  choices per token); the usual mistakes are named;
+* one world per expert-parallel size (ep = 2 with 4 experts, ep = 4 with 8), tokens per rank
+  uneven, k = 1 and 2, capacity factors that drop choices and one that drops none: every rank's
+  routing, kept choices, output, load-balancing loss and gradients (tokens, router, its experts);
+  every ``all_to_all_single``'s splits checked against the peers' before it runs; the bytes each
+  rank sends equal to the formula (counts, then only the kept rows, there and back, forward and
+  backward);
+* worlds where an expert, or a whole rank's experts, receive no token;
+* ep = 2 x dp = 2 on 4 ranks: after ``sync_moe_gradients`` every gradient is that of the mean of
+  the four ranks' losses, the router's reduced over every rank, each expert's over its dp group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from grading import exercise, impl, world
+from moe_helpers import (
+    CASE_2D,
+    CASES,
+    ELEMENT,
+    HIDDEN,
+    LAYOUT_DP,
+    LAYOUT_EP,
+    TOLERANCE,
+    Case,
+    CaseRun,
+    Reference,
+    Run2D,
+    case_model,
+    case_tokens,
+    max_diff,
+    reference,
+    reference_2d,
+    routing_module,
+    run_2d,
+    run_cases,
+    sends_between,
+)
+from phase3_helpers import fail, first_problems
+
+from course.world import WorldHung
+from phase3_multi_node.moe_experts import MoEConfig, check_moe_config
+
+_RUNS: dict[Any, Any] = {}
+EP_SIZES = [2, 4]
+
+HANG_ADVICE = (
+    "The ranks hung. In expert parallelism the usual causes are a collective that only some "
+    "ranks call (a rank with no kept choice that skips the all-to-all: every rank must take "
+    "part, with zero rows if need be), or one called on another group than the layer's "
+    "expert-parallel group. Where each rank stood:\n"
+)
+
+
+def cached(key: Any, start: Any) -> Any:
+    """One world per key, shared by the tests below (a failure is re-raised in each)."""
+    if key not in _RUNS:
+        try:
+            _RUNS[key] = start()
+        except WorldHung as exc:
+            exc.args = (f"3.8 expert parallelism ({key}): {HANG_ADVICE}{exc}",)
+            _RUNS[key] = exc
+        except BaseException as exc:
+            _RUNS[key] = exc
+    result = _RUNS[key]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def ep_runs(ep: int) -> list[list[CaseRun]]:
+    """runs[rank][case]."""
+    return cached(("ep", ep), lambda: world(run_cases, ep, ep))
+
+
+def references(ep: int) -> list[Reference]:
+    return cached(("reference", ep), lambda: [reference(case) for case in CASES[ep]])
+
+
+# ----------------------------------------------------------------------------- what went wrong
+
+
+def route_problem(got: Any, logits: torch.Tensor, k: int, gradient: bool = True) -> str | None:
+    """What is wrong with ``route(logits, k)``'s result, or None (``gradient``: also check
+    that weights and probs carry one)."""
+    if not isinstance(got, tuple) or len(got) != 3:
+        return f"returned {type(got).__name__}; expected a Routing(experts, weights, probs)"
+    experts, weights, probs = got
+    tokens, num_experts = logits.shape
+    want_probs = torch.softmax(logits, dim=-1)
+    top, want_experts = want_probs.topk(k, dim=-1)
+    want_weights = top / top.sum(-1, keepdim=True)
+    for name, tensor, shape in (
+        ("experts", experts, (tokens, k)),
+        ("weights", weights, (tokens, k)),
+        ("probs", probs, (tokens, num_experts)),
+    ):
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+            have = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+            return f"{name} has shape {have}; expected {shape}"
+    if max_diff(probs, want_probs) > TOLERANCE:
+        sums = probs.detach().sum(-1)
+        if max_diff(probs, logits) <= TOLERANCE:
+            return "probs are the logits themselves: take the softmax over the experts"
+        return (
+            f"probs differ from the softmax of the logits over the experts by "
+            f"{max_diff(probs, want_probs):.2e} (its rows sum to {sums[:3].tolist()}...; each "
+            "row must be a distribution over the experts: softmax along the last dimension)"
+        )
+    if experts.dtype != torch.long:
+        return f"experts has dtype {experts.dtype}; expected int64 expert indices"
+    if not torch.equal(experts, want_experts):
+        if torch.equal(experts.sort(-1).values, want_experts.sort(-1).values):
+            return (
+                "each token has the right experts but not most probable first: order the k "
+                f"choices by decreasing probability (expected {want_experts[:2].tolist()}..., "
+                f"got {experts[:2].tolist()}...)"
+            )
+        lowest = want_probs.topk(k, dim=-1, largest=False).indices
+        if torch.equal(experts, lowest):
+            return "experts are the k LEAST probable: the router keeps the most probable ones"
+        return (
+            f"expected experts {want_experts[:3].tolist()}... (the k most probable, most probable "
+            f"first), got {experts[:3].tolist()}..."
+        )
+    if max_diff(weights, want_weights) > TOLERANCE:
+        if max_diff(weights, top) <= TOLERANCE:
+            return (
+                "weights are the raw probabilities of the chosen experts: they were not "
+                "renormalized after top-k. Each token's k weights must sum to 1 (rescale the "
+                f"chosen probabilities by their total); sums seen: "
+                f"{[round(float(s), 4) for s in weights.detach().sum(-1)[:4]]}"
+            )
+        return (
+            f"weights {weights.detach()[:2].tolist()}... differ from the chosen probabilities "
+            f"rescaled to sum to 1 per token, {want_weights.detach()[:2].tolist()}..."
+        )
+    if gradient and (not weights.requires_grad or not probs.requires_grad):
+        which = "weights" if not weights.requires_grad else "probs"
+        return (
+            f"{which} carry no gradient: the router learns through them, so compute them from "
+            "the logits without detaching (only the expert indices need no gradient)"
+        )
+    return None
+
+
+def expected_keep(choices: list[torch.Tensor], num_experts: int, capacity: int) -> list[torch.Tensor]:
+    """First come first served over the group, rank then token order."""
+    taken = [0] * num_experts
+    out = []
+    for experts in choices:
+        keep = torch.zeros(experts.shape, dtype=torch.bool)
+        for t in range(experts.shape[0]):
+            for j in range(experts.shape[1]):
+                e = int(experts[t, j])
+                keep[t, j] = taken[e] < capacity
+                taken[e] += int(keep[t, j])
+        out.append(keep)
+    return out
+
+
+def keep_variants(
+    choices: list[torch.Tensor], rank: int, num_experts: int, capacity: int
+) -> dict[str, torch.Tensor]:
+    """The masks the usual mistakes give for ``rank``, named by the mistake."""
+    per_rank = expected_keep([choices[rank]], num_experts, capacity)[0]
+    reversed_tokens = [c.flip(0) for c in choices]
+    last_first = expected_keep(reversed_tokens, num_experts, capacity)[rank].flip(0)
+    later_ranks_first = expected_keep(choices[::-1], num_experts, capacity)[::-1][rank]
+    return {
+        "capacity counted per rank: every rank let each expert take `capacity` of its own "
+        "choices, as if the ranks before it had sent none. An expert's capacity is shared by "
+        "the whole group: start each expert's queue at the choices of the ranks before this one "
+        "(the census rows above this rank)": per_rank,
+        "the LAST choices were kept: the queue runs in token order, token 0 first": last_first,
+        "later ranks were served first: the queue runs in group-rank order, rank 0 first": (
+            later_ranks_first
+        ),
+        "one choice too many per expert: keep a choice when fewer than `capacity` choices are "
+        "ahead of it (place < capacity, counting places from 0)": expected_keep(
+            choices, num_experts, capacity + 1
+        )[rank],
+    }
+
+
+def keep_problems(
+    masks: list[Any], choices: list[torch.Tensor], num_experts: int, capacity: int
+) -> list[str]:
+    """What is wrong with every rank's kept choices, ``masks[r]`` from group rank r: one named
+    mistake when a single one explains every rank's masks, else each wrong rank's masks."""
+    want = expected_keep(choices, num_experts, capacity)
+    problems = []
+    for rank, (got, mask) in enumerate(zip(masks, want, strict=True)):
+        if not isinstance(got, torch.Tensor) or got.shape != mask.shape or got.dtype != torch.bool:
+            have = (tuple(got.shape), got.dtype) if isinstance(got, torch.Tensor) else type(got)
+            problems.append(
+                f"rank {rank}: returned {have}; expected a bool tensor of shape "
+                f"{tuple(mask.shape)}"
+            )
+    if problems:
+        return problems
+    wrong = [r for r, (got, mask) in enumerate(zip(masks, want, strict=True))
+             if not torch.equal(got.cpu(), mask)]
+    if not wrong:
+        return []
+    variants = [keep_variants(choices, r, num_experts, capacity) for r in range(len(masks))]
+    fits = [
+        why
+        for why in variants[0]
+        if all(torch.equal(masks[r].cpu(), variants[r][why]) for r in range(len(masks)))
+    ]
+    if len(fits) == 1:
+        return [f"ranks {wrong}: {fits[0]}"]
+    if fits:  # these choices cannot tell the mistakes apart: name each that fits
+        return [f"ranks {wrong}: one of {len(fits)} mistakes that give these masks: "
+                + "; or ".join(fits)]
+    return [
+        f"rank {r}: kept {masks[r].int().tolist()}; expected {want[r].int().tolist()} (each "
+        "expert accepts the group's choices first come first served: rank 0's before rank "
+        "1's, and within a rank token 0's before token 1's, until it holds `capacity`)"
+        for r in wrong
+    ]
+
+
+def aux_variants(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> dict[str, float]:
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).double()
+    tokens, k = experts.shape
+    mean_p = probs.detach().mean(0)
+    first = torch.bincount(experts[:, 0], minlength=num_experts).double() / tokens
+    return {
+        f"the fraction divides by the number of tokens ({tokens}), not by the number of "
+        f"choices (tokens x k = {tokens * k}): f_e must be a fraction of all choices, summing "
+        "to 1": float(num_experts * (counts / tokens * mean_p).sum()),
+        "the fraction counts only each token's first choice (Switch's k = 1 form): with k "
+        "choices per token, count all of them": float(num_experts * (first * mean_p).sum()),
+        "the factor num_experts is missing (the loss is 1 for an even router, whatever the "
+        "number of experts)": float((counts / (tokens * k) * mean_p).sum()),
+        "both factors are mean probabilities: f_e is the fraction of the choices (a count), "
+        "P_e the mean probability": float(num_experts * (mean_p * mean_p).sum()),
+        "the loss is averaged over the experts instead of summed and scaled by num_experts": float(
+            (counts / (tokens * k) * mean_p).mean()
+        ),
+    }
+
+
+def aux_problem(got: Any, probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> str | None:
+    tokens, k = experts.shape
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).double()
+    want = float(num_experts * (counts / (tokens * k) * probs.detach().mean(0)).sum())
+    if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        return f"returned {type(got).__name__}; expected a scalar tensor"
+    value = float(got.detach())
+    if not math.isclose(value, want, rel_tol=1e-10, abs_tol=1e-12):
+        for why, variant in aux_variants(probs, experts, num_experts).items():
+            if math.isclose(value, variant, rel_tol=1e-10, abs_tol=1e-12):
+                return f"{value:.6f} instead of {want:.6f}: {why}"
+        return (
+            f"{value:.6f} instead of {want:.6f} = num_experts x sum_e f_e x P_e (f_e: fraction "
+            "of the T x k choices that named e; P_e: mean probability of e over the tokens)"
+        )
+    if probs.requires_grad:
+        if not got.requires_grad:
+            return "the loss carries no gradient: the router learns through the mean probabilities"
+        (grad,) = torch.autograd.grad(got, probs, retain_graph=True)
+        want_grad = (num_experts * counts / (tokens * k) / tokens).expand(tokens, -1)
+        if max_diff(grad, want_grad) > 1e-10:
+            return (
+                "its gradient with respect to probs is not num_experts x f_e / T: the fraction "
+                "must be a constant (a count) and the probabilities averaged over the tokens"
+            )
+    return None
+
+
+# ----------------------------------------------------------------------------- part 1, alone
+
+
+@exercise("3.8")
+def test_route_keeps_the_k_most_probable_experts_with_weights_summing_to_one() -> None:
+    routing = routing_module()
+    g = torch.Generator().manual_seed(5)
+    for tokens, num_experts, k in [(6, 4, 2), (6, 4, 1), (5, 8, 3), (3, 4, 4)]:
+        logits = torch.randn(tokens, num_experts, generator=g, dtype=torch.float64)
+        logits.requires_grad_()
+        got = routing.route(logits, k)
+        problem = route_problem(got, logits, k)
+        if problem:
+            fail(f"3.8 route(logits of {tokens} tokens x {num_experts} experts, k={k}): {problem}")
+
+
+def group_choices(g: torch.Generator, tokens: list[int], num_experts: int, k: int) -> list[torch.Tensor]:
+    return [
+        torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)])
+        for t in tokens
+    ]
+
+
+@exercise("3.8")
+def test_capacity_keeps_each_experts_first_choices_over_the_whole_group() -> None:
+    routing = routing_module()
+    g = torch.Generator().manual_seed(11)
+    for tokens, num_experts, k, capacity in [
+        ([6, 7, 5], 4, 2, 6),
+        ([6, 7, 5], 4, 1, 3),
+        ([9, 4], 3, 2, 5),
+        ([3, 3, 3, 3], 4, 2, 20),
+        ([5, 6], 4, 2, 0),
+    ]:
+        choices = group_choices(g, tokens, num_experts, k)
+        census = torch.stack([torch.bincount(c.flatten(), minlength=num_experts) for c in choices])
+        masks = [
+            routing.keep_within_capacity(choices[rank].clone(), census.clone(), rank, capacity)
+            for rank in range(len(tokens))
+        ]
+        problems = keep_problems(masks, choices, num_experts, capacity)
+        if not problems:
+            again = [
+                routing.keep_within_capacity(choices[rank], census, rank, capacity)
+                for rank in range(len(tokens))
+            ]
+            if not all(torch.equal(a, b) for a, b in zip(again, masks, strict=True)):
+                problems = [
+                    "two calls with the same choices kept different ones: the rule must be "
+                    "deterministic (every rank decides alone and the decisions must fit)"
+                ]
+        if problems:
+            first_problems(
+                problems,
+                f"3.8 keep_within_capacity for each rank of a group of {len(tokens)} with "
+                f"{tokens} tokens, k={k}, {num_experts} experts, capacity {capacity} (census "
+                f"{census.tolist()}):",
+            )
+
+
+@exercise("3.8")
+def test_load_balancing_loss_is_switch_transformers_with_k_choices() -> None:
+    routing = routing_module()
+    g = torch.Generator().manual_seed(17)
+    for tokens, num_experts, k in [(7, 4, 2), (9, 4, 1), (6, 8, 3)]:
+        logits = torch.randn(tokens, num_experts, generator=g, dtype=torch.float64) * 2
+        probs = torch.softmax(logits, -1).requires_grad_()
+        experts = probs.detach().topk(k, dim=-1).indices
+        got = routing.load_balancing_loss(probs, experts, num_experts)
+        problem = aux_problem(got, probs, experts, num_experts)
+        if problem:
+            fail(
+                f"3.8 load_balancing_loss({tokens} tokens, {num_experts} experts, k={k}): "
+                f"{problem}"
+            )
+    even = torch.full((4, 4), 0.25, dtype=torch.float64)
+    spread = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])
+    value = float(routing.load_balancing_loss(even, spread, 4))
+    if not math.isclose(value, 1.0, rel_tol=1e-12):
+        fail(f"3.8 load_balancing_loss of a perfectly even router is {value}; expected 1.0")
+
+
+# ----------------------------------------------------------------------------- the worlds
+
+
+def _header(case: Case) -> str:
+    return f"{case.label} (tokens per rank {list(case.tokens)}):"
+
+
+def routing_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
+    problems = []
+    dense = case_model(case)
+    for rank, (run, want) in enumerate(zip(runs, ref.ranks, strict=True)):
+        assert run.experts is not None and run.weights is not None
+        if not torch.equal(run.experts, want.experts_tensor) or max_diff(
+            run.weights, want.weights.detach()
+        ) > TOLERANCE:
+            logits = dense.router(case_tokens(case, rank)).detach()
+            got = (run.experts, run.weights, run.probs)
+            named = route_problem(got, logits, case.k, gradient=False)
+            problems.append(f"rank {rank}: routing: {named or 'differs from one process'}")
+    if problems:
+        return problems
+    choices = [r.experts_tensor for r in ref.ranks]
+    return [
+        f"kept choices (capacity {ref.capacity}): {why}"
+        for why in keep_problems([run.keep for run in runs], choices, case.num_experts,
+                                 ref.capacity)
+    ]
+
+
+def output_variants(case: Case, ref: Reference, rank: int) -> dict[str, torch.Tensor]:
+    """The outputs the usual combine mistakes give, named by the mistake."""
+    dense = case_model(case)
+    x = case_tokens(case, rank)
+    want = ref.ranks[rank]
+    tokens, k = len(want.experts), case.k
+    weights = want.weights.detach()
+    with torch.no_grad():
+        outs = [[dense.experts[e](x[t : t + 1])[0] for e in row] for t, row in enumerate(want.experts)]
+        raw = torch.stack([want.probs[t, row].detach() for t, row in enumerate(want.experts)])
+
+    def mix(w: torch.Tensor, every: bool = False) -> torch.Tensor:
+        rows = [
+            sum(
+                (w[t, j] * outs[t][j] for j in range(k) if every or want.keep[t][j]),
+                torch.zeros(HIDDEN, dtype=torch.float64),
+            )
+            for t in range(tokens)
+        ]
+        return torch.stack(rows)
+
+    kept = [(t, j) for t in range(tokens) for j in range(k) if want.keep[t][j]]
+    sent = sorted(kept, key=lambda tj: want.experts[tj[0]][tj[1]])  # stable: token order
+    slots = torch.zeros(tokens * k, HIDDEN, dtype=torch.float64)
+    for i, (t, j) in enumerate(sent):
+        slots[i] = outs[t][j]
+    unordered = (slots.view(tokens, k, HIDDEN) * weights.unsqueeze(-1)).sum(1)
+    return {
+        "the outputs sit in the order the rows travelled (sorted by expert), not in token "
+        "order: combine must put each returned row back at its own (token, choice) place (the "
+        "plan's order) before weighting": unordered,
+        "dropped choices were mixed in: a dropped choice adds nothing to its token": mix(
+            weights, every=True
+        ),
+        "the outputs are not weighted: multiply each choice's output by its weight, then sum "
+        "the token's choices": mix(torch.ones_like(weights)),
+        "the weights are the raw top-k probabilities: renormalize them after top-k": mix(raw),
+    }
+
+
+def output_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
+    problems = []
+    for rank, (run, want) in enumerate(zip(runs, ref.ranks, strict=True)):
+        assert run.output is not None and run.aux is not None
+        expected = want.output.detach()
+        diff = max_diff(run.output, expected)
+        if diff > TOLERANCE:
+            if run.output.shape != expected.shape:
+                problems.append(
+                    f"rank {rank}: the output has shape {tuple(run.output.shape)}; expected "
+                    f"{tuple(expected.shape)}, one row per token of this rank"
+                )
+                continue
+            named = [
+                why
+                for why, variant in output_variants(case, ref, rank).items()
+                if max_diff(run.output, variant) <= TOLERANCE
+            ]
+            bad = (run.output - expected).abs().amax(-1).gt(TOLERANCE).nonzero().flatten().tolist()
+            problems.append(
+                f"rank {rank}: tokens {bad} differ from one process by up to {diff:.3e}; "
+                + (
+                    named[0]
+                    if named
+                    else "the routing and the kept choices matched one process, so look at the "
+                    "rows dispatch sends, the splits, or where combine puts the rows back"
+                )
+            )
+        aux = float(run.aux)
+        if not math.isclose(aux, float(want.aux_loss.detach()), rel_tol=1e-10, abs_tol=1e-12):
+            assert run.probs is not None
+            why = aux_problem(run.aux, run.probs, want.experts_tensor, case.num_experts)
+            problems.append(f"rank {rank}: load-balancing loss {why}")
+    return problems
+
+
+def gradient_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
+    problems = []
+    for rank, run in enumerate(runs):
+        router_named = False
+        if run.router_grad is None:
+            problems.append(f"rank {rank}: the router got no gradient")
+        elif (diff := max_diff(run.router_grad, ref.router_grads[rank])) > TOLERANCE:
+            router_named = max_diff(run.router_grad, ref.router_aux_grads[rank]) <= TOLERANCE
+            why = (
+                "only the load-balancing loss reached the router: the weights combine uses "
+                "must stay differentiable (do not detach them)"
+                if router_named
+                else "(the router's gradient of this rank's own loss: its weights and the "
+                "load-balancing loss)"
+            )
+            problems.append(
+                f"rank {rank}: the router's gradient differs from one process's by {diff:.3e}; "
+                + why
+            )
+        experts_right = True
+        for expert, grads in run.expert_grads.items():
+            missing = [name for name, grad in grads.items() if grad is None]
+            if missing:
+                experts_right = False
+                problems.append(
+                    f"rank {rank}: expert {expert}'s {missing} got no gradient: the expert "
+                    "outputs must travel back through the given all_to_all (differentiable) "
+                    "and be used by the output"
+                )
+                continue
+            for name, grad in grads.items():
+                want = ref.expert_grads[expert][name]
+                assert grad is not None
+                if (diff := max_diff(grad, want)) > TOLERANCE:
+                    experts_right = False
+                    problems.append(
+                        f"rank {rank}: expert {expert}'s {name} gradient differs from one "
+                        f"process's by {diff:.3e} (it must sum the gradients of every rank's "
+                        "tokens that chose it: the backward of the all-to-alls brings them)"
+                    )
+                    break
+        if router_named:
+            continue  # the tokens' gradient goes through the router too: named above
+        if run.x_grad is None:
+            problems.append(
+                f"rank {rank}: the tokens got no gradient: the rows dispatch sends must stay "
+                "connected to autograd (select them from the tokens and move them with the "
+                "given all_to_all, which is differentiable)"
+            )
+        elif (diff := max_diff(run.x_grad, ref.x_grads[rank])) > TOLERANCE:
+            why = (
+                "the outputs and the experts' gradients are right, so the path from the "
+                "experts' inputs back to the tokens is cut: select the rows from `tokens` "
+                "(nothing detached) and move them with the given all_to_all, whose backward "
+                "returns each row's gradient to the rank it came from"
+                if experts_right
+                else "it comes back through combine's and dispatch's all-to-alls, reversed"
+            )
+            problems.append(
+                f"rank {rank}: the tokens' gradient differs from one process's by {diff:.3e}; "
+                + why
+            )
+    return problems
+
+
+def check_cases(ep: int, idle: bool | None, check: Any, what: str) -> None:
+    """Run ``check`` on the cases of ep (those with idle experts, those without, or all for
+    None) whose routing matched one process; a routing mismatch is reported instead."""
+    runs = ep_runs(ep)
+    refs = references(ep)
+    chosen = [
+        i for i, case in enumerate(CASES[ep]) if idle is None or bool(case.idle) == idle
+    ]
+    messages = []
+    for i in chosen:
+        case = CASES[ep][i]
+        per_rank = [runs[rank][i] for rank in range(ep)]
+        problems = routing_problems(case, refs[i], per_rank)
+        if not problems and check is not routing_problems:
+            problems = check(case, refs[i], per_rank)
+        if problems:
+            messages.append(_header(case) + "\n    " + "\n    ".join(problems[:4]))
+    first_problems(messages, f"3.8 expert parallelism, ep={ep}: {what} against one process")
+
+
+@exercise("3.8")
+@pytest.mark.parametrize("ep", EP_SIZES, ids=[f"ep{ep}" for ep in EP_SIZES])
+def test_routing_and_kept_choices_match_one_process(ep: int) -> None:
+    check_cases(ep, False, routing_problems, "routing and kept choices")
+
+
+@exercise("3.8")
+@pytest.mark.parametrize("ep", EP_SIZES, ids=[f"ep{ep}" for ep in EP_SIZES])
+def test_outputs_and_load_balancing_loss_match_one_process(ep: int) -> None:
+    check_cases(ep, False, output_problems, "outputs and load-balancing loss")
+
+
+@exercise("3.8")
+@pytest.mark.parametrize("ep", EP_SIZES, ids=[f"ep{ep}" for ep in EP_SIZES])
+def test_gradients_match_one_process(ep: int) -> None:
+    def both(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
+        return output_problems(case, ref, runs) or gradient_problems(case, ref, runs)
+
+    check_cases(ep, False, both, "gradients (tokens, router, experts)")
+
+
+@exercise("3.8")
+@pytest.mark.parametrize("ep", EP_SIZES, ids=[f"ep{ep}" for ep in EP_SIZES])
+def test_experts_that_receive_no_token(ep: int) -> None:
+    def everything(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
+        problems = output_problems(case, ref, runs) or gradient_problems(case, ref, runs)
+        unused = set(range(case.num_experts)) - {
+            e for rank in ref.ranks for row in rank.experts for e in row
+        }
+        for rank, run in enumerate(runs):
+            for expert in sorted(unused):
+                grads = run.expert_grads.get(expert)
+                if grads and any(g is not None and bool(g.any()) for g in grads.values()):
+                    problems.append(
+                        f"rank {rank}: expert {expert} received no token but has a non-zero "
+                        "gradient"
+                    )
+        return problems
+
+    check_cases(ep, True, everything, "outputs and gradients when some experts get no token")
+
+
+def bytes_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
+    problems = []
+    rows = sends_between(case, ref)
+    routed = sends_between(case, ref, kept_only=False)
+    row_bytes = HIDDEN * ELEMENT
+    per_rank = case.num_experts // case.ep
+    counts_bytes = (case.ep - 1) * per_rank * 8
+    for rank, run in enumerate(runs):
+        out_rows = sum(n for d, n in enumerate(rows[rank]) if d != rank)
+        in_rows = sum(rows[s][rank] for s in range(case.ep) if s != rank)
+        formula = (
+            f"counts (ep-1) x E/ep x 8 = {counts_bytes}, then {out_rows} kept rows to other "
+            f"ranks and {in_rows} back, x hidden x 8 = {row_bytes} bytes each"
+        )
+        fwd, bwd = run.forward_a2a, run.backward_a2a
+        if len(fwd) != 3:
+            problems.append(
+                f"rank {rank}: the forward made {len(fwd)} all_to_all_single calls "
+                f"({[c.dtype for c in fwd]}); expected 3: the counts (int64), the rows in "
+                "dispatch, the rows back in combine"
+            )
+            continue
+        got = [c.bytes_to_others for c in fwd]
+        want = [counts_bytes, out_rows * row_bytes, in_rows * row_bytes]
+        if got != want:
+            routed_out = sum(n for d, n in enumerate(routed[rank]) if d != rank)
+            routed_in = sum(routed[s][rank] for s in range(case.ep) if s != rank)
+            all_routed = [counts_bytes, routed_out * row_bytes, routed_in * row_bytes]
+            why = (
+                "dropped choices travelled: a choice its expert does not keep is never sent"
+                if got == all_routed
+                else "each rank sends other ranks only its kept rows for their experts, and "
+                "each expert's output goes back only to the rank it came from"
+            )
+            problems.append(
+                f"rank {rank}: the forward's all-to-alls sent {got} bytes to other ranks "
+                f"(counts, dispatch, combine); expected {want}: {formula}; {why}"
+            )
+        bwd_bytes = sum(c.bytes_to_others for c in bwd)
+        if len(bwd) != 2 or bwd_bytes != (out_rows + in_rows) * row_bytes:
+            why = (
+                ": one of the forward's row exchanges is outside autograd (its rows were "
+                "detached, or moved with dist.all_to_all_single instead of the given "
+                "all_to_all), so its gradients never travel back"
+                if len(bwd) < 2
+                else ""
+            )
+            problems.append(
+                f"rank {rank}: the backward made {len(bwd)} all_to_all_single calls sending "
+                f"{bwd_bytes} bytes to other ranks; expected 2 (the reverse of combine's, then "
+                f"of dispatch's) sending ({out_rows} + {in_rows}) x {row_bytes} = "
+                f"{(out_rows + in_rows) * row_bytes}{why}"
+            )
+        others_fwd = Counter(op for op, _ in run.forward_ops if op != "all_to_all_single")
+        others_bwd = Counter(op for op, _ in run.backward_ops if op != "all_to_all_single")
+        if others_fwd != Counter({"all_gather_into_tensor": 1}) or others_bwd:
+            problems.append(
+                f"rank {rank}: besides the all-to-alls, the forward made {dict(others_fwd)} and "
+                f"the backward {dict(others_bwd)}; expected only the census's one "
+                "all_gather_into_tensor in the forward"
+            )
+    return problems
+
+
+@exercise("3.8")
+@pytest.mark.parametrize("ep", EP_SIZES, ids=[f"ep{ep}" for ep in EP_SIZES])
+def test_bytes_each_rank_sends_match_the_formula(ep: int) -> None:
+    check_cases(ep, None, bytes_problems, "bytes sent per rank, counted")
+
+
+# ----------------------------------------------------------------------------- ep x dp
+
+
+def runs_2d() -> list[Run2D]:
+    return cached("ep2 x dp2", lambda: world(run_2d, LAYOUT_EP * LAYOUT_DP))
+
+
+def _group_name(ranks: tuple[int, ...] | None, run: Run2D) -> str:
+    if ranks is None or ranks == tuple(range(LAYOUT_EP * LAYOUT_DP)):
+        return "world"
+    if ranks == run.ep_ranks:
+        return "ep"
+    if ranks == run.dp_ranks:
+        return "dp"
+    return str(ranks)
+
+
+@exercise("3.8")
+def test_2d_layout_the_layer_talks_only_inside_its_expert_parallel_group() -> None:
+    runs = runs_2d()
+    _, _, outputs = reference_2d()
+    problems = []
+    for rank, run in enumerate(runs):
+        outside = sorted({(op, str(g)) for op, g in run.moe_ops if g != run.ep_ranks})
+        if outside:
+            problems.append(
+                f"rank {rank}: forward and backward called {outside} outside its expert-parallel "
+                f"group {run.ep_ranks}: pass the layer's group to every collective"
+            )
+        assert run.output is not None
+        if (diff := max_diff(run.output, outputs[rank])) > TOLERANCE:
+            problems.append(
+                f"rank {rank}: its output differs by {diff:.3e} from one process running its "
+                f"replica's tokens (ranks {run.ep_ranks}, the replica's own capacity)"
+            )
+    first_problems(problems, f"3.8 {CASE_2D.name}: the MoE layer on the ep groups")
+
+
+def _ratio(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """s when got == s * want (to 1e-9), else None."""
+    norm = float((want * want).sum())
+    if norm == 0:
+        return None
+    s = float((got * want).sum()) / norm
+    return s if max_diff(got, s * want) <= 1e-9 * max(1.0, float(want.abs().max())) else None
+
+
+@exercise("3.8")
+def test_2d_layout_gradients_are_averaged_on_the_right_groups() -> None:
+    runs = runs_2d()
+    router_want, experts_want, outputs = reference_2d()
+    world_size = LAYOUT_EP * LAYOUT_DP
+    wrong = [
+        r
+        for r, run in enumerate(runs)
+        if run.output is None or max_diff(run.output, outputs[r]) > TOLERANCE
+    ]
+    if wrong:
+        fail(
+            f"3.8 {CASE_2D.name}: the outputs of ranks {wrong} differ from one process already "
+            "(see the test of the layer on the ep groups, and the ep=2 tests), so no gradient "
+            "can match; fix the forward first"
+        )
+    problems = []
+    for rank, run in enumerate(runs):
+        if run.router_grad is None or any(
+            g is None for grads in run.expert_grads.values() for g in grads.values()
+        ):
+            problems.append(
+                f"rank {rank}: some gradients were missing after backward (see the ep=2 "
+                "gradient test), so sync_moe_gradients was not run"
+            )
+            continue
+        by_group: Counter[str] = Counter()
+        for op, nbytes, ranks in run.sync_records:
+            if op == "all_reduce":
+                by_group[_group_name(ranks, run)] += nbytes
+            else:
+                by_group[f"{op} on {_group_name(ranks, run)}"] += nbytes
+        if by_group != Counter({"world": run.router_bytes, "dp": run.expert_bytes}):
+            notes = []
+            if by_group.get("ep"):
+                notes.append(
+                    f"gradients were all-reduced on the ep group {run.ep_ranks}: those ranks "
+                    "hold DIFFERENT experts, whose gradients must never be added together; "
+                    "an expert's copies sit on its dp group"
+                )
+            if by_group.get("world", 0) > run.router_bytes:
+                notes.append(
+                    "the experts' gradients were all-reduced over every rank: that adds "
+                    "different experts' gradients together; only the dp group holds copies of "
+                    "the same experts"
+                )
+            if by_group.get("dp", 0) not in (0, run.expert_bytes) or (
+                by_group.get("dp") and not by_group.get("world")
+            ):
+                notes.append(
+                    f"the dp group {run.dp_ranks} carried {by_group.get('dp', 0)} bytes; only "
+                    f"the experts' {run.expert_bytes} bytes belong there: the router is "
+                    "replicated on every rank and each rank saw other tokens, so its gradient "
+                    "is reduced over the world"
+                )
+            problems.append(
+                f"rank {rank}: sync_moe_gradients all-reduced {dict(by_group)} bytes by group; "
+                f"expected the router's {run.router_bytes} bytes on the world and the experts' "
+                f"{run.expert_bytes} on the dp group {run.dp_ranks}"
+                + ("; " + "; ".join(notes) if notes else "")
+            )
+            continue
+        if (diff := max_diff(run.router_grad, router_want)) > TOLERANCE:
+            s = _ratio(run.router_grad, router_want)
+            why = (
+                f" ({s:g} times the right one: divide the sum over the world by the world "
+                f"size, {world_size})"
+                if s is not None
+                else ""
+            )
+            problems.append(
+                f"rank {rank}: the router's gradient differs by {diff:.3e} from that of the "
+                f"mean of the {world_size} ranks' losses{why}"
+            )
+        for expert, grads in run.expert_grads.items():
+            for name, grad in grads.items():
+                want = experts_want[expert][name]
+                assert grad is not None
+                if (diff := max_diff(grad, want)) <= TOLERANCE:
+                    continue
+                s = _ratio(grad, want)
+                if s is not None and math.isclose(s, LAYOUT_EP, rel_tol=1e-9):
+                    why = (
+                        f"it is ep = {LAYOUT_EP} times too large: it was divided by the dp "
+                        f"group's size ({LAYOUT_DP}), but after backward it already summed the "
+                        f"{LAYOUT_EP} ranks of its expert-parallel group; the mean is over all "
+                        f"{world_size} ranks' losses: divide by the world size"
+                    )
+                elif s is not None:
+                    why = f"it is {s:g} times the right one"
+                else:
+                    why = "copies of one expert must end with the same gradient on every replica"
+                problems.append(
+                    f"rank {rank}: expert {expert}'s {name} gradient differs by {diff:.3e} from "
+                    f"that of the mean of the {world_size} ranks' losses: {why}"
+                )
+                break
+    first_problems(problems, f"3.8 {CASE_2D.name}: gradients after sync_moe_gradients")
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def program(name: str) -> Any:
+    return importlib.import_module(f"solutions.phase3_multi_node.{name}")
+
+
+@exercise("3.8")
+@pytest.mark.reference
+def test_bad_settings_are_refused_with_their_fix() -> None:
+    cases = [
+        (MoEConfig(num_experts=6), 4, ("ep=4 does not divide num_experts=6",)),
+        (MoEConfig(k=5, num_experts=4), 2, ("k=5 > num_experts=4",)),
+        (MoEConfig(capacity_factor=0.0), 2, ("capacity_factor=0.0",)),
+        (MoEConfig(capacity_factor=float("inf")), 2, ("capacity_factor=inf",)),
+        (MoEConfig(hidden=0, num_experts=3), 2, ("hidden=0", "ep=2 does not divide")),
+    ]
+    for config, ep, parts in cases:
+        with pytest.raises(ValueError) as caught:
+            check_moe_config(config, ep)
+        for part in parts:
+            assert part in str(caught.value), (config, ep, str(caught.value))
+    check_moe_config(MoEConfig(), 4)
+
+
+def demo_worker(impl_name: str) -> dict[str, Any]:
+    demo = program("moe_demo")
+    config = demo.DemoConfig(ep=2, dp=2, tokens=6, steps=2, impl=impl_name)
+    return demo.run_demo(config)
+
+
+@exercise("3.8")
+@pytest.mark.reference
+def test_the_demo_matches_one_process_on_an_ep_x_dp_layout() -> None:
+    summary = world(demo_worker, 4, impl())[0]
+    assert summary["max_diff"] <= 1e-5, summary  # float32
+    assert len(summary["rows"]) == 4 and len(summary["steps"]) == 2, summary
+
+
+@exercise("3.8")
+@pytest.mark.reference
+def test_the_programs_refuse_bad_settings_before_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    demo = program("moe_demo")
+    with pytest.raises(ValueError, match="ep=2 does not divide num_experts=3"):
+        demo.validate(demo.DemoConfig(experts=3), 2)
+    with pytest.raises(ValueError, match="does not fill the world of 4"):
+        demo.validate(demo.DemoConfig(ep=3, dp=2), 4)
+    assert demo.main(["--ep", "2"]) == 2  # a world of one: refused before any process group
+    with pytest.raises(SystemExit) as caught:
+        demo.main(["--capacity-factor", "0"])
+    assert caught.value.code == 2
+    bench = program("moe_benchmark")
+    assert bench.main(["--aux-coefs", "x", "--ep", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--aux-coefs 'x'" in err and "ep=3 does not divide num_experts=8" in err, err
+
+
+@exercise("3.8")
+@pytest.mark.reference
+def test_the_benchmark_reports_balance_and_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = program("moe_benchmark")
+    args = ["--ep", "2", "--tokens", "16", "--steps", "2", "--aux-coefs", "0,0.1"]
+    args += ["--capacity-factors", "1.0", "--a2a-worlds", "2", "--a2a-kib", "4", "--reps", "1"]
+    code = bench.main([*args, "--impl", impl()])
+    out, err = capsys.readouterr()
+    todo = re.search(r"NotImplementedError: (TODO \d+\.\d+: [^\n]*)", err)
+    if code == 1 and todo:  # an unwritten TODO in the ranks: reported as such, once
+        raise NotImplementedError(todo[1])
+    assert code == 0, err
+    for title in ("balance:", "final:", "cost:"):
+        assert title in out, out
+    assert out.count("| 0.1 | 1 |") == 3, out  # two balance rows (steps 0 and 1), one final
