@@ -48,10 +48,9 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     # TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest.
     # Invariant: the ranges are non-empty, in order, and cover 0..n-1 exactly; no other split
     #   into num_stages contiguous pieces has a smaller maximum piece cost.
-    # Hint 1: dynamic programming over prefixes: best[k][j] = the smallest possible maximum
-    #   when the first j layers form k stages. The last stage is layers i..j-1 for some i, so
-    #   best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1). Remember which i
-    #   won, then walk back from best[num_stages][n]. Prefix sums give any piece's cost in O(1).
+    # Hint 1: dynamic programming over prefixes. However the first layers are cut, only two
+    #   things matter for the rest: where the last stage begins, and the best maximum the
+    #   layers before it can reach with one stage fewer.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(

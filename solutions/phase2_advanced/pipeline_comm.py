@@ -12,8 +12,8 @@ executor (``pipeline_executor.py``) decides *when*; this module says *how*:
   at the end of the step.
 * **Post receives early.** ``irecv`` returns at once; the data lands in the buffer while the rank
   computes, and the executor waits just before the action that needs it.
-* **Tag every message.** The tag names (kind, receiving stage, micro-batch), so no two messages
-  of a step share one and the receiver asks for exactly the message it means. (gloo matches by
+* **Tag every message.** ``StageLinks.tag`` gives every message of a step its own tag, so the
+  receiver asks for exactly the message it means. (gloo matches by
   source and tag; NCCL ignores tags and matches in posting order, which the schedules keep the
   same at both ends of every link.)
 * **Headers first.** Before the data of a step, a header (``course/tensor_header.py``,
@@ -28,85 +28,23 @@ mapped once to global ranks with ``dist.get_global_rank``: torch's ``dst``/``src
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from course.tensor_header import HEADER_SLOTS, TensorMeta, decode_header, encode_header
-from phase2_advanced.pipeline_layout import stage_rank
+from course.tensor_header import TensorMeta, decode_header, encode_header
+from phase2_advanced.pipeline_links import (
+    ACTIVATION,
+    GRADIENT,
+    HEADER,
+    HEADER_META,
+    Pending,
+    StageLinks,
+    wait_all,
+)
 
-ACTIVATION, GRADIENT, HEADER = 0, 1, 2  # the kinds of message; headers travel forward
-HEADER_META = TensorMeta((HEADER_SLOTS,), torch.int64)  # what a header's receive buffer is
-
-
-@dataclass(frozen=True)
-class StageLinks:
-    """How this rank reaches the stages of its pipeline: who holds each stage, and the tags.
-
-    ``rank`` and ``num_ranks`` are within ``group``; ``peers[r]`` is the global rank of the
-    group's rank r; ``num_stages`` counts virtual stages (p·v).
-    """
-
-    group: dist.ProcessGroup | None
-    rank: int
-    num_ranks: int
-    num_stages: int
-    num_microbatches: int
-    peers: tuple[int, ...]
-
-    @staticmethod
-    def build(
-        num_chunks: int, num_microbatches: int, group: dist.ProcessGroup | None = None
-    ) -> StageLinks:
-        """The links of this process in ``group`` (the default group when None)."""
-        size = dist.get_world_size(group)
-        whole = group if group is not None else dist.group.WORLD
-        assert whole is not None, "the default process group is not initialised"
-        peers = tuple(dist.get_global_rank(whole, r) for r in range(size))
-        return StageLinks(
-            group, dist.get_rank(group), size, size * num_chunks, num_microbatches, peers
-        )
-
-    @property
-    def last_stage(self) -> int:
-        return self.num_stages - 1
-
-    def holds(self, stage: int) -> bool:
-        """Whether this rank holds virtual stage ``stage``."""
-        return stage_rank(stage, self.num_ranks) == self.rank
-
-    def peer(self, stage: int) -> int:
-        """The GLOBAL rank of the process holding virtual stage ``stage``: give it to dst/src."""
-        return self.peers[stage_rank(stage, self.num_ranks)]
-
-    def tag(self, kind: int, stage: int, microbatch: int) -> int:
-        """The tag of one message of a step: (ACTIVATION, GRADIENT or HEADER, the stage that
-        receives it, micro-batch; 0 for a header). Distinct for every message of a step."""
-        return (kind * self.num_stages + stage) * self.num_microbatches + microbatch
-
-
-@dataclass
-class Pending:
-    """A posted ``isend``/``irecv``: its work (None when it completed at once) and its tensor,
-    kept alive until the work is done."""
-
-    work: dist.Work | None
-    tensor: torch.Tensor
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.tensor
-
-
-def wait_all(pending: Sequence[Pending]) -> None:
-    """Wait until every posted operation in ``pending`` has completed."""
-    for item in pending:
-        item.wait()
-
+__all__ = ["ACTIVATION", "GRADIENT", "HEADER", "HEADER_META", "Pending", "StageLinks", "wait_all"]
 
 # ----------------------------------------------------------------------------- exercise 2.5
 
@@ -120,13 +58,15 @@ def send_tensor(
     # TODO 2.5: start sending tensor to the rank holding to_stage, without waiting for it.
     # Invariant: returns before the receiver has posted its receive (a blocking send here
     #   deadlocks interleaved 1F1B); the returned Pending holds the very tensor being sent,
-    #   so it stays alive and unchanged until the send completes; the tag is
-    #   links.tag(kind, to_stage, microbatch), the one the receiver asks for.
-    # Hint 1: dist.isend returns a Work at once; torch's dst= is a GLOBAL rank (links.peer
-    #   gives it) and group= is the pipeline's group (links.group).
-    # Hint 2: make the payload contiguous first (the same tensor goes into isend and into the
-    #   Pending you return); the peer is the holder of the receiving stage; the tag names
-    #   the receiving stage too.
+    #   so it stays alive and unchanged until the send completes; the receiver finds the
+    #   message by its peer and tag, so both ends must name the same ones.
+    # Hint 1: torch has a send that returns at once with a Work to wait on later. links (given,
+    #   pipeline_links.py) knows who holds a stage and how a message of a step is tagged.
+    # Hint 2: make the payload contiguous first (the same tensor goes into the send and into
+    #   the Pending you return); the peer is the holder of the receiving stage, as a global
+    #   rank; the tag names the receiving stage too; the group is the pipeline's.
+    # Hint 3: dist.isend(payload, dst=links.peer(to_stage), group=links.group,
+    #   tag=links.tag(kind, to_stage, microbatch)).
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     payload = tensor.contiguous()
@@ -153,15 +93,18 @@ def post_receive(
     stage after; activations and headers from the stage before."""
     # TODO 2.5: post the receive of the message (kind, at_stage, microbatch); do not wait.
     # Invariant: returns at once; the data lands in the returned Pending's tensor once its
-    #   work completes (the executor waits just before the action that needs it);
-    #   gradients come from stage at_stage + 1, activations and headers from stage
-    #   at_stage - 1; the tag is the one the sender used: links.tag(kind, at_stage, microbatch).
-    # Hint 1: allocate the buffer from meta (meta.empty(device)) and post dist.irecv into it
-    #   from the rank holding the neighbouring stage (a global rank: links.peer), on
-    #   links.group.
-    # Hint 2: the neighbour depends on the kind: the stage after for a GRADIENT, the stage
-    #   before for anything else. The tag names at_stage, the receiving stage, not the
-    #   neighbour. Return the work and the buffer together.
+    #   work completes (the executor waits just before the action that needs it); the buffer
+    #   has exactly the message's shape and dtype; the peer and the tag are the ones the
+    #   sender of this message used.
+    # Hint 1: meta describes the buffer (TensorMeta.empty). Gradients travel backward, from the
+    #   stage after; activations and headers travel forward, from the stage before.
+    # Hint 2: allocate the buffer; pick the neighbouring stage by the kind; post a receive
+    #   that returns at once from the rank holding that stage (a global rank), on the
+    #   pipeline's group, with the tag of (kind, the RECEIVING stage, micro-batch), not the
+    #   neighbour's; return the work and the buffer together.
+    # Hint 3: buffer = meta.empty(device); neighbour = at_stage + 1 for GRADIENT, else
+    #   at_stage - 1; dist.irecv(buffer, src=links.peer(neighbour), group=links.group,
+    #   tag=links.tag(kind, at_stage, microbatch)).
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     buffer = meta.empty(device)
@@ -190,9 +133,10 @@ def walk_headers(
     The stages are walked in order: stage 0's rank knows ``batch`` (the inputs' meta); every
     stage this rank holds receives its input's meta from the stage before, and sends
     ``output_meta(stage, input_meta)`` to the stage after. Returns ``{stage: input meta}`` for
-    the stages this rank holds. One small message per boundary, sent and received with
-    :func:`send_tensor` and :func:`post_receive` (kind HEADER), and waited for before returning,
-    so nothing is left in flight.
+    the stages this rank holds. One small message per boundary between two ranks, sent and
+    received with :func:`send_tensor` and :func:`post_receive` (kind HEADER), and waited for
+    before returning, so nothing is left in flight; where both stages of a boundary are on this
+    rank (the turn of a V placement) the meta is handed over without a message.
     """
     metas: dict[int, TensorMeta] = {}
     sent: list[Pending] = []
@@ -203,11 +147,13 @@ def walk_headers(
             if batch is None:
                 raise ValueError("the rank holding stage 0 needs the batch's inputs")
             meta = batch
+        elif links.holds(stage - 1):
+            meta = output_meta(stage - 1, metas[stage - 1])
         else:
             received = post_receive(links, HEADER_META, HEADER, stage, 0, device)
             meta = decode_header(received.wait())
         metas[stage] = meta
-        if stage < links.last_stage:
+        if stage < links.last_stage and not links.holds(stage + 1):
             message = encode_header(output_meta(stage, meta), device)
             sent.append(send_tensor(links, message, HEADER, stage + 1, 0))
     wait_all(sent)

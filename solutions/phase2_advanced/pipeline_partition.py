@@ -45,15 +45,16 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     # TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest.
     # Invariant: the ranges are non-empty, in order, and cover 0..n-1 exactly; no other split
     #   into num_stages contiguous pieces has a smaller maximum piece cost.
-    # Hint 1: dynamic programming over prefixes: best[k][j] = the smallest possible maximum
-    #   when the first j layers form k stages. The last stage is layers i..j-1 for some i, so
-    #   best[k][j] = min over i of max(best[k-1][i], cost of layers i..j-1). Remember which i
-    #   won, then walk back from best[num_stages][n]. Prefix sums give any piece's cost in O(1).
-    # Hint 2: two tables of (num_stages + 1) x (n + 1): the best maximum, and where the last
-    #   stage began. One stage is a prefix sum. Fill the tables stage count by stage count,
-    #   trying every start of the last stage that leaves each earlier stage a layer. Then
-    #   rebuild the ranges from the end: the recorded start of the last stage is the end of
-    #   the stage before it, and so on down to layer 0.
+    # Hint 1: dynamic programming over prefixes. However the first layers are cut, only two
+    #   things matter for the rest: where the last stage begins, and the best maximum the
+    #   layers before it can reach with one stage fewer.
+    # Hint 2: a table of the best maximum for "the first j layers in k stages", filled for one
+    #   stage (a prefix sum), then two, then more: each entry tries every start of its last
+    #   stage that leaves each earlier stage a layer, and keeps the start that wins. Prefix
+    #   sums give any piece's cost at once. Then rebuild the ranges from the end: the start
+    #   of the last stage is the end of the stage before it, and so on down to layer 0.
+    # Hint 3: best[k][j] = min over i of max(best[k - 1][i], prefix[j] - prefix[i]), for i
+    #   from k - 1 to j - 1; cut[k][j] = the i that won; walk back from cut[num_stages][n].
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     n = len(costs)

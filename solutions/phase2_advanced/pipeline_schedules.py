@@ -2,74 +2,65 @@
 
 A pipeline cuts a model into p stages, one per rank, and the batch into m micro-batches. A
 schedule is a pure function of (p, m): for each rank, the ordered list of actions "forward of
-micro-batch i" and "backward of micro-batch i". Nothing here touches a process group, so
-schedules can be tested, simulated (``pipeline_simulation.py``) and drawn without processes;
+micro-batch i" (F), "backward of micro-batch i" (B) and, in zero-bubble schedules, "weight
+gradients of micro-batch i" (W). Nothing here touches a process group, so schedules can be
+tested, simulated (``pipeline_simulation.py``) and drawn without processes;
 ``pipeline_executor.py`` runs any of them over point-to-point messages.
 
 * **GPipe** (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
   Parallelism", NeurIPS 2019), also called all-forward-all-backward: every stage runs the m
   forwards, then the m backwards. A stage holds the activations of all m micro-batches at once.
 * **1F1B** (PipeDream-Flush: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
-  Training", ICML 2021): rank r runs min(p - r - 1, m) warm-up forwards, then alternates one
-  forward and one backward, then drains the remaining backwards. Same bubble as GPipe, but at
-  most p - r micro-batches are in flight on rank r instead of m.
+  Training", ICML 2021): each rank runs a few warm-up forwards (the first rank the most, the
+  last rank none), then alternates one forward and one backward, then drains the remaining
+  backwards. Same bubble as GPipe, but far fewer micro-batches in flight than m.
 * **Interleaved 1F1B** (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
   Clusters Using Megatron-LM", SC 2021): the model is cut into p·v stages and rank r holds the v
   chunks at virtual stages r, r + p, r + 2p, ...; the bubble shrinks about v times for v times
   more messages. Micro-batches go through the chunks in groups of p, so m must be a multiple of p.
+* **ZB-H1** (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each backward
+  split into B, the input's gradient that the stage before waits for, and W, the weights'
+  gradient that nobody waits for. B keeps 1F1B's place; the W's are deferred to where 1F1B
+  idles, so the bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W) per stage, with the same
+  activations held at the peak (p micro-batches).
+* **ZB-V** (same paper, section 6; given, ``pipeline_v_schedule.py``): two chunks per rank in a
+  V (rank r holds stages r and 2p-1-r: the ``"v"`` placement), every backward split; with F, B
+  and W of equal cost only the fill is left idle.
 
-Both bubble formulas assume a backward costs a fixed multiple of a forward and messages are free:
-GPipe and 1F1B idle (p-1)/(m+p-1) of the step on every stage, interleaved (p-1)/(v·m+p-1).
+The bubble formulas assume fixed costs per action and free messages: GPipe and 1F1B idle
+(p-1)/(m+p-1) of the step on every stage, interleaved (p-1)/(v·m+p-1), ZB-H1
+(p-1)(F+B-W)/(m(F+B+W) + (p-1)(F+B-W)) (m >= p), ZB-V (p-1)F/(2m(F+B+W) + (p-1)F) with the
+costs of one chunk, all equal (m >= 2p); ``pipeline_simulation.py`` computes each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
-FORWARD: Literal["forward"] = "forward"
-BACKWARD: Literal["backward"] = "backward"
-ActionKind = Literal["forward", "backward"]
+from phase2_advanced.pipeline_actions import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    ActionKind,
+    Schedule,
+    backward,
+    check_sizes,
+    forward,
+    weight,
+)
+from phase2_advanced.pipeline_layout import LOOP, VEE
+from phase2_advanced.pipeline_v_schedule import zero_bubble_v
 
-
-@dataclass(frozen=True)
-class Action:
-    """One unit of work on one rank: ``kind`` of ``microbatch`` through local model ``chunk``.
-
-    ``chunk`` is 0 except in interleaved schedules, where rank r's chunk c is virtual stage
-    ``c * p + r`` (``pipeline_layout.virtual_stage``, the one stage-to-rank rule).
-    """
-
-    kind: ActionKind
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        """``F3`` / ``B3``, or ``F3c1`` for chunk 1: short enough for ASCII timelines."""
-        suffix = f"c{self.chunk}" if self.chunk else ""
-        return f"{self.kind[0].upper()}{self.microbatch}{suffix}"
-
-
-Schedule = list[list[Action]]  # schedule[rank] = that rank's actions, in order
-
-
-def forward(microbatch: int, chunk: int = 0) -> Action:
-    return Action(FORWARD, microbatch, chunk)
-
-
-def backward(microbatch: int, chunk: int = 0) -> Action:
-    return Action(BACKWARD, microbatch, chunk)
-
-
-def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
-    """Refuse sizes no schedule can run, naming the value and a fix."""
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages}: a pipeline needs at least one stage")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches}: split the batch at least once")
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks={num_chunks}: every rank holds at least one model chunk")
+__all__ = [  # given, used by callers
+    "BACKWARD",
+    "FORWARD",
+    "WEIGHT",
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "zero_bubble_v",
+]
 
 
 # ----------------------------------------------------------------------------- exercise 2.5
@@ -110,10 +101,13 @@ def one_f_one_b_order(num_warmup: int, num_forwards: int) -> list[tuple[ActionKi
     # Hint 1: three phases. Warm-up: forwards only, to fill the pipeline. Steady state: each
     #   forward is followed at once by the oldest backward still owed. Drain: the backwards
     #   left when no forward is left.
-    # Hint 2: the warm-up is the first num_warmup forwards. The steady state has as many
-    #   (forward, backward) pairs as forwards remain after it: pair j is the forward right
-    #   after the warm-up ones and backward j. The drain is the backwards that the steady
-    #   state did not reach, up to num_forwards - 1.
+    # Hint 2: the warm-up is a run of forwards; the steady state is a run of (forward,
+    #   backward) pairs, one pair per forward that the warm-up did not run; the drain is the
+    #   run of backwards the steady state did not reach. Check it on the guide's p = 4, m = 6
+    #   orders.
+    # Hint 3: forwards 0 .. num_warmup - 1; then for j in range(num_forwards - num_warmup):
+    #   forward num_warmup + j, backward j; then the backwards from num_forwards - num_warmup
+    #   to num_forwards - 1.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     order: list[tuple[ActionKind, int]] = [(FORWARD, k) for k in range(num_warmup)]
@@ -128,17 +122,57 @@ def one_f_one_b_rank_actions(rank: int, num_stages: int, num_microbatches: int) 
     """Rank ``rank``'s 1F1B (PipeDream-Flush) actions: warm-up, steady 1F1B, cool-down."""
     check_sizes(num_stages, num_microbatches)
     # TODO 2.5: the 1F1B actions of one rank: its warm-up count, then one_f_one_b_order.
-    # Invariant: rank r never holds more than min(p - r, m) micro-batches' activations;
-    #   the k-th forward and the k-th backward are those of micro-batch k.
-    # Hint 1: rank r must run forwards until the first gradient can come back to it: one for
-    #   each later stage the micro-batch has to cross (down to the last stage and back), but
-    #   never more than m.
-    # Hint 2: the warm-up count is the number of stages after this rank, capped at m. Turn
-    #   each (kind, k) of one_f_one_b_order(warm-up, m) into an Action of micro-batch k.
+    # Invariant: no rank ever holds more than p micro-batches' activations, however large m
+    #   is (the first rank holds the most); the k-th forward and the k-th backward are those
+    #   of micro-batch k.
+    # Hint 1: a rank must keep running forwards until the first gradient can come back to it,
+    #   and it cannot run more forwards than there are micro-batches.
+    # Hint 2: read the warm-up counts off the guide's p = 4 picture (rank 0 runs 3, rank 3
+    #   none) and say them as a rule of p and the rank; cap it by m; then turn each (kind, k)
+    #   of one_f_one_b_order into an Action of micro-batch k.
+    # Hint 3: the warm-up is the number of stages after this rank, min(..., num_microbatches);
+    #   [Action(kind, k) for kind, k in one_f_one_b_order(warmup, num_microbatches)].
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     warmup = min(num_stages - rank - 1, num_microbatches)
     return [Action(kind, k) for kind, k in one_f_one_b_order(warmup, num_microbatches)]
+    # <<< solution
+
+
+def zero_bubble_h1_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Rank ``rank``'s ZB-H1 actions: 1F1B's forwards and backwards (B, the input's gradient),
+    each micro-batch's W (the weights' gradient) after its B, placed where 1F1B would idle."""
+    check_sizes(num_stages, num_microbatches)
+    # TODO 2.5: the ZB-H1 actions of one rank: 1F1B with each backward split into B and W.
+    # Invariant: the F's and B's are exactly this rank's 1F1B order; every micro-batch has one
+    #   W, after its B, and the W's run in micro-batch order; a rank never holds more
+    #   micro-batches (forwarded, W not yet run) than rank 0 holds under 1F1B, p; the
+    #   simulated bubble is the paper's (p-1)(F+B-W) per stage, a third of 1F1B's when F, B
+    #   and W cost the same.
+    # Hint 1: under 1F1B the first rank is busy from the start but holds the most activations;
+    #   a later rank starts late, holds fewer, and idles at the end of the step. A W that
+    #   waits keeps its micro-batch's activations alive, so memory (the invariant) bounds how
+    #   many W's a rank may keep waiting. The guide's p = 4 picture shows the counts.
+    # Hint 2: walk this rank's 1F1B order (same warm-up as 1F1B) and copy it; after each
+    #   backward, once this rank already has its share of W's waiting, append the oldest
+    #   waiting W; when the order ends, append the W's still waiting, oldest first. Check
+    #   your lists against the guide's p = 4, m = 6 orders.
+    # Hint 3: the number of W's rank r keeps waiting is r (capped by m): after the backward of
+    #   micro-batch j, append weight(j - rank) when j >= rank; at the end append weight(k) for
+    #   k from max(m - rank, 0) to m - 1.
+    # See guidelines.md#zero-bubble-split-the-backward-in-two
+    # >>> solution
+    # rank r defers its W's by r backwards: it holds p - r micro-batches under 1F1B, plus r
+    # waiting W's, p in all (torch's ScheduleInterleavedZeroBubble with one stage per rank
+    # builds the same lists: num_1f1b_microbatches = rank)
+    warmup = min(num_stages - rank - 1, num_microbatches)
+    actions: list[Action] = []
+    for kind, k in one_f_one_b_order(warmup, num_microbatches):
+        actions.append(Action(kind, k))
+        if kind == BACKWARD and k >= rank:
+            actions.append(weight(k - rank))
+    actions += [weight(k) for k in range(max(num_microbatches - rank, 0), num_microbatches)]
+    return actions
     # <<< solution
 
 
@@ -195,6 +229,11 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return [one_f_one_b_rank_actions(r, num_stages, num_microbatches) for r in range(num_stages)]
 
 
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1's actions for every rank: ``schedule[rank]``."""
+    return [zero_bubble_h1_rank_actions(r, num_stages, num_microbatches) for r in range(num_stages)]
+
+
 def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
     """Interleaved 1F1B's actions for every rank; ValueError unless m is a multiple of p."""
     check_interleaved_sizes(num_stages, num_microbatches, num_chunks)
@@ -204,34 +243,52 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, num_chunks: 
     ]
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+ZERO_BUBBLE_NAMES = ("zb-h1", "zb-v")  # the schedules whose backwards are split into B and W
 _BUILDERS: dict[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": lambda p, m, v: gpipe(p, m),
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
     "interleaved": interleaved_one_f_one_b,
+    "zb-h1": lambda p, m, v: zero_bubble_h1(p, m),
+    "zb-v": lambda p, m, v: zero_bubble_v(p, m),
 }
 
 
 def chunks_per_rank(name: str, num_chunks: int = 2) -> int:
-    """How many model chunks each rank holds under schedule ``name`` (1 unless interleaved)."""
-    return num_chunks if name == "interleaved" else 1
+    """How many model chunks each rank holds under schedule ``name``: v for interleaved, 2 for
+    the V of zb-v, 1 otherwise."""
+    if name == "interleaved":
+        return num_chunks
+    return 2 if name == "zb-v" else 1
+
+
+def placement_of(name: str) -> str:
+    """The stage-to-rank rule schedule ``name`` is written for (``pipeline_layout.py``): the V
+    for zb-v (rank r holds stages r and 2p-1-r), the loop for the others."""
+    return VEE if name == "zb-v" else LOOP
 
 
 def make_schedule(
     name: str, num_stages: int, num_microbatches: int, num_chunks: int = 2
 ) -> Schedule:
-    """The schedule called ``name`` (gpipe, 1f1b or interleaved); ``num_chunks`` is v and only
-    matters for interleaved. Raises ValueError for an unknown name or sizes it cannot run."""
+    """The schedule called ``name`` (gpipe, 1f1b, interleaved, zb-h1 or zb-v); ``num_chunks`` is
+    v and only matters for interleaved. Raises ValueError for an unknown name or sizes it
+    cannot run. Run it with ``placement_of(name)``."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
     return _BUILDERS[name](num_stages, num_microbatches, chunks_per_rank(name, num_chunks))
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """The most micro-batch activations one rank holds at once: forwards not yet backwarded."""
+    """The most (micro-batch, chunk) activations one rank holds at once: forwarded, and not yet
+    through their last backward action (the W when the list has one, else the B)."""
+    split = {(a.microbatch, a.chunk) for a in actions if a.kind == WEIGHT}
     held = peak = 0
     for action in actions:
-        held += 1 if action.kind == FORWARD else -1
+        if action.kind == FORWARD:
+            held += 1
+        elif action.kind == WEIGHT or (action.microbatch, action.chunk) not in split:
+            held -= 1
         peak = max(peak, held)
     return peak
 

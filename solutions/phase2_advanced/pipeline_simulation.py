@@ -4,16 +4,27 @@
 is free and what it needs is done:
 
 * forward of micro-batch i on virtual stage s needs the forward of i on stage s - 1;
-* backward of i on stage s needs the forward of i on s (its stashed activations) and the
-  backward of i on stage s + 1 (the gradient of its output).
+* backward (B) of i on stage s needs the forward of i on s (its stashed activations) and the
+  backward of i on stage s + 1 (the gradient of its output), which stage s + 1 sends as soon as
+  its B is done, split or not;
+* weight gradients (W) of i on stage s need the B of i on s.
 
-Messages are free and a forward and a backward cost fixed amounts, so the timelines show what a
-schedule *can* achieve; the executor's recorded events show what a machine did. The idle share of
-each stage's timeline is its bubble. With forward cost F and backward cost B, GPipe and 1F1B take
-(m + p - 1)·(F + B) for m·(F + B) of work per stage, a bubble of (p - 1)/(m + p - 1) whatever F
-and B are (Huang et al. 2019; Narayanan et al. 2021). Interleaving v chunks per rank cuts the
-fill and drain to (p - 1)·(F + B)/v, a bubble of (p - 1)/(v·m + p - 1): Megatron-LM's
-(1/v)·(p - 1)/m measured against the ideal time m·(F + B) instead of the whole step.
+Messages are free and each kind of action costs a fixed amount: a forward F, a full backward B
+(input and weights), and when a schedule splits it, B - W for the input's part and W for the
+weights' (the default W is half of B: F = 1, B = 2 gives F = B = W = 1 for split schedules, the
+paper's assumption). So the timelines show what a schedule *can* achieve; the executor's recorded
+events show what a machine did. The idle share of each stage's timeline is its bubble.
+
+* GPipe and 1F1B take (m + p - 1)·(F + B) for m·(F + B) of work per stage, a bubble of
+  (p - 1)/(m + p - 1) whatever F and B are (Huang et al. 2019; Narayanan et al. 2021).
+* Interleaving v chunks per rank cuts the fill and drain to (p - 1)·(F + B)/v, a bubble of
+  (p - 1)/(v·m + p - 1): Megatron-LM's (1/v)·(p - 1)/m measured against the ideal time
+  m·(F + B) instead of the whole step.
+* ZB-H1 (Qi et al. 2024) idles (p - 1)·(F + B_in - W) per stage, with B_in = B - W the input's
+  part: a third of 1F1B's (p - 1)·(F + B_in + W) when the three cost the same (m >= p; the
+  paper's assumption W <= F and W <= B_in).
+* ZB-V, with F = B_in = W per chunk, idles only the fill, (p - 1)·F per rank: stage p - 1 waits
+  for the first micro-batch to cross p - 1 chunks, and no schedule can avoid that (m >= 2p).
 
 A schedule that can never finish (an action waits for one that comes later on its own rank, or
 for one no rank runs) raises :class:`ScheduleDeadlock` naming where each rank is stuck: it would
@@ -25,8 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from phase2_advanced.pipeline_layout import virtual_stage
-from solutions.phase2_advanced.pipeline_schedules import FORWARD, Action
+from phase2_advanced.pipeline_layout import LOOP, virtual_stage
+from solutions.phase2_advanced.pipeline_schedules import BACKWARD, FORWARD, WEIGHT, Action
 
 _Key = tuple[str, int, int]  # (kind, virtual stage, micro-batch)
 
@@ -74,26 +85,75 @@ def interleaved_bubble(num_stages: int, num_microbatches: int, num_chunks: int) 
     return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
 
 
+def zero_bubble_h1_bubble(
+    num_stages: int,
+    num_microbatches: int,
+    forward_cost: float = 1.0,
+    input_cost: float = 1.0,
+    weight_cost: float = 1.0,
+) -> float:
+    """ZB-H1's idle share of the step, every stage (Qi et al. 2024, m >= p): the bubble
+    (p - 1)(F + B - W) over the step m(F + B + W) + (p - 1)(F + B - W), with B the input's part
+    of the backward; (p - 1)/(3m + p - 1) when the three cost the same."""
+    idle = (num_stages - 1) * (forward_cost + input_cost - weight_cost)
+    work = num_microbatches * (forward_cost + input_cost + weight_cost)
+    return idle / (work + idle)
+
+
+def zero_bubble_v_bubble(num_stages: int, num_microbatches: int) -> float:
+    """ZB-V's idle share of the step with F = B = W per chunk (m >= 2p): only the fill,
+    (p - 1)·F, against 2m chunks' F + B + W of work: (p - 1)/(6m + p - 1)."""
+    return (num_stages - 1) / (6 * num_microbatches + num_stages - 1)
+
+
+def formula_bubble(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 2) -> float:
+    """The idle share of the step that schedule ``name``'s formula predicts on every stage:
+    GPipe and 1F1B with any F and B, interleaved with ``num_chunks`` = v, ZB-H1 and ZB-V with F,
+    B and W of equal cost (the paper's assumption, and the timed stages' of the bench)."""
+    p, m = num_stages, num_microbatches
+    if name == "interleaved":
+        return interleaved_bubble(p, m, num_chunks)
+    if name == "zb-h1":
+        return zero_bubble_h1_bubble(p, m)
+    if name == "zb-v":
+        return zero_bubble_v_bubble(p, m)
+    if name in ("gpipe", "1f1b"):
+        return gpipe_bubble(p, m)
+    raise ValueError(f"no bubble formula for schedule {name!r}")
+
+
 def _needs(action: Action, stage: int, last_stage: int) -> list[_Key]:
     if action.kind == FORWARD:
         return [(FORWARD, stage - 1, action.microbatch)] if stage > 0 else []
+    if action.kind == WEIGHT:
+        return [(BACKWARD, stage, action.microbatch)]
     needs: list[_Key] = [(FORWARD, stage, action.microbatch)]
     if stage < last_stage:
-        needs.append((action.kind, stage + 1, action.microbatch))
+        needs.append((BACKWARD, stage + 1, action.microbatch))
     return needs
 
 
 def simulate(
-    schedule: Sequence[Sequence[Action]], forward_cost: float = 1.0, backward_cost: float = 2.0
+    schedule: Sequence[Sequence[Action]],
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    weight_cost: float | None = None,
+    *,
+    placement: str = LOOP,
 ) -> Simulation:
     """Place every action of ``schedule`` (``schedule[rank]``) on a time axis; see the module doc.
 
-    ``forward_cost`` and ``backward_cost`` are per action, so per model chunk in an interleaved
-    schedule. Raises :class:`ScheduleDeadlock` if some actions can never run.
+    ``forward_cost`` and ``backward_cost`` (a full backward) are per action, so per model chunk
+    when a rank holds several; a split backward costs ``backward_cost - weight_cost`` for its B
+    and ``weight_cost`` (default: half the backward) for its W. ``placement`` is the schedule's
+    stage-to-rank rule (``pipeline_layout.py``). Raises :class:`ScheduleDeadlock` if some
+    actions can never run.
     """
     p = len(schedule)
     chunks = 1 + max((a.chunk for actions in schedule for a in actions), default=0)
     last_stage = p * chunks - 1
+    w_cost = backward_cost / 2 if weight_cost is None else weight_cost
+    split = [{(a.microbatch, a.chunk) for a in actions if a.kind == WEIGHT} for actions in schedule]
     finished: dict[_Key, float] = {}
     timelines: list[list[TimedAction]] = [[] for _ in range(p)]
     next_index = [0] * p
@@ -104,12 +164,19 @@ def simulate(
         for rank, actions in enumerate(schedule):
             while next_index[rank] < len(actions):
                 action = actions[next_index[rank]]
-                stage = virtual_stage(rank, action.chunk, p)
+                stage = virtual_stage(rank, action.chunk, p, placement)
                 needs = _needs(action, stage, last_stage)
                 if any(key not in finished for key in needs):
                     break
                 start = max([free_at[rank], *(finished[key] for key in needs)])
-                cost = forward_cost if action.kind == FORWARD else backward_cost
+                if action.kind == FORWARD:
+                    cost = forward_cost
+                elif action.kind == WEIGHT:
+                    cost = w_cost
+                elif (action.microbatch, action.chunk) in split[rank]:
+                    cost = backward_cost - w_cost
+                else:
+                    cost = backward_cost
                 free_at[rank] = start + cost
                 finished[(action.kind, stage, action.microbatch)] = free_at[rank]
                 timelines[rank].append(TimedAction(action, start, free_at[rank]))
@@ -126,7 +193,8 @@ def format_timeline(simulation: Simulation, cell: int = 3) -> str:
     """ASCII timeline: one row per rank, ``cell`` characters per unit of time, ``.`` when idle.
 
     An action is its label followed by ``=`` up to its length: with F=1 and B=2, ``F0 `` is a
-    forward of micro-batch 0 and ``B0====`` its backward. Meant for unit-cost simulations.
+    forward of micro-batch 0 and ``B0 ===`` its backward; a split one is ``B0 `` then ``W0 ``.
+    Meant for unit-cost simulations.
     """
     width = round(simulation.makespan) * cell
     rows = []

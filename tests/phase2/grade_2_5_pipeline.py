@@ -219,25 +219,28 @@ def test_interleaved_refuses_m_not_a_multiple_of_p() -> None:
 
 
 def link_orders(
-    schedule: Sequence[Sequence[Any]],
+    schedule: Sequence[Sequence[Any]], placement: str = "loop"
 ) -> dict[tuple[int, int], tuple[list[Any], list[Any]]]:
-    """For each directed link (src, dst): messages in the sender's and the receiver's order,
-    when each rank receives just before an action and sends just after it."""
+    """For each directed link (src, dst) between two ranks: messages in the sender's and the
+    receiver's order, when each rank receives just before an action and sends just after it
+    (a W neither receives nor sends; two stages of one rank hand over without a message)."""
     p = len(schedule)
     v = 1 + max(a.chunk for actions in schedule for a in actions)  # chunks per rank
     last = p * v - 1
     links: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
     for rank, actions in enumerate(schedule):
         for a in actions:
-            stage = virtual_stage(rank, a.chunk, p)
+            if a.kind not in ("forward", "backward"):
+                continue
+            stage = virtual_stage(rank, a.chunk, p, placement)
             incoming = stage - 1 if a.kind == "forward" else stage + 1
             outgoing = stage + 1 if a.kind == "forward" else stage - 1
-            if 0 <= incoming <= last:
-                links.setdefault((stage_rank(incoming, p), rank), ([], []))[1].append(
+            if 0 <= incoming <= last and stage_rank(incoming, p, placement) != rank:
+                links.setdefault((stage_rank(incoming, p, placement), rank), ([], []))[1].append(
                     (a.kind, stage, a.microbatch)
                 )
-            if 0 <= outgoing <= last:
-                links.setdefault((rank, stage_rank(outgoing, p)), ([], []))[0].append(
+            if 0 <= outgoing <= last and stage_rank(outgoing, p, placement) != rank:
+                links.setdefault((rank, stage_rank(outgoing, p, placement)), ([], []))[0].append(
                     (a.kind, outgoing, a.microbatch)
                 )
     return links
@@ -416,9 +419,10 @@ def run_case(
         schedule = schedules.make_schedule(name, p, m, v)
     except ValueError as err:  # refused before any message: every rank refuses alike
         return {"refused": str(err)}
-    chunks_here = v if name == "interleaved" else 1
+    chunks_here = schedules.chunks_per_rank(name, v)
+    placement = schedules.placement_of(name)
     model = tiny_pipeline_model(p * chunks_here)
-    chunks = rank_chunks(list(model), rank, p)
+    chunks = rank_chunks(list(model), rank, p, placement)
     runner = executor.PipelineExecutor(
         chunks,
         schedule[rank],
@@ -426,6 +430,7 @@ def run_case(
         loss_fn=F.cross_entropy,
         checkpoint_chunks=use_checkpoint,
         group=group,
+        placement=placement,
     )
     inputs, targets = pipeline_batch(m, seed)
     with CommCounter(records=_NoBlockingSend()):
@@ -433,10 +438,16 @@ def run_case(
     model.zero_grad(set_to_none=True)
     with CommCounter(records=_NoBlockingSend()) as comm:
         result = runner.step(inputs, targets)
-    stages = [virtual_stage(rank, c, p) for c in range(chunks_here)]
+    stages = [virtual_stage(rank, c, p, placement) for c in range(chunks_here)]
     last = p * chunks_here - 1
-    data_sends = sum(m * ((stage < last) + (stage > 0)) for stage in stages)
-    header_sends = sum(stage < last for stage in stages)
+
+    def crosses(stage: int, neighbour: int) -> bool:  # a boundary between two ranks
+        return 0 <= neighbour <= last and stage_rank(neighbour, p, placement) != rank
+
+    data_sends = sum(
+        m * (crosses(stage, stage + 1) + crosses(stage, stage - 1)) for stage in stages
+    )
+    header_sends = sum(crosses(stage, stage + 1) for stage in stages)
     return {
         "losses": (first.loss, result.loss),
         "grads": {
@@ -446,11 +457,12 @@ def run_case(
         "peak": result.peak_stashed,
         "schedule_peak": schedules.peak_in_flight(schedule[rank]),
         "left_in_stash": result.left_stashed,
+        "left_in_weight_stash": getattr(result, "left_weight_stashed", 0),
         "actions": keys(schedule[rank]),
         "computed": [
             str(schedules.Action(e.name, e.labels["microbatch"], e.labels["chunk"]))
             for e in result.events
-            if e.name in ("forward", "backward")
+            if e.name in ("forward", "backward", "weight")
         ],
         "in_time_order": all(a.end <= b.start for a, b in itertools.pairwise(result.events)),
         "sends": comm.count("isend"),
@@ -490,9 +502,10 @@ def check_executor_case(
     seed: int = 7,
 ) -> None:
     name, m, v, _ = case
-    num_stages = p * (v if name == "interleaved" else 1)
+    schedules = schedules_module()
+    num_stages = p * schedules.chunks_per_rank(name, v)
     ref_loss, ref_grads = single_device_reference(num_stages, m, seed)
-    last_rank = stage_rank(num_stages - 1, p)
+    last_rank = stage_rank(num_stages - 1, p, schedules.placement_of(name))
     for rank, got in enumerate(per_rank):
         if "refused" in got:
             fail(f"{label}: rank {rank} refused a schedule it should run: {got['refused']}")
@@ -773,6 +786,12 @@ def test_pipeline_training_follows_the_single_device_model() -> None:
         (["--engine", "torch", "--microbatches", "1"], "Schedule1F1B"),
         (["--depth", "1", "--schedule", "interleaved", "--microbatches", "4"], "8 stages"),
         (["--microbatches", "0", "--steps", "0"], "--steps 0"),
+        (["--schedule", "zb-h1", "--checkpoint"], "--checkpoint with --schedule zb-h1"),
+        (["--schedule", "interleaved", "--engine", "torch", "--microbatches", "4"], "wired"),
+        (
+            ["--schedule", "zb-v", "--engine", "torch", "--depth", "3", "--width", "16"],
+            "stage 0 holds no parameters",
+        ),
     ],
 )
 def test_instructor_command_refuses_bad_arguments_before_starting(

@@ -11,7 +11,7 @@ would say; :func:`run` turns a dead or hung world into the same kind of sentence
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
 
@@ -73,9 +73,11 @@ def fail(message: str) -> NoReturn:
     pytest.fail(message, pytrace=False)
 
 
-def remarks(label: str) -> Callable[[F], F]:
+def remarks(label: str, known: Sequence[tuple[str, str]] = ()) -> Callable[[F], F]:
     """Decorate a rank's worker: a known torch error becomes ``label: <remark> (torch said:
-    ...)`` as an AssertionError, which the world reports with the rank and the learner's line."""
+    ...)`` as an AssertionError, which the world reports with the rank and the learner's line.
+    ``known`` are (piece of torch's message, remark) pairs of this worker's own, tried before
+    :data:`KNOWN_ERRORS` (what an error means depends on the code that ran)."""
 
     def decorate(worker: F) -> F:
         @functools.wraps(worker)
@@ -84,7 +86,7 @@ def remarks(label: str) -> Callable[[F], F]:
                 return worker(*args, **kwargs)
             except (RuntimeError, TypeError, AttributeError, ValueError) as exc:
                 text = str(exc)
-                for piece, remark in KNOWN_ERRORS:
+                for piece, remark in [*known, *KNOWN_ERRORS]:
                     if piece in text:
                         said = text.strip().splitlines()[0][:200]
                         raise AssertionError(f"{label}: {remark} (torch said: {said})") from exc
