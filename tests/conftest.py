@@ -191,13 +191,15 @@ def _status(tally: Tally) -> str:
     return "skipped"
 
 
-def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str]]:
-    """(line, Class.function) of each ``raise NotImplementedError("TODO <id>: ...")`` in a file."""
+def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str, str]]:
+    """(line, Class.function, guide section) of each ``raise NotImplementedError("TODO <id>:
+    ...")`` in a file; the section is the one the message names (a TODO may point below the
+    exercise's own heading, e.g. 2.5's zero-bubble part)."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError):
         return []
-    sites: list[tuple[int, str]] = []
+    sites: list[tuple[int, str, str]] = []
 
     def visit(node: ast.AST, scope: list[str]) -> None:
         for child in ast.iter_child_nodes(node):
@@ -213,7 +215,9 @@ def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str]]:
                     and isinstance(args[0], ast.Constant)
                     and str(args[0].value).startswith(f"TODO {exercise_id}:")
                 ):
-                    sites.append((child.lineno, ".".join(scope) or "<module>"))
+                    see = re.search(r"\(see (\S+?guidelines\.md#[\w-]+)\)", str(args[0].value))
+                    guide = see[1] if see else ""
+                    sites.append((child.lineno, ".".join(scope) or "<module>", guide))
             visit(child, scope)
 
     visit(tree, [])
@@ -231,9 +235,10 @@ def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
             path = ROOT / target.phase / f"template_{module}.py"
             sites = _raise_sites(path, target.id)
             if sites:
-                line, where = sites[0]
+                line, where, section = sites[0]
                 rel = path.relative_to(ROOT)
-                return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {guide})"
+                read = section or guide
+                return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {read})"
     test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
     rerun = f"uv run pytest {test_file} -m {ex.marker}"
     return f"fix {target.id}{needed}: see its first failure above; rerun with `{rerun}`"
