@@ -24,7 +24,14 @@ Layout: every module with parameters of its own (a "layer") is a unit with one f
 dtype, padded to a multiple of N (zero_partition.py), as FSDP's FlatParameter. Ψ in the formulas
 is then the padded count: the sum over units of N·ceil(numel/N).
 
-Use like any model and optimizer (every parameter must get a gradient in every backward)::
+Frozen parameters (``requires_grad=False``) are left as they are: whole on every rank, in no
+unit and no optimizer, never updated (p bytes each on every rank, no gradient, no state), as
+``torch.optim`` and ``ZeroRedundancyOptimizer`` leave a parameter without a gradient. A tied
+parameter (one ``nn.Parameter`` registered by two modules) is sharded once, in the unit of the
+first layer that registers it; autograd sums both uses into its one gradient.
+
+Use like any model and optimizer (every trainable parameter must get a gradient in every
+backward)::
 
     model, optimizer = zero_wrap(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), stage=2)
     loss_fn(model(x), y).backward()
@@ -107,6 +114,29 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
+def unit_parameters(layer: nn.Module, owned: set[int]) -> list[nn.Parameter]:
+    """The parameters ``layer`` registers itself that its ZeRO units shard, in registration
+    order; ``owned`` holds the ``id`` of every parameter some unit holds already, and grows by
+    the ones returned.
+
+    A frozen parameter (``requires_grad=False``) gets no gradient and is never updated: no unit
+    holds it (it stays whole on every rank, outside the optimizer). A tied parameter, one
+    ``nn.Parameter`` object registered by two modules (an embedding and the output layer that
+    reuses its weight), belongs to the first layer that registers it, and to no other.
+    """
+    # TODO 3.5: the layer's own parameters that go into its units, each parameter in one unit.
+    # Invariant: called on every layer in registration order, every trainable parameter of the
+    #   model is returned exactly once, and no frozen one ever.
+    # Hint 1: a tied weight is the very same object in both modules (that is what `owned`
+    #   remembers, by identity); whether a parameter trains is one of its attributes.
+    # More hints: uv run python -m tests.hint 3.5
+    # See guidelines.md#35-zero-stages-1-3
+    raise NotImplementedError(
+        "TODO 3.5: the layer's own parameters that go into its units, each parameter in one unit "
+        "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
+    )
+
+
 def install_gradient_hooks(optimizer: ZeroOptimizer) -> None:
     """Stages 2-3: when a unit's last gradient arrives, reduce-scatter them (and, stage 3, free)."""
     for index, unit in enumerate(optimizer.units):
@@ -128,7 +158,9 @@ def install_gradient_hooks(optimizer: ZeroOptimizer) -> None:
 def install_stage3_hooks(layer: nn.Module, units: list[ZeroUnit]) -> None:
     """Stage 3: gather the layer's units before its forward and backward, free after forward.
 
-    (After backward the gradient hooks free them, once the gradients are reduce-scattered.)
+    ``units`` are the units whose parameters the layer reads: its own, and the unit of a tied
+    parameter another layer owns. (After backward the gradient hooks free them, once the
+    gradients are reduce-scattered.)
     """
 
     # TODO 3.5: gather the layer before its forward and before its backward; free after forward.
@@ -148,15 +180,17 @@ def check_arguments(model: nn.Module, stage: int) -> None:
     """Refuse what zero_wrap cannot shard, before any communication."""
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a ZeRO stage: choose 1, 2 or 3")
-    seen: set[int] = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ValueError(f"parameter {name} is shared (tied) with another: untie it first")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters to shard")
+
+
+def broadcast_frozen(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every frozen parameter equal to group rank 0's, as the units do with theirs (and
+    DDP with every parameter): a collective, once, at wrap time."""
+    src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+    for p in model.parameters():
         if not p.requires_grad:
-            raise ValueError(f"parameter {name} is frozen: zero_wrap shards trainable models only")
-        seen.add(id(p))
-    if not seen:
-        raise ValueError("the model has no parameters to shard")
+            dist.broadcast(p.data, src=src, group=group)
 
 
 def zero_wrap(
@@ -173,22 +207,26 @@ def zero_wrap(
     """
     check_arguments(model, stage)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    broadcast_frozen(model, group)
     units: list[ZeroUnit] = []
-    units_of_layer: list[tuple[nn.Module, list[ZeroUnit]]] = []
+    owned: set[int] = set()
+    owner: dict[int, ZeroUnit] = {}  # id(parameter) -> the unit that shards it
     for layer in layers_of(model):
-        mine = [
-            ZeroUnit(make_layout(params, world, rank), stage, group)
-            for params in group_by_dtype(layer.parameters(recurse=False))
-        ]
-        units += mine
-        units_of_layer.append((layer, mine))
+        for params in group_by_dtype(unit_parameters(layer, owned)):
+            unit = ZeroUnit(make_layout(params, world, rank), stage, group)
+            units.append(unit)
+            owner.update((id(p), unit) for p in params)
     inner = optimizer_factory([unit.shard for unit in units])
     optimizer = ZeroOptimizer(inner, units, stage)
     if stage >= 2:
         install_gradient_hooks(optimizer)
     if stage == 3:
-        for layer, mine in units_of_layer:
-            install_stage3_hooks(layer, mine)
+        for layer in layers_of(model):
+            # every unit whose parameters the layer reads: its own, and a tied one's owner
+            used = {id(owner[id(p)]): owner[id(p)] for p in layer.parameters(recurse=False)
+                    if id(p) in owner}  # fmt: skip
+            if used:
+                install_stage3_hooks(layer, list(used.values()))
     return model, optimizer
 
 
@@ -198,7 +236,7 @@ def full_state_dict(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, tor
     A collective: call it on every rank of the group. This is the "state_dict gathering" every
     sharded trainer needs before saving a single-file checkpoint.
     """
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied one: first name
     out: dict[str, torch.Tensor] = {}
     for unit in optimizer.units:
         was_gathered = unit.is_gathered
@@ -208,6 +246,9 @@ def full_state_dict(model: nn.Module, optimizer: ZeroOptimizer) -> dict[str, tor
             out[names[id(p)]] = p.detach().clone()
         if unit.stage == 3 and not was_gathered:
             unit.free()
+    for name, p in model.named_parameters():  # frozen ones: whole on every rank already
+        if name not in out:
+            out[name] = p.detach().clone()
     return {name: out[name] for name in names.values()}
 
 

@@ -142,14 +142,14 @@ EXERCISES = [
         "3.5",
         "ZeRO stages 1-3",
         "phase3_multi_node",
-        ("zero_partition", "zero_units", "zero"),
+        ("zero_partition", "zero_units", "zero", "zero_fsdp_units", "zero_fsdp"),
         "35-zero-stages-1-3",
     ),
     Exercise(
         "3.6",
         "3D parallelism",
         "phase3_multi_node",
-        ("parallel_3d",),
+        ("parallel_3d", "grad_clipping"),
         "36-3d-parallelism",
     ),
     Exercise(

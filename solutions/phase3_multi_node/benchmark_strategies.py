@@ -10,7 +10,10 @@ ranks:
   all-reduce on each bucket (``ddp.register_comm_hook(group, ring_allreduce_hook(...))``);
 * **pipeline 1F1B (ours)**: exercise 2.5's executor, the layers cut into ``--world`` stages,
   the global batch in ``--microbatches`` micro-batches (no data parallelism);
-* **ZeRO-2 (ours)**: exercise 3.5's ``zero_wrap(stage=2)``.
+* **ZeRO-2 (ours)**: exercise 3.5's ``zero_wrap(stage=2)``;
+* **FSDP-style ZeRO-3 bf16 (ours)**: exercise 3.5's ``fsdp_wrap``, one unit per Linear, bf16
+  compute and gathers, fp32 reduction and master weights, prefetch window 1 (its loss differs
+  from the fp32 strategies' by bf16 rounding: the table says by how much).
 
 Every data-parallel rank takes its slice of the global batch; the pipeline takes it whole. The
 table shows, per strategy, the median step time of the slowest rank (``--steps`` timed steps
@@ -53,6 +56,7 @@ from course.impl import IMPLS, load_impl
 from course.memory import SavedTensorMeter
 from course.results import Table, write_results
 from course.world import run_world
+from phase3_multi_node.zero_fsdp_support import MixedPrecision
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 
 PHASE2, PHASE3 = "phase2_advanced", "phase3_multi_node"
@@ -62,7 +66,10 @@ STRATEGIES = (
     "DDP + ring hook (ours)",
     "pipeline 1F1B (ours)",
     "ZeRO-2 (ours)",
+    "FSDP-style ZeRO-3 bf16 (ours)",
+    # the expert-parallel row (3.8) goes here, with its runner in build_runner
 )
+FP32_STRATEGIES = tuple(name for name in STRATEGIES if "bf16" not in name)  # one loss to 1e-6
 MIB = 2**20
 
 
@@ -211,7 +218,7 @@ def build_runner(name: str, config: StrategiesConfig, device: torch.device) -> R
     def data_parallel(wrapped: nn.Module, optimizer: Any) -> Callable[..., float | None]:
         def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.mse_loss(wrapped(x[mine]), y[mine])
+            loss = F.mse_loss(wrapped(x[mine]).float(), y[mine])  # a bf16 output: fp32 loss
             loss.backward()
             optimizer.step()
             return float(loss.detach())
@@ -239,6 +246,12 @@ def build_runner(name: str, config: StrategiesConfig, device: torch.device) -> R
     if name == "ZeRO-2 (ours)":
         zero = load_impl(PHASE3, "zero", config.impl)
         wrapped, optimizer = zero.zero_wrap(model, adamw, stage=2)
+        return Runner(data_parallel(wrapped, optimizer), wrapped, optimizer)
+    if name == "FSDP-style ZeRO-3 bf16 (ours)":
+        fsdp = load_impl(PHASE3, "zero_fsdp", config.impl)
+        units = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        policy = MixedPrecision(torch.bfloat16, torch.float32)
+        wrapped, optimizer = fsdp.fsdp_wrap(model, units, adamw, policy, prefetch=1)
         return Runner(data_parallel(wrapped, optimizer), wrapped, optimizer)
     if name == "pipeline 1F1B (ours)":
         executor_impl = load_impl(PHASE2, "pipeline_executor", config.impl)
@@ -287,6 +300,25 @@ def global_loss(loss: float | None, ddp_like: bool, device: torch.device) -> flo
 WARMUP = 2  # steps before measuring (torch DDP rebuilds its buckets after the first one)
 
 
+class ActivationMeter(SavedTensorMeter):
+    """``SavedTensorMeter`` that also leaves out tensors whose storage is a parameter's *when
+    they are saved*: a sharded model's parameters live in compute buffers that are allocated
+    only while gathered (FSDP-style), so they cannot be excluded up front; the weights autograd
+    saves are parameters, not activations (their buffers are freed after forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(exclude=list(model.parameters()))
+        self._model = model
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and any(
+            p.untyped_storage().data_ptr() == storage.data_ptr() for p in self._model.parameters()
+        ):
+            return tensor
+        return super()._pack(tensor)
+
+
 def memory_of(name: str, config: StrategiesConfig, device: torch.device) -> dict[str, Any]:
     """Strategy ``name`` alone in memory: the bytes it holds after a step, its activations'
     peak during one, and (GPU) the peak allocated during one. The runner is freed after."""
@@ -298,7 +330,7 @@ def memory_of(name: str, config: StrategiesConfig, device: torch.device) -> dict
     _synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with SavedTensorMeter(exclude=params) as meter:
+    with ActivationMeter(runner.model) as meter:
         runner.step(x, y)
     _synchronize(device)
     held = held_bytes(runner.model, runner.optimizer)
@@ -417,8 +449,14 @@ def summary_values(per_rank: Sequence[dict[str, Any]]) -> dict[str, str]:
         heaviest = max((r[name] for r in per_rank), key=total_bytes)
         values[f"speed.{key}"] = f"{base['step'] / per_rank[0][name]['step']:.2f}x"
         values[f"memory.{key}"] = f"{total_bytes(heaviest) / base_total:.2f}x"
-    losses = {f"{per_rank[0][name]['loss']:.6f}" for name in STRATEGIES}
+    losses = {f"{per_rank[0][name]['loss']:.6f}" for name in FP32_STRATEGIES}
     values["losses_agree"] = "yes" if len(losses) == 1 else f"no ({', '.join(sorted(losses))})"
+    base_loss = per_rank[0]["torch DDP"]["loss"]
+    for name in STRATEGIES:
+        if name not in FP32_STRATEGIES:
+            key = name.split(" (")[0].replace(" ", "_")
+            gap = abs(per_rank[0][name]["loss"] - base_loss) / abs(base_loss)
+            values[f"loss_gap.{key}"] = f"{100 * gap:.3f}%"
     return values
 
 

@@ -14,6 +14,14 @@ by their full buffers (all-gather output, reduce-scatter input, all-reduce twice
 counter: its row shows what Python code handed over (the broadcasts of ZeroRedundancyOptimizer).
 Timings on a shared 2-core machine are noisy; bytes are exact.
 
+Then the FSDP-style ZeRO-3 of 3.5 (``zero_fsdp``, every Linear a unit, prefetch 1) beside
+``fully_shard`` with the same ``MixedPrecisionPolicy`` (no mixed precision; bf16 compute with
+fp32 or bf16 reduction; fp16): bytes per step per dtype against 2Ψ·b_param + Ψ·b_reduce, the
+largest parameter difference after ``--steps`` steps, both step times measured in turn in the
+same processes; the gathered bytes at the peak of one step for prefetch windows 0, 1, 2 and
+every unit, against the window formula; and ZeRO stages 1-3 with the first Linear frozen against
+the formulas with Φ frozen parameters whole on every rank.
+
     uv run python -m solutions.phase3_multi_node.benchmark_zero_memory
     uv run python -m solutions.phase3_multi_node.benchmark_zero_memory --worlds 2 --hidden 64
     uv run python -m solutions.phase3_multi_node.benchmark_zero_memory --paper
@@ -39,11 +47,12 @@ from torch import nn
 
 from course.cli import parse_config, run_main
 from course.comm_counter import CommCounter
-from course.impl import IMPLS, load_impl
+from course.impl import IMPLS, load_impl, unwritten_todo
 from course.models import MLP
 from course.results import Table, write_results
 from course.world import run_world
 from solutions.phase3_multi_node import zero_accounting as acc
+from solutions.phase3_multi_node import zero_fsdp_measure as fsdp
 from solutions.phase3_multi_node import zero_library as lib
 
 ROWS = ("DP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeroRedundancyOptimizer", "FSDP2")
@@ -121,6 +130,15 @@ def measure_worker(hidden: int, steps: int, impl: str) -> list[Row]:
             Row(world, name, psi, held, formula, volume, formula_volume, statistics.median(times))
         )
     return rows
+
+
+def world_worker(
+    hidden: int, steps: int, impl: str, with_fsdp: bool
+) -> tuple[list[Row], dict[str, Any]]:
+    """Every measurement of one world size, in one world: the rows above, then the frozen-layer
+    and FSDP-style rows (``zero_fsdp_measure``)."""
+    rows = measure_worker(hidden, steps, impl)
+    return rows, fsdp.measure_worker(hidden, max(steps, 3), impl, with_fsdp)
 
 
 def _kib(nbytes: float) -> str:
@@ -256,19 +274,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     rows: list[Row] = []
+    policies: list[dict[str, Any]] = []
+    windows: list[dict[str, Any]] = []
+    frozen: list[dict[str, Any]] = []
+    with_fsdp = not any(  # the FSDP-style part needs its own TODOs of 3.5
+        unwritten_todo("phase3_multi_node", module, config.impl)
+        for module in ("zero_fsdp_units", "zero_fsdp")
+    )
     for world in worlds:
-        rows += run_world(
-            measure_worker, world, (config.hidden, config.steps, config.impl), {}, timeout=300
-        )[0]
+        mine, extra = run_world(
+            world_worker, world, (config.hidden, config.steps, config.impl, with_fsdp), {},
+            timeout=300,
+        )[0]  # fmt: skip
+        rows += mine
+        frozen += extra["frozen"]
+        policies += extra["policies"]
+        windows += extra["windows"]
     print(format_table(rows))
+    print("\nZeRO with the first Linear frozen (Φ parameters whole on every rank):\n")
+    print(fsdp.frozen_table(frozen).to_markdown())
+    if policies:
+        print("\nFSDP-style ZeRO-3 (prefetch 1) beside fully_shard, same policy:\n")
+        print(fsdp.policy_table(policies).to_markdown())
+        print("\nGathered parameters at the peak of one step (bf16 compute), by window:\n")
+        print(fsdp.window_table(windows).to_markdown())
+    else:
+        print("\n(FSDP-style part skipped: its TODOs of 3.5 are not written yet)")
     if config.paper:
         print()
         print(paper_table())
     if config.record:
-        tables = {"memory": memory_table(rows)}
+        tables = {"memory": memory_table(rows), "frozen": fsdp.frozen_table(frozen)}
+        values = summary_values(rows)
+        if policies:
+            tables |= {"fsdp": fsdp.policy_table(policies),
+                       "fsdp_windows": fsdp.window_table(windows)}  # fmt: skip
+            values |= fsdp.summary(policies, windows, frozen)
         if config.paper:
             tables["paper"] = paper_rows()
-        path = write_results(config.record, tables=tables, values=summary_values(rows))
+        path = write_results(config.record, tables=tables, values=values)
         print(f"\nrecorded: {path}")
     return 0
 

@@ -16,6 +16,9 @@ fp32 training with Adam: p = g = 4, K = 8 (exp_avg, exp_avg_sq), so 16Ψ, 8Ψ + 
 4Ψ + 12Ψ/N, 16Ψ/N. Mixed precision (the paper's case): p = g = 2 (fp16) and K = 12 (fp32 master
 weights, exp_avg, exp_avg_sq): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
 
+Ψ counts trainable parameters, a tied one once. Φ frozen parameters add pΦ to every stage's
+parameters (zero_wrap leaves them whole on every rank) and nothing else: no gradient, no state.
+
 Measured: the bytes of the distinct tensor *storages* a rank holds (``untyped_storage().nbytes()``,
 each storage counted once, in the first category that reaches it): parameters (the model's and
 the optimizer's), their ``.grad``, and the tensors in ``optimizer.state``. Adam's ``step``
@@ -53,16 +56,17 @@ class ModelStateBytes:
 
 
 def formula_bytes(
-    stage: int, psi: int, world: int, p: int = 4, g: int = 4, k: int = 8
+    stage: int, psi: int, world: int, p: int = 4, g: int = 4, k: int = 8, frozen: int = 0
 ) -> ModelStateBytes:
-    """The paper's bytes per rank; ``psi`` must divide by ``world`` for stages 1-3 (pad it)."""
+    """The paper's bytes per rank; ``psi`` (trainable) must divide by ``world`` for stages 1-3
+    (pad it); ``frozen`` parameters are held whole by every rank (p bytes each, nothing else)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0 (plain data parallel) to 3")
     if stage and psi % world:
         raise ValueError(f"psi={psi} is not a multiple of {world}: use the padded count")
     per = psi // world if stage else psi
     return ModelStateBytes(
-        params=p * (per if stage >= 3 else psi),
+        params=p * (per if stage >= 3 else psi) + p * frozen,
         grads=g * (per if stage >= 2 else psi),
         optimizer=k * (per if stage >= 1 else psi),
     )
@@ -145,12 +149,16 @@ def bus_bytes(volume: int, group_size: int) -> float:
 
 def layer_sizes(model: nn.Module, world: int) -> list[int]:
     """Padded elements of each layer as zero_wrap lays them out: per module and dtype, the
-    module's own parameters rounded up to a multiple of N."""
+    module's own trainable parameters (a tied one in the first module that registers it)
+    rounded up to a multiple of N."""
     sizes = []
+    seen: set[int] = set()
     for module in model.modules():
         per_dtype: dict[torch.dtype, int] = {}
         for p in module.parameters(recurse=False):
-            per_dtype[p.dtype] = per_dtype.get(p.dtype, 0) + p.numel()
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                per_dtype[p.dtype] = per_dtype.get(p.dtype, 0) + p.numel()
         if per_dtype:
             sizes.append(sum(-(-n // world) * world for n in per_dtype.values()))
     return sizes
@@ -159,3 +167,74 @@ def layer_sizes(model: nn.Module, world: int) -> list[int]:
 def padded_psi(model: nn.Module, world: int) -> int:
     """Ψ with padding: the elements of every flat buffer zero_wrap makes on ``world`` ranks."""
     return sum(layer_sizes(model, world))
+
+
+def frozen_numel(model: nn.Module) -> int:
+    """Φ: the elements of the frozen parameters (each counted once)."""
+    return sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- FSDP-style ZeRO-3
+
+
+def fsdp_formula_volume(
+    psi: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> dict[str, dict[str, int]]:
+    """Bytes handed to collectives per step by FSDP-style ZeRO-3 (full buffers, padded Ψ), per
+    op and dtype: two all-gathers of every unit in the compute dtype (forward and backward),
+    one reduce-scatter in the reduce dtype."""
+    return {
+        "all_gather": {_name(param_dtype): 2 * psi * param_dtype.itemsize},
+        "reduce_scatter": {_name(reduce_dtype): psi * reduce_dtype.itemsize},
+    }
+
+
+def window_peak(unit_bytes: list[int], window: int) -> int:
+    """Largest bytes of gathered parameters alive with a prefetch window: while unit i computes,
+    units i..i+window hold their compute buffers (forward; backward is the same in reverse)."""
+    return max(sum(unit_bytes[i : i + window + 1]) for i in range(len(unit_bytes)))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class DtypeCounter:
+    """``with DtypeCounter() as c:`` counts the bytes of the full buffers of
+    ``all_gather_into_tensor`` (its output) and ``reduce_scatter_tensor`` (its input), per op
+    and dtype (``CommCounter`` records bytes but not dtypes)."""
+
+    by_op: dict[str, dict[str, int]] | None = None
+    _saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> DtypeCounter:
+        import torch.distributed as dist
+
+        self.by_op = {"all_gather": {}, "reduce_scatter": {}}
+        gather, scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        self._saved = (gather, scatter)
+        counts = self.by_op
+
+        def add(op: str, tensor: torch.Tensor) -> None:
+            key = _name(tensor.dtype)
+            counts[op][key] = counts[op].get(key, 0) + tensor.numel() * tensor.element_size()
+
+        def counted_gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            add("all_gather", output)
+            return gather(output, *args, **kwargs)
+
+        def counted_scatter(output: torch.Tensor, input: torch.Tensor, *args: Any,
+                            **kwargs: Any) -> Any:  # fmt: skip
+            add("reduce_scatter", input)
+            return scatter(output, input, *args, **kwargs)
+
+        dist.all_gather_into_tensor = counted_gather  # type: ignore[assignment]
+        dist.reduce_scatter_tensor = counted_scatter
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        assert self._saved is not None
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self._saved

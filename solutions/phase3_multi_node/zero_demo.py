@@ -6,10 +6,16 @@ optimizer state it holds against the ZeRO paper's formulas (fp32: 4Ψ, 4Ψ, 8Ψ 
 and the bytes handed to collectives in one step against 2Ψ (stages 1-2) or 3Ψ (stage 3).
 ``--impl templates`` runs your own ``phase3_multi_node/template_zero*.py``.
 
+``--fsdp`` trains with the FSDP-style ZeRO-3 of 3.5 instead (``fsdp_wrap``: every Linear a unit,
+``--policy`` its mixed precision, ``--prefetch`` its window) and prints the bytes of one step per
+dtype against 2Ψ·b_param + Ψ·b_reduce, and the bytes held against 16Ψ/N.
+
     uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase3_multi_node.zero_demo \
         --stage 2
     uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase3_multi_node.zero_demo \
         --stage 3 --impl templates
+    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase3_multi_node.zero_demo \
+        --fsdp --policy bf16-fp32 --prefetch 1
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from course.impl import IMPLS, load_impl
 from course.models import MLP
 from course.rank_logging import log0
 from course.seeding import seed_everything
+from phase3_multi_node.zero_fsdp_support import POLICIES
 from solutions.phase3_multi_node import zero_accounting as acc
 
 PHASE = "phase3_multi_node"
@@ -58,6 +65,19 @@ class ZeroDemoConfig:
         default=1e-3,
         metadata={"gt": 0, "le": 10, "fix": "a positive learning rate up to 10, e.g. 1e-3"},
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={"help": "FSDP-style ZeRO-3 (fsdp_wrap) instead of zero_wrap (--stage unused)"},
+    )
+    policy: str = field(
+        default="bf16-fp32",
+        metadata={"choices": list(POLICIES), "help": "mixed precision of --fsdp"},
+    )
+    prefetch: int = field(
+        default=1,
+        metadata={"ge": 0, "le": 64, "help": "units gathered ahead (--fsdp)",
+                  "fix": "0 (none) to 64 units, e.g. 1"},
+    )  # fmt: skip
     impl: str = field(
         default="solutions",
         metadata={
@@ -78,6 +98,9 @@ def validate(config: ZeroDemoConfig, world_size: int) -> None:
             f"--global-batch-size {config.global_batch_size} must be a positive multiple of the "
             f"world size {world_size}"
         )
+    defaults = ZeroDemoConfig()
+    if not config.fsdp and (config.policy, config.prefetch) != (defaults.policy, defaults.prefetch):
+        problems.append("--policy and --prefetch choose the FSDP-style wrapper: add --fsdp")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -97,10 +120,55 @@ def format_bytes_table(
     return "\n".join(lines)
 
 
+def run_fsdp(config: ZeroDemoConfig, rank: int, world: int) -> None:
+    """``--fsdp``: train under ``fsdp_wrap`` and print the bytes against the formulas."""
+    fsdp = load_impl(PHASE, "zero_fsdp", config.impl)
+    data = make_pattern_dataset(config.steps * config.global_batch_size)
+    model = MLP(16 * 16, hidden=config.hidden)
+    units = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    policy = POLICIES[config.policy]
+    model, optimizer = fsdp.fsdp_wrap(
+        model, units, lambda ps: torch.optim.AdamW(ps, lr=config.lr), policy, config.prefetch
+    )
+    psi = sum(unit.layout.padded_numel for unit in optimizer.units)
+    log0(
+        f"FSDP-style ZeRO-3 ({config.impl}) on {world} ranks: {len(units)} units, Ψ = {psi} "
+        f"padded, {policy.describe()}, prefetch {config.prefetch}"
+    )
+    per_rank = config.global_batch_size // world
+    comm: dict[str, dict[str, int]] = {}
+    for step in range(config.steps):
+        start = step * config.global_batch_size + rank * per_rank
+        x, y = (data.tensors[i][start : start + per_rank] for i in (0, 1))
+        with acc.DtypeCounter() as counter:
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            optimizer.step()
+        if step == 0:
+            comm, held = counter.by_op or {}, acc.held_bytes(model, optimizer)
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        if step % 5 == 0 or step == config.steps - 1:
+            log0(f"step {step:3d}  loss {mean.item() / world:.4f}")
+    want = acc.fsdp_formula_volume(
+        psi, policy.compute_dtype(torch.float32), policy.reduction_dtype(torch.float32)
+    )
+    log0(f"\nbytes of one step per op and dtype (rank {rank}): {comm}")
+    log0(f"formula 2Ψ·b_param + Ψ·b_reduce:              {want}  equal: {comm == want}")
+    formula = acc.formula_bytes(3, psi, world)
+    log0(f"bytes held after a step: {held}; formula 16Ψ/N: {formula}  equal: {held == formula}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(ZeroDemoConfig, argv, __doc__)
     if (code := refuse_before_start(lambda world: validate(config, world))) is not None:
         return code
+    if config.fsdp:
+        with distributed_session() as info:
+            seed_everything(0)
+            run_fsdp(config, info.rank, info.world_size)
+        return 0
     zero = load_impl(PHASE, "zero", config.impl)
     with distributed_session() as info:
         seed_everything(0)

@@ -12,8 +12,12 @@ For stages 1, 2 and 3 on worlds of 2, 3 and 4 (a model of 107 parameters in laye
 * stage 3 memory: parameters are the shards plus at most one gathered layer at any time, and
   just the shards between forward and backward.
 
-Then stages 2 and 3 inside two groups of 2 in a world of 4, and (reference, not scored)
-``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard`` on the same model, and the demo.
+Then stages 2 and 3 inside two groups of 2 in a world of 4; frozen and tied parameters (a model
+with two frozen parameters, and one whose output layer reuses the embedding's weight) in every
+stage on worlds of 2 and 3: ``unit_parameters`` alone, six steps against one process (frozen
+parameters never move), bytes against the formulas with the frozen ones whole on every rank;
+and (reference, not scored) ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard`` on the same
+model, and the demo.
 """
 
 from __future__ import annotations
@@ -30,14 +34,19 @@ from torch import nn
 from zero_helpers import (
     ADAM_K,
     ELEMENT,
+    FROZEN,
+    KINDS,
     STEPS,
     TOLERANCE,
+    SpecialRun,
     ZeroRun,
     adamw,
     batch,
     max_diff,
     reference,
     small_mlp,
+    special_run,
+    unit_parameters_problem,
     zero_run,
 )
 
@@ -113,17 +122,27 @@ def test_partition_pads_to_the_world_and_gives_each_rank_one_slice() -> None:
 
 
 @exercise("3.5")
-def test_bad_stage_and_tied_parameters_are_refused_before_any_communication() -> None:
+def test_bad_stages_and_models_with_nothing_to_train_are_refused_before_communication() -> None:
     zero = module("zero")
     for stage in (0, 4, "2"):
         with pytest.raises(ValueError) as err:
             zero.zero_wrap(small_mlp(), adamw, stage)
         if "stage" not in str(err.value):
             fail(f"3.5 zero_wrap(stage={stage!r}) should say which stages exist; said: {err.value}")
-    tied = small_mlp()
-    tied[2].weight = tied[0].weight
-    with pytest.raises(ValueError, match=r"tied|shared"):
-        zero.zero_wrap(nn.Sequential(tied[0], tied[2]), adamw, 1)
+    with pytest.raises(ValueError, match="trainable"):
+        zero.zero_wrap(small_mlp().requires_grad_(False), adamw, 1)
+
+
+@exercise("3.5")
+def test_unit_parameters_give_each_trainable_parameter_one_unit_and_frozen_ones_none() -> None:
+    zero = module("zero")
+    problems = [p for kind in (*KINDS, "nested") if (p := unit_parameters_problem(zero, kind))]
+    first_problems(
+        problems,
+        f"3.5 unit_parameters on a model with the frozen {' and '.join(FROZEN)}, on one whose "
+        "output layer reuses the embedding's weight (head.weight is embed.weight), and on a "
+        "layer that owns a parameter and has a child layer:",
+    )
 
 
 # ----------------------------------------------------------------------------- values
@@ -335,6 +354,103 @@ def test_two_groups_of_two_train_independently(stage: int) -> None:
     report(problems, f"3.5 ZeRO stage {stage} in the groups (0, 1) and (2, 3):")
 
 
+# ----------------------------------------------------------------------------- frozen and tied
+
+
+_SPECIAL: dict[int, list[list[SpecialRun]] | BaseException] = {}
+
+
+def special_worker() -> list[SpecialRun]:
+    return [special_run(kind, stage) for kind in KINDS for stage in (1, 2, 3)]
+
+
+def special_runs(world: int, kind: str) -> list[list[SpecialRun]]:
+    """Per rank, the runs of ``kind`` in stages 1, 2, 3 (one world per size, shared)."""
+    if world not in _SPECIAL:
+        try:
+            _SPECIAL[world] = small_world(special_worker, world)
+        except BaseException as exc:
+            _SPECIAL[world] = exc
+    result = _SPECIAL[world]
+    if isinstance(result, BaseException):
+        raise result
+    return [[run for run in ranks if run.kind == kind] for ranks in result]
+
+
+def special_label(kind: str, world: int) -> str:
+    what = (
+        f"a model with the frozen parameters {' and '.join(FROZEN)}"
+        if kind == "frozen"
+        else "a model whose output layer reuses the embedding's weight (tied)"
+    )
+    return f"3.5 ZeRO on {what}, {world} ranks"
+
+
+@exercise("3.5")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_frozen_and_tied_parameters_train_like_one_process(kind: str, world: int) -> None:
+    problems = []
+    for rank, runs_ in enumerate(special_runs(world, kind)):
+        stages: dict[str, list[str]] = {}  # the same remark in several stages: said once
+        for run in runs_:
+            found = run.placement or run.error or run.value_problem
+            if found:
+                stages.setdefault(found, []).append(str(run.stage))
+        for found, which in stages.items():
+            s = "s" if len(which) > 1 else ""
+            problems.append(f"rank {rank}: stage{s} {', '.join(which)}: {found}")
+    report(
+        problems,
+        f"{special_label(kind, world)}, six AdamW steps in float64 against one process (torch's "
+        "AdamW skips parameters without a gradient):",
+    )
+
+
+@exercise("3.5")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_frozen_and_tied_bytes_equal_the_formulas(kind: str, world: int) -> None:
+    problems = []
+    for rank, runs_ in enumerate(special_runs(world, kind)):
+        for run in runs_:
+            if run.held is None or run.placement or run.error:
+                continue  # reported by the test above
+            stage, psi, frozen = run.stage, run.psi, run.frozen
+            want = acc.formula_bytes(stage, psi, world, ELEMENT, ELEMENT, ADAM_K, frozen)
+            for part in ("params", "grads", "optimizer"):
+                got, expected = getattr(run.held, part), getattr(want, part)
+                if got != expected:
+                    extra = (
+                        f" ({ELEMENT} x {frozen} frozen elements, whole on every rank, are part "
+                        "of it)"
+                        if part == "params" and frozen
+                        else ""
+                    )
+                    problems.append(
+                        f"rank {rank}: stage {stage}: {NAMES[part]} {got} bytes, the formula "
+                        f"gives {expected} with Ψ = {psi} trainable (padded), Φ = {frozen} "
+                        f"frozen{extra}"
+                    )
+            volume = acc.formula_volume(stage, psi, ELEMENT)
+            again = ""
+            if kind == "tied" and stage == 3:
+                shared = -(-66 // world) * world  # the embedding's unit, gathered a third time
+                volume += ELEMENT * shared
+                again = (
+                    f" + {ELEMENT} x {shared}: the head's forward gathers the embedding's unit "
+                    "again (its weight is the head's)"
+                )
+            if run.volume != volume:
+                problems.append(
+                    f"rank {rank}: stage {stage}: one step handed {run.volume} bytes to "
+                    f"collectives; expected {volume} = {3 if stage == 3 else 2}Ψ x {ELEMENT}"
+                    f"{again}"
+                    + (": frozen parameters are never communicated" if frozen else "")
+                )
+    report(problems, f"{special_label(kind, world)}: bytes after one step and per step:")
+
+
 # ----------------------------------------------------------------------------- the library way
 
 
@@ -395,7 +511,11 @@ def test_the_benchmark_table_has_every_row_and_zero_rows_equal_their_formula(
     bench = importlib.import_module("solutions.phase3_multi_node.benchmark_zero_memory")
     assert bench.main(["--worlds", "2", "--hidden", "8", "--steps", "1", "--impl", impl()]) == 0
     out = capsys.readouterr().out
+    memory, _, rest = out.partition("ZeRO with the first Linear frozen")
     for name in bench.ROWS:
-        assert f"| 2 | {name} |" in out, f"no row for {name} in\n{out}"
-    assert out.count("(equal)") == 4, f"every stage 0-3 row should equal its formula:\n{out}"
+        assert f"| 2 | {name} |" in memory, f"no row for {name} in\n{out}"
+    assert memory.count("(equal)") == 4, f"every stage 0-3 row should equal its formula:\n{out}"
+    frozen, _, fsdp = rest.partition("FSDP-style ZeRO-3 (prefetch 1) beside fully_shard")
+    assert frozen.count("| yes |") == 3, f"frozen rows should equal their formula:\n{out}"
+    assert fsdp.count("(equal)") == 8, f"FSDP-style bytes per dtype should be the formula's:\n{out}"
     assert bench.main(["--worlds", "two"]) == 2

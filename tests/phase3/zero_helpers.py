@@ -340,3 +340,255 @@ def zero_run(stage: int, seed: int = 0, subgroup: Any = None) -> ZeroRun:
         rank_ = dist.get_rank()
         run.other_group_calls = [r.describe(rank_) for r in whole_run.crossing(subgroup.ranks)][:3]
     return run
+
+
+# ----------------------------------------------------------------------------- frozen and tied
+
+
+class TiedLM(nn.Module):
+    """Embedding -> Linear -> tanh -> output layer whose weight IS the embedding's (tied, as in
+    GPT-2 and T5): 11 tokens x 6 features (66, shared), 42 + 11 other parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11)
+        self.head.weight = self.embed.weight  # one parameter, two uses
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+
+FROZEN = ("0.bias", "2.weight")  # a layer half frozen, and a layer whose weight is frozen
+KINDS = ("frozen", "tied")
+
+
+class Scaled(nn.Module):
+    """A layer that owns a parameter AND has a child with parameters (a unit of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * self.scale)
+
+
+def special_model(kind: str) -> nn.Module:
+    """``small_mlp`` with two frozen parameters, or the tied model (float64, seed 0)."""
+    if kind == "tied":
+        torch.manual_seed(0)
+        return TiedLM().double()
+    model = small_mlp()
+    for name in FROZEN:
+        model.get_parameter(name).requires_grad_(False)
+    return model
+
+
+def special_batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "frozen":
+        return batch(step)
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(11, (GLOBAL_BATCH,), generator=g)
+    return tokens, torch.randint(11, (GLOBAL_BATCH,), generator=g)
+
+
+SPECIAL_STEPS = 6
+
+
+def special_reference(kind: str, grad_scale: float = 1.0) -> list[dict[str, torch.Tensor]]:
+    """One process, whole batch, torch's AdamW on ``model.parameters()`` (it skips the frozen
+    ones: no gradient); ``grad_scale`` 2 doubles the tied weight's gradient only."""
+    model = special_model(kind)
+    optimizer = adamw(model.parameters())
+    out = []
+    for step in range(SPECIAL_STEPS):
+        x, y = special_batch(kind, step)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if grad_scale != 1.0 and kind == "tied":
+            grad = model.get_parameter("embed.weight").grad
+            assert grad is not None
+            grad.mul_(grad_scale)
+        optimizer.step()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+@dataclass
+class SpecialRun:
+    """One stage on the frozen or the tied model, on one rank."""
+
+    kind: str
+    stage: int
+    error: str | None = None
+    value_problem: str | None = None
+    held: acc.ModelStateBytes | None = None
+    psi: int = 0
+    frozen: int = 0
+    volume: int = 0
+    placement: str | None = None  # what the units hold wrongly (frozen or tied parameters)
+
+
+def placement_problem(model: nn.Module, optimizer: Any) -> str | None:
+    """A frozen parameter inside a unit, a parameter inside two units, or one in none, named."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    units_of: dict[str, int] = {}
+    for unit in getattr(optimizer, "units", []):
+        for p in unit.layout.params:
+            name = names.get(id(p), "?")
+            units_of[name] = units_of.get(name, 0) + 1
+    for name in units_of:
+        if name in names.values() and not model.get_parameter(name).requires_grad:
+            return (
+                f"the frozen parameter {name} is in a unit: it would be sharded into the "
+                "optimizer and updated (weight decay moves it although it has no gradient); "
+                "unit_parameters must leave out parameters with requires_grad=False"
+            )
+    for name, count in units_of.items():
+        if count > 1:
+            return (
+                f"the tied parameter {name} is in {count} units (one per module that registers "
+                "it): shard it once, in the unit of the first layer that registers it "
+                "(unit_parameters skips what `owned` holds already), or its gradient is reduced "
+                "and stepped twice"
+            )
+    for name, p in model.named_parameters():
+        if p.requires_grad and name not in units_of:
+            return (
+                f"the trainable parameter {name} is in no unit: it would never be updated; "
+                "every trainable parameter belongs to the unit of the first layer that "
+                "registers it"
+            )
+    return None
+
+
+def unit_parameters_problem(zero: Any, kind: str) -> str | None:
+    """``unit_parameters`` called on every layer in order, as zero_wrap does, against the rule:
+    every trainable parameter once, in the first layer that registers it; no frozen one
+    (``kind`` "nested": a layer with a parameter of its own and a child layer)."""
+    model = Scaled().double() if kind == "nested" else special_model(kind)
+    names = {id(p): n for n, p in model.named_parameters()}
+    owned: set[int] = set()
+    where: dict[str, str] = {}  # parameter -> the layer that returned it first
+    for layer_name, layer in model.named_modules():
+        if not any(True for _ in layer.parameters(recurse=False)):
+            continue
+        call = f"unit_parameters({layer_name or 'the root'}, owned)"
+        got = zero.unit_parameters(layer, owned)
+        for p in got:
+            name = names.get(id(p), "?")
+            if not p.requires_grad:
+                return (
+                    f"{call} returned the frozen parameter {name}: a parameter with "
+                    "requires_grad=False gets no gradient, so it must stay out of the units "
+                    "(in a unit, the optimizer would step it: weight decay moves it)"
+                )
+            if name in where:
+                return (
+                    f"{call} returned {name}, which {where[name]} returned already: a tied "
+                    "parameter is the same object in both modules and belongs to the first "
+                    "layer's unit only (skip what `owned` holds)"
+                )
+            where[name] = layer_name or "the root"
+            if id(p) not in owned:
+                return (
+                    f"{call} returned {name} but did not add it to `owned`: zero_wrap passes "
+                    "the same set to every layer, so a later layer that registers the same "
+                    "(tied) parameter would shard it again"
+                )
+        own = [names[id(p)] for p in layer.parameters(recurse=False)]
+        strangers = [names.get(id(p), "?") for p in got if names.get(id(p)) not in own]
+        if strangers:
+            return (
+                f"{call} returned {strangers}, which {layer_name or 'the root'} does not "
+                "register itself (a child layer does, and has units of its own): each layer's "
+                "units hold its own parameters (recurse=False)"
+            )
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in where]
+    if missing:
+        return (
+            f"no layer returned the trainable parameter {missing[0]}: every trainable parameter "
+            "goes into exactly one unit, that of the first layer that registers it"
+        )
+    return None
+
+
+def special_run(kind: str, stage: int) -> SpecialRun:
+    """Train the frozen or the tied model ``SPECIAL_STEPS`` steps under ``zero_wrap(stage)``."""
+    zero = zero_module()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = SpecialRun(kind, stage)
+    run.placement = unit_parameters_problem(zero, kind)
+    if run.placement:  # a parameter in two units, or frozen in one: wrapping may read freed memory
+        return run
+    model = special_model(kind)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        model, optimizer = zero.zero_wrap(model, adamw, stage)
+    except NotImplementedError:
+        raise  # an unwritten TODO: the harness names it
+    except (RuntimeError, ValueError) as err:
+        raised = f"zero_wrap raised {type(err).__name__}: {str(err).splitlines()[0]}"
+        seen = unit_parameters_problem(zero, kind)
+        run.error = f"{seen} (here {raised})" if seen else raised
+        return run
+    run.placement = placement_problem(model, optimizer)
+    run.psi, run.frozen = acc.padded_psi(model, world), acc.frozen_numel(model)
+    want = special_reference(kind)
+    shard = GLOBAL_BATCH // world
+    try:
+        for step in range(SPECIAL_STEPS):
+            x, y = special_batch(kind, step)
+            xs, ys = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+            with CommCounter() as comm:
+                nn.functional.cross_entropy(model(xs), ys).backward()
+                optimizer.step()
+            if step == 0:
+                run.held = acc.held_bytes(model, optimizer)
+                run.volume = acc.collective_volume(comm.records, world)
+            optimizer.zero_grad()
+            got = zero.full_state_dict(model, optimizer)
+            if run.value_problem is None:
+                run.value_problem = special_values_problem(kind, got, want, initial, step, world)
+    except NotImplementedError:
+        raise
+    except (RuntimeError, TypeError, AttributeError) as err:
+        run.error = f"training raised {type(err).__name__}: {str(err).splitlines()[0]}"
+    return run
+
+
+def special_values_problem(
+    kind: str,
+    got: dict[str, torch.Tensor],
+    want: list[dict[str, torch.Tensor]],
+    initial: dict[str, torch.Tensor],
+    step: int,
+    world: int,
+) -> str | None:
+    """Step ``step``'s parameters against one process's, explained for frozen and tied ones."""
+    if set(got) != set(want[step]):
+        return f"full_state_dict returned {sorted(got)}; one process has {sorted(want[step])}"
+    if kind == "frozen":
+        for name in FROZEN:
+            if not torch.equal(got[name], initial[name]):
+                moved = float((got[name] - initial[name]).abs().max())
+                return (
+                    f"after step {step + 1}, the frozen parameter {name} moved by {moved:.3e}: "
+                    "a parameter with requires_grad=False is never updated (torch's AdamW "
+                    "skips it: no gradient); it must stay outside the units and the optimizer"
+                )
+    diff, name = max_diff(got, want[step])
+    if diff <= TOLERANCE:
+        return None
+    where = f"after step {step + 1}, {name} differs by {diff:.3e} from one process's AdamW"
+    if kind == "tied":
+        doubled = special_reference(kind, grad_scale=2.0)[step]
+        if max_diff(got, doubled)[0] <= TOLERANCE:
+            return (
+                f"{where}, and equals what the tied weight's gradient counted twice gives: "
+                "both uses are summed by autograd into one .grad; reduce and step it once"
+            )
+    return where + f" (tolerance {TOLERANCE})"

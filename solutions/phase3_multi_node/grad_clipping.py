@@ -1,0 +1,116 @@
+"""Exercise 3.6, extended: ``clip_grad_norm_`` over a model sharded in data, tensor and pipeline.
+
+One process clips by the norm of *all* gradients: ``total = ||(g_1, ..., g_P)||_p`` over every
+element of every parameter, then scales every gradient by ``min(1, max_norm / (total + 1e-6))``
+(``torch.nn.utils.clip_grad_norm_``). On a sharded model each rank must scale by that same
+global ``total``, while it holds only some gradients, some of them also held by other ranks:
+
+* a p-norm is a sum in disguise: ``total^p = sum over elements |g|^p``. Each rank sums ``|g|^p``
+  over what it holds, the partial sums are added over the groups whose ranks hold *different*
+  pieces, and ``total = sum^(1/p)``;
+* a copy held by several ranks (replicated on dp, or on tp) must enter the sum once: only one
+  rank of each set of copies counts it (Megatron-LM's ``param_is_not_tensor_parallel_duplicate``
+  decides it for tensor parallelism);
+* the inf-norm is a max: each rank's largest ``|g|``, then the max over the groups (a copy
+  counted twice changes nothing; a SUM would add the ranks' maxima).
+
+This is what Megatron-LM's ``get_grad_norm_fp32`` (megatron/core/optimizer/clip_grads.py) does,
+and what torch's ``clip_grad_norm_`` does on DTensor gradients (FSDP2, tensor parallel): the
+local norm of each shard, then a reduction over the mesh dimensions where the tensor is sharded.
+The gradients and where their copies live come as :class:`GradShard` (clip_placement.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from course.topology import Topology
+from phase3_multi_node.clip_placement import GradShard
+
+
+def counted_here(shard: GradShard, topology: Topology) -> bool:
+    """Whether this rank adds ``shard`` into the global norm: of every set of ranks holding
+    identical copies of it, exactly one does."""
+    # TODO 3.6: decide whether this rank's copy of the gradient is the one the norm counts.
+    # Invariant: over all ranks, every distinct piece of every gradient is counted exactly once:
+    #   a tensor replicated on some axes is counted by one rank of each set of copies, a tensor
+    #   held by nobody else by its rank.
+    # Hint 1: the copies of a tensor replicated on an axis are the ranks that differ from this
+    #   one only along that axis; every rank must recognise, from its own coordinates alone
+    #   (no message), whether it is the representative of its set.
+    # Hint 2: for every axis the shard is replicated on, look at this rank's coordinate on
+    #   that axis; the rank counts the shard only when that coordinate is the first (0) on all
+    #   of them; with no such axis it always counts.
+    # See guidelines.md#gradient-clipping-across-shards
+    # >>> solution
+    coordinate = {"dp": topology.dp_rank, "tp": topology.tp_rank}
+    return all(coordinate[axis] == 0 for axis in shard.replicated_on)
+    # <<< solution
+
+
+def global_grad_norm(
+    shards: Sequence[GradShard], norm_type: float, topology: Topology
+) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model's gradients, the same value on every rank (a
+    collective over the topology's groups: call it on every rank). ``norm_type`` is a positive
+    number or ``inf``; an fp64 0-dim tensor is returned (fp32 accumulation of millions of
+    squares loses digits)."""
+    if not (norm_type > 0 or math.isinf(norm_type)):
+        raise ValueError(f"norm_type={norm_type}: a positive number or inf")
+    device = shards[0].grad.device if shards else torch.device("cpu")
+    # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.
+    # Invariant: every rank returns the norm one process would compute over all gradients:
+    #   every distinct element enters once (counted_here), every group holding other pieces
+    #   (tp shards, pipeline stages, dp slices) contributes; for inf, the largest |g| anywhere.
+    # Hint 1: the p-th power of a p-norm is a sum over elements, and the inf-norm a max: both
+    #   can be computed in parts, one per rank, and combined by all-reduces (ReduceOp.SUM or
+    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing.
+    # Hint 2: a float64 zero on the grads' device; for inf, the max of |g| over the shards
+    #   (copies do not change a max), all-reduced with MAX on the dp, tp and pp groups; else
+    #   the sum of |g|^p over the shards counted_here keeps, all-reduced with SUM on the same
+    #   three groups, then raised to 1/p.
+    # Hint 3: partial = torch.zeros((), dtype=torch.float64, device=device); for inf:
+    #   partial = max(partial, g.abs().max()) and op = dist.ReduceOp.MAX; else partial +=
+    #   g.double().abs().pow(norm_type).sum() when counted_here; dist.all_reduce(partial,
+    #   op=op, group=g) for g in the three groups; return partial ** (1 / norm_type).
+    # See guidelines.md#gradient-clipping-across-shards
+    # >>> solution
+    partial = torch.zeros((), dtype=torch.float64, device=device)
+    if math.isinf(norm_type):
+        for shard in shards:  # copies cannot change a max: every shard takes part
+            if shard.grad.numel():
+                partial = torch.maximum(partial, shard.grad.detach().abs().max().double())
+        op = dist.ReduceOp.MAX
+    else:
+        for shard in shards:
+            if counted_here(shard, topology):
+                partial += shard.grad.detach().double().abs().pow(norm_type).sum()
+        op = dist.ReduceOp.SUM
+    # the three groups together span the world: dp slices or copies, tp pieces, stages
+    for group in (topology.tp_group, topology.pp_group, topology.dp_group):
+        dist.all_reduce(partial, op=op, group=group)
+    return partial if math.isinf(norm_type) else partial ** (1.0 / norm_type)
+    # <<< solution
+
+
+def clip_grad_norm_(
+    shards: Sequence[GradShard],
+    max_norm: float,
+    norm_type: float,
+    topology: Topology,
+) -> torch.Tensor:
+    """Scale every gradient in ``shards`` in place so that the global norm is at most
+    ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` does on one process holding the
+    whole model (``max_norm / (total + 1e-6)``, clamped to 1, multiplied into every gradient);
+    returns the global norm before clipping (the same on every rank). A collective."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm}: a positive bound")
+    total = global_grad_norm(shards, norm_type, topology)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for shard in shards:
+        shard.grad.mul_(scale.to(shard.grad.dtype))
+    return total

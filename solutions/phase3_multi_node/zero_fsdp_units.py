@@ -1,0 +1,174 @@
+"""Exercise 3.5, FSDP-style part 1: one unit of ZeRO-3 in mixed precision, gathered ahead of use.
+
+The FSDP2 way (``fully_shard``, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py and
+_fsdp_collectives.py) differs from stage 3 of ``zero_units.py`` in three ways, each a saving:
+
+* **Master shard and compute buffer.** The optimizer steps this rank's shard in the master dtype
+  (fp32: K = 12 bytes per parameter with Adam); the layer computes with a separate full buffer in
+  the policy's ``param_dtype`` (bf16 or fp16), which exists only while the unit is gathered.
+* **Cast before the all-gather.** Each rank casts its own shard to the compute dtype and the
+  all-gather moves the cast pieces: 2 bytes per element instead of 4, half the traffic. Casting
+  after the gather gives the same values for twice the bytes.
+* **Reduce in the reduce dtype.** Gradients come out of backward in the compute dtype; they are
+  reduce-scattered in the policy's ``reduce_dtype`` (fp32 keeps the sum exact; bf16 halves the
+  bytes again) and the slice this rank receives is cast back to the master dtype before the
+  optimizer sees it.
+* **Asynchronous gathers.** ``start_gather`` issues the all-gather and returns at once
+  (``async_op=True``); ``wait_gather`` waits for it just before the parameters are read. Between
+  the two, the previous unit computes: that is the prefetch of ``zero_fsdp.py``.
+
+The layout is 3.5's: one flat buffer per unit, padded to a multiple of N (``make_layout``), each
+rank owning its slice. The model's parameters are views of the compute buffer, whose storage is
+0 bytes while the unit is free (``free``), as in stage 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phase3_multi_node.zero_fsdp_support import MixedPrecision, divide_factors
+from solutions.phase3_multi_node.zero_partition import make_layout
+
+
+class FsdpUnit:
+    """One unit: this rank's master shard, and the compute buffer the parameters view.
+
+    ``shard`` is an ``nn.Parameter`` in the master dtype (the parameters' dtype at wrap time),
+    this rank's slice of the padded flat buffer; the optimizer steps it. ``flat_param`` is the
+    whole padded buffer in ``param_dtype``, 0 bytes while free; the model's parameters are views
+    of it. ``work`` is the all-gather in flight (None when none is), ``gather_input`` the cast
+    shard it sends (kept alive until the work is done).
+    """
+
+    def __init__(
+        self, params: list[nn.Parameter], policy: MixedPrecision, group: dist.ProcessGroup | None
+    ) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.layout = make_layout(params, self.world_size, dist.get_rank(group))
+        master = self.layout.flatten([p.detach() for p in params])
+        src = dist.get_process_group_ranks(group or dist.group.WORLD)[0]
+        dist.broadcast(master, src=src, group=group)  # every rank starts from the same values
+        self.shard = nn.Parameter(master[self.layout.shard_start : self.layout.shard_stop].clone())
+        self.param_dtype = policy.compute_dtype(master.dtype)
+        self.reduce_dtype = policy.reduction_dtype(master.dtype)
+        self.flat_param = torch.empty(
+            self.layout.padded_numel, dtype=self.param_dtype, device=master.device
+        )
+        for p, view in zip(params, self.layout.views(self.flat_param), strict=True):
+            p.data = view  # parameters now live in the compute dtype, inside flat_param
+        self.work: Any = None
+        self.gather_input: torch.Tensor | None = None
+        self.free()
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the compute buffer holds memory (gathered, or its all-gather in flight)."""
+        return self.flat_param.untyped_storage().nbytes() > 0
+
+    @property
+    def padded_bytes(self) -> int:
+        """Bytes of the whole compute buffer: what one all-gather delivers."""
+        return self.layout.padded_numel * self.flat_param.element_size()
+
+    def start_gather(self) -> None:
+        """Issue the all-gather of the whole unit in the compute dtype; return without waiting."""
+        # TODO 3.5: start filling flat_param with every rank's shard, cast to the compute dtype.
+        # Invariant: each rank sends its own master shard already cast to param_dtype (its
+        #   element size, not the master's: half the bytes with bf16); afterwards flat_param's
+        #   storage holds padded_bytes and self.work is the all-gather still in flight; a unit
+        #   gathered or gathering already starts nothing.
+        # Hint 1: an all-gather issued with async_op=True returns a Work at once; the tensor it
+        #   sends must stay alive until that work is done (keep it in self.gather_input).
+        # Hint 2: return if the unit is gathered or a work is pending; grow flat_param's storage
+        #   to padded_bytes; cast the detached shard to param_dtype and keep it; issue the
+        #   all-gather from it into flat_param on the unit's group without waiting, and keep
+        #   the Work it returns.
+        # Hint 3: storage.resize_(self.padded_bytes); self.gather_input =
+        #   self.shard.detach().to(self.param_dtype); self.work = dist.all_gather_into_tensor(
+        #   self.flat_param, self.gather_input, group=self.group, async_op=True).
+        # See guidelines.md#zero-3-the-fsdp-way
+        # >>> solution
+        if self.is_gathered or self.work is not None:
+            return
+        self.flat_param.untyped_storage().resize_(self.padded_bytes)
+        # cast first, gather second: the all-gather moves param_dtype elements
+        self.gather_input = self.shard.detach().to(self.param_dtype)
+        self.work = dist.all_gather_into_tensor(
+            self.flat_param, self.gather_input, group=self.group, async_op=True
+        )
+        # <<< solution
+
+    def wait_gather(self) -> None:
+        """Make the parameters hold the whole unit, gathering it now if nobody started it."""
+        # TODO 3.5: the parameters must hold every rank's values before the layer reads them.
+        # Invariant: on return flat_param holds the gathered unit, no work is pending and the
+        #   sent tensor is released; a unit nobody prefetched is gathered here.
+        # Hint 1: a Work is done once its wait() has returned; start_gather does nothing for a
+        #   unit that is gathered already.
+        # Hint 2: start the gather (a no-op when it was started or done); then, if a work is
+        #   pending, wait for it and forget it and the tensor it sent.
+        # See guidelines.md#zero-3-the-fsdp-way
+        # >>> solution
+        self.start_gather()
+        if self.work is not None:
+            self.work.wait()
+            self.work, self.gather_input = None, None
+        # <<< solution
+
+    def free(self) -> None:
+        """Release the compute buffer (the parameters stay views of its 0-byte storage)."""
+        if self.work is not None:
+            raise RuntimeError(
+                "free() while this unit's all-gather is in flight: wait_gather first"
+            )
+        self.flat_param.untyped_storage().resize_(0)
+
+    def reduced_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the mean over the group of every rank's ``flat_grad`` (the
+        padded gradient in the compute dtype), reduced in ``reduce_dtype``, in the master dtype."""
+        # TODO 3.5: reduce-scatter the gradient in the reduce dtype; return it in the master's.
+        # Invariant: the result has shard_numel elements in the shard's dtype: rank r's slice of
+        #   the sum over the group divided by the group size, the sum computed in reduce_dtype
+        #   (the reduce-scatter's input and output are reduce_dtype tensors).
+        # Hint 1: divide_factors(world, reduce_dtype) says how much to divide before the sum and
+        #   how much after (fp16 splits it, so neither overflows); the optimizer's tensor is the
+        #   fp32 shard, so the slice goes back to its dtype at the end.
+        # Hint 2: cast the flat gradient to reduce_dtype; divide it by the first factor; an
+        #   output of one slice in reduce_dtype; the reduce-scatter on the unit's group;
+        #   divide by the second factor; return it cast to the shard's dtype.
+        # Hint 3: before, after = divide_factors(self.world_size, self.reduce_dtype);
+        #   dist.reduce_scatter_tensor(out, flat_grad.to(self.reduce_dtype) / before, group=...);
+        #   return (out / after).to(self.shard.dtype).
+        # See guidelines.md#zero-3-the-fsdp-way
+        # >>> solution
+        before, after = divide_factors(self.world_size, self.reduce_dtype)
+        summands = flat_grad.to(self.reduce_dtype) / before  # fp16: part of the mean first
+        out = torch.empty(
+            self.layout.shard_numel, dtype=self.reduce_dtype, device=flat_grad.device
+        )
+        dist.reduce_scatter_tensor(out, summands, group=self.group)
+        return out.div_(after).to(self.shard.dtype)  # the rest of the mean, back to the master
+        # <<< solution
+
+    def reduce_gradients(self) -> None:
+        """When the unit's last gradient of this backward is in: reduce it into the shard's
+        ``.grad`` (accumulating over backwards, in the master dtype) and drop the full ones."""
+        params = self.layout.params
+        mine = self.reduced_gradient(self.layout.flatten([p.grad for p in params]))  # type: ignore[misc]
+        for p in params:
+            p.grad = None
+        if mine.dtype != self.shard.dtype or mine.shape != self.shard.shape:
+            raise TypeError(
+                f"reduced_gradient returned {mine.dtype} of shape {tuple(mine.shape)}; the "
+                f"master shard is {self.shard.dtype} of shape {tuple(self.shard.shape)}: return "
+                "this rank's slice cast back to the master dtype"
+            )
+        if self.shard.grad is None:
+            self.shard.grad = mine
+        else:
+            self.shard.grad += mine
