@@ -61,6 +61,14 @@ def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _under_torchrun_note() -> str:
+    """A second line under torchrun, where a refusal (exit 2) is followed by torchrun's own
+    ChildFailedError report: say that the report adds nothing, so the reader stops at our line."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    return "\n(refused before training started: torchrun's failure report below only repeats it)"
+
+
 class RankZeroParser(argparse.ArgumentParser):
     """An ArgumentParser whose messages (usage errors, --help) appear once, on rank 0."""
 
@@ -128,7 +136,7 @@ def parse_config(
         flag = "--" + field.name.replace("_", "-")
         problem = setting_problem(flag, values[field.name], field.metadata)
         if problem:
-            parser.exit(2, f"{parser.prog}: error: {problem}\n")
+            parser.exit(2, f"{parser.prog}: error: {problem}{_under_torchrun_note()}\n")
     return config_class(**values)
 
 
@@ -141,7 +149,7 @@ def refuse_before_start(validate: Callable[[int], object]) -> int | None:
         validate(env_int("WORLD_SIZE", 1))
     except ValueError as err:
         if _is_rank_zero():
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}{_under_torchrun_note()}", file=sys.stderr, flush=True)
         return 2
     return None
 
