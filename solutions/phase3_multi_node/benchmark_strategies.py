@@ -51,12 +51,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from course.cli import benchmark_main, run_main
+from course.comm_counter import CommRecord
 from course.distributed import current_info
 from course.impl import IMPLS, load_impl
 from course.memory import SavedTensorMeter
 from course.results import Table, write_results
 from course.world import run_world
+from phase3_multi_node.moe_experts import MoEConfig
 from phase3_multi_node.zero_fsdp_support import MixedPrecision
+from solutions.phase3_multi_node.strategies_moe import (
+    AUX_COEF,
+    TRAFFIC_KINDS,
+    build_expert_parallel,
+    counting,
+    loss_tolerance,
+    one_process_losses,
+    parameter_count,
+)
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 
 PHASE2, PHASE3 = "phase2_advanced", "phase3_multi_node"
@@ -67,9 +78,11 @@ STRATEGIES = (
     "pipeline 1F1B (ours)",
     "ZeRO-2 (ours)",
     "FSDP-style ZeRO-3 bf16 (ours)",
-    # the expert-parallel row (3.8) goes here, with its runner in build_runner
+    "expert-parallel MoE (ours)",
 )
-FP32_STRATEGIES = tuple(name for name in STRATEGIES if "bf16" not in name)  # one loss to 1e-6
+MOE_STRATEGY = "expert-parallel MoE (ours)"  # another model: its loss is compared in one process
+DENSE_STRATEGIES = tuple(name for name in STRATEGIES if name != MOE_STRATEGY)
+FP32_STRATEGIES = tuple(name for name in DENSE_STRATEGIES if "bf16" not in name)  # one loss
 MIB = 2**20
 
 
@@ -130,6 +143,41 @@ class StrategiesConfig:
         default=1e-3,
         metadata={"help": "AdamW's learning rate", "gt": 0, "fix": "a positive rate, e.g. 1e-3"},
     )
+    experts: int = field(
+        default=4,
+        metadata={
+            "help": "the MoE row's experts (a multiple of --world)",
+            "ge": 1,
+            "le": 1024,
+            "fix": "a multiple of --world, e.g. 4",
+        },
+    )
+    k: int = field(
+        default=2,
+        metadata={
+            "help": "experts per token (MoE row)",
+            "ge": 1,
+            "fix": "1 to --experts, e.g. 2",
+        },
+    )
+    capacity_factor: float = field(
+        default=1.25,
+        metadata={
+            "help": "each expert takes this times its fair share of choices (MoE row)",
+            "gt": 0,
+            "le": 1024,
+            "fix": "a positive factor, e.g. 1.25",
+        },
+    )
+    expert_hidden: int = field(
+        default=256,
+        metadata={
+            "help": "each expert's hidden width (MoE row)",
+            "ge": 1,
+            "le": 65536,
+            "fix": "a width from 1, e.g. 256",
+        },
+    )
     impl: str = field(
         default="solutions",
         metadata={"choices": IMPLS, "help": "run the reference or your templates"},
@@ -157,8 +205,26 @@ def validate(config: StrategiesConfig) -> None:
             f"--global-batch {config.global_batch} does not cut into --microbatches "
             f"{config.microbatches} equal micro-batches"
         )
+    if config.experts % config.world:
+        problems.append(
+            f"--experts {config.experts} does not split over --world {config.world} ranks (the "
+            f"MoE row holds --experts/--world whole experts per rank): use a multiple of "
+            f"{config.world} (e.g. {config.world * 2})"
+        )
+    if config.k > config.experts:
+        problems.append(
+            f"--k {config.k} > --experts {config.experts}: a token goes to k different experts; "
+            f"use --k 1 to {config.experts}"
+        )
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def moe_config(config: StrategiesConfig) -> MoEConfig:
+    """The MoE row's layer: ``--experts`` experts ``width -> --expert-hidden -> width``."""
+    return MoEConfig(
+        config.width, config.expert_hidden, config.experts, config.k, config.capacity_factor
+    )
 
 
 def make_mlp(width: int, layers: int) -> nn.Sequential:
@@ -197,20 +263,25 @@ def ring_allreduce_hook(ring_all_reduce: Callable[..., torch.Tensor]) -> Callabl
 
 @dataclass
 class Runner:
-    """One strategy on this rank: its step, and what holds its bytes."""
+    """One strategy on this rank: its step, and what holds its bytes; ``traffic`` (the MoE row)
+    reads the messages of a step run under a ``CommCounter``."""
 
     step: Callable[[torch.Tensor, torch.Tensor], float | None]
     model: nn.Module
     optimizer: Any
     buckets: Callable[[], int] = lambda: 0
+    traffic: Callable[[Sequence[CommRecord]], dict[str, Any]] | None = None
 
 
 def build_runner(name: str, config: StrategiesConfig, device: torch.device) -> Runner:
     """Build strategy ``name`` on this rank (a collective: every rank builds the same one)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_mlp(config.width, config.layers).to(device)
     share = config.global_batch // world
     mine = slice(rank * share, (rank + 1) * share)
+    if name == MOE_STRATEGY:
+        run = build_expert_parallel(moe_config(config), config.impl, config.lr, device, mine)
+        return Runner(run.step, run.model, run.optimizer, traffic=run.traffic)
+    model = make_mlp(config.width, config.layers).to(device)
 
     def adamw(params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=config.lr)
@@ -271,7 +342,9 @@ def build_runner(name: str, config: StrategiesConfig, device: torch.device) -> R
     raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGIES)}")
 
 
-def batch(step: int, config: StrategiesConfig, device: torch.device) -> tuple[torch.Tensor, ...]:
+def batch(
+    step: int, config: StrategiesConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     shape = (config.global_batch, config.width)
     return torch.randn(shape, generator=g).to(device), torch.randn(shape, generator=g).to(device)
@@ -330,11 +403,11 @@ def memory_of(name: str, config: StrategiesConfig, device: torch.device) -> dict
     _synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with ActivationMeter(runner.model) as meter:
+    with counting(runner.traffic is not None) as counter, ActivationMeter(runner.model) as meter:
         runner.step(x, y)
     _synchronize(device)
     held = held_bytes(runner.model, runner.optimizer)
-    result = {
+    result: dict[str, Any] = {
         "params": held.params,
         "grads": held.grads,
         "optimizer": held.optimizer,
@@ -342,6 +415,8 @@ def memory_of(name: str, config: StrategiesConfig, device: torch.device) -> dict
         "buckets": runner.buckets(),
         "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
+    if runner.traffic is not None and counter is not None:
+        result["traffic"] = runner.traffic(counter.records)
     del runner, params
     gc.collect()
     if device.type == "cuda":
@@ -376,6 +451,10 @@ def measure_worker(config: StrategiesConfig) -> dict[str, Any]:
     for name in STRATEGIES:
         results[name]["step"] = statistics.median(times[name])
         results[name]["loss"] = global_loss(last[name], name != "pipeline 1F1B (ours)", device)
+    if dist.get_rank() == 0:  # after the timing: the MoE model again, in one process
+        batches = [batch(step, config, device) for step in range(WARMUP + config.steps)]
+        losses = one_process_losses(moe_config(config), config.lr, dist.get_world_size(), batches)
+        results[MOE_STRATEGY]["one_process_loss"] = losses[-1]
     results["device"] = str(device)
     return results
 
@@ -390,25 +469,44 @@ def total_bytes(row: dict[str, Any]) -> int:
     )
 
 
+def moe_model_text(config: StrategiesConfig) -> str:
+    """The MoE row's model in one phrase."""
+    w, f, e = config.width, config.expert_hidden, config.experts
+    return (
+        f"Linear({w}, {w}), ReLU, x + MoE(x), Linear({w}, {w}); MoE: {e} experts "
+        f"Linear({w}, {f})-GELU-Linear({f}, {w}), top-{config.k}, capacity factor "
+        f"{config.capacity_factor:g}, load-balancing loss x {AUX_COEF:g}; "
+        f"{parameter_count(moe_config(config)):,} parameters, {e // config.world} experts on each "
+        "rank, the rest replicated"
+    )
+
+
 def header(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> str:
     params = sum(p.numel() for p in make_mlp(config.width, config.layers).parameters())
     return (
-        f"MLP {config.layers} x Linear({config.width}, {config.width}), {params:,} parameters, "
-        f"float32, AdamW; global batch {config.global_batch}, world {config.world} on "
-        f"{per_rank[0]['device']}; pipeline: {config.microbatches} micro-batches; medians of "
+        f"dense MLP {config.layers} x Linear({config.width}, {config.width}), {params:,} "
+        f"parameters, float32, AdamW; global batch {config.global_batch}, world {config.world} "
+        f"on {per_rank[0]['device']}; pipeline: {config.microbatches} micro-batches; the "
+        f"expert-parallel row trains the MoE MLP ({moe_model_text(config)}); medians of "
         f"{config.steps} steps, the strategies in turn (slowest rank); bytes in MiB after a "
         "step, each strategy alone, on the rank holding the most"
     )
+
+
+def model_of(name: str) -> str:
+    return "MoE MLP" if name == MOE_STRATEGY else "dense MLP"
 
 
 def summary_table(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> Table:
     """One row per strategy: time, the most loaded rank's bytes, the loss."""
     gpu = str(per_rank[0]["device"]).startswith("cuda")
     table = Table(
-        ["strategy", "step ms", "samples/s", "vs torch DDP", "params", "grads", "optimizer",
-         "activations (peak)", "DDP buckets", "total", "vs torch DDP"]
+        ["strategy", "model", "step ms", "samples/s", "vs torch DDP", "params", "grads",
+         "optimizer", "activations (peak)", "DDP buckets", "total", "vs torch DDP"]
         + (["GPU peak allocated"] if gpu else [])
-        + [f"loss at step {WARMUP + config.steps}"]
+        + [f"loss at step {WARMUP + config.steps}"],
+        note="the MoE MLP is another model than the dense MLP: compare its loss with the same "
+        "MoE model in one process (below), not with the dense rows'",
     )  # fmt: skip
     base = per_rank[0]["torch DDP"]
     base_total = max(total_bytes(r["torch DDP"]) for r in per_rank)
@@ -418,7 +516,7 @@ def summary_table(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) 
         step = rows[0]["step"]
         gpu_cell = [_mib(max(r["gpu_peak"] for r in rows))] if gpu else []
         table.add(
-            name, f"{1e3 * step:.1f}", f"{config.global_batch / step:.0f}",
+            name, model_of(name), f"{1e3 * step:.1f}", f"{config.global_batch / step:.0f}",
             f"{base['step'] / step:.3f}x", _mib(heaviest["params"]), _mib(heaviest["grads"]),
             _mib(heaviest["optimizer"]), _mib(heaviest["activations"]),
             _mib(heaviest["buckets"]), _mib(total_bytes(heaviest)),
@@ -428,15 +526,66 @@ def summary_table(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) 
 
 
 def per_rank_table(per_rank: Sequence[dict[str, Any]]) -> Table:
-    table = Table(["strategy", "rank", "params", "grads", "optimizer", "activations (peak)",
-                   "DDP buckets", "total"])  # fmt: skip
+    table = Table(["strategy", "model", "rank", "params", "grads", "optimizer",
+                   "activations (peak)", "DDP buckets", "total"])  # fmt: skip
     for name in STRATEGIES:
         for rank, r in enumerate(per_rank):
             row = r[name]
-            table.add(name, rank, _mib(row["params"]), _mib(row["grads"]),
+            table.add(name, model_of(name), rank, _mib(row["params"]), _mib(row["grads"]),
                       _mib(row["optimizer"]), _mib(row["activations"]), _mib(row["buckets"]),
                       _mib(total_bytes(row)))  # fmt: skip
     return table
+
+
+def traffic_table(per_rank: Sequence[dict[str, Any]]) -> Table:
+    """The MoE row's bytes per rank in its counted step, by collective, against the formula."""
+    table = Table(
+        ["rank", "tokens", "choices routed", "kept (rows dispatched)", "rows received",
+         "all-to-all", "all-gather (census)", "all-reduce (world)", "all-reduce (dp, 1 rank)",
+         "total counted", "formula", "equal"],
+        note="bytes handed to each collective in one step (forward, backward, gradient sync), "
+        "counted by CommCounter; the formula from the census: see strategies_moe.py",
+    )  # fmt: skip
+    for rank, r in enumerate(per_rank):
+        t = r[MOE_STRATEGY]["traffic"]
+        counted, formula = t["counted"], t["formula"]
+        total = sum(counted.values())
+        table.add(
+            rank, t["tokens"], sum(t["census"][rank]), t["sent_rows"], t["received_rows"],
+            *(counted.get(kind, 0) for kind in TRAFFIC_KINDS), total,
+            sum(formula.values()), "yes" if counted == formula else "no",
+        )  # fmt: skip
+    return table
+
+
+def traffic_matches(per_rank: Sequence[dict[str, Any]]) -> int:
+    """How many ranks' counted bytes equal the formula's, kind by kind."""
+    return sum(
+        r[MOE_STRATEGY]["traffic"]["counted"] == r[MOE_STRATEGY]["traffic"]["formula"]
+        for r in per_rank
+    )
+
+
+def moe_values(per_rank: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The MoE row's bytes against the formula, its drops, and its loss against one process."""
+    traffic = [r[MOE_STRATEGY]["traffic"] for r in per_rank]
+    a2a = [t["counted"]["all-to-all"] / 1024 for t in traffic]
+    routed = sum(sum(row) for row in traffic[0]["census"])
+    dropped = routed - sum(t["sent_rows"] for t in traffic)
+    loss = per_rank[0][MOE_STRATEGY]["loss"]
+    alone = per_rank[0][MOE_STRATEGY]["one_process_loss"]
+    gap = abs(loss - alone) / abs(alone)
+    tolerance = loss_tolerance(str(per_rank[0]["device"]))
+    within = "yes" if gap <= tolerance else "no"
+    return {
+        "moe.bytes_exact": f"{traffic_matches(per_rank)} of {len(per_rank)} ranks",
+        "moe.all_to_all_KiB": f"{min(a2a):.1f}-{max(a2a):.1f} KiB",
+        "moe.all_reduce_world_MiB": f"{traffic[0]['counted']['all-reduce world'] / MIB:.2f} MiB",
+        "moe.dropped": f"{dropped} of {routed} choices ({100 * dropped / routed:.1f}%)",
+        "moe.loss": f"{loss:.6f}",
+        "moe.one_process_loss": f"{alone:.6f}",
+        "moe.loss_vs_one_process": f"{gap:.1e} relative, within {tolerance:g}: {within}",
+    }
 
 
 def summary_values(per_rank: Sequence[dict[str, Any]]) -> dict[str, str]:
@@ -452,25 +601,31 @@ def summary_values(per_rank: Sequence[dict[str, Any]]) -> dict[str, str]:
     losses = {f"{per_rank[0][name]['loss']:.6f}" for name in FP32_STRATEGIES}
     values["losses_agree"] = "yes" if len(losses) == 1 else f"no ({', '.join(sorted(losses))})"
     base_loss = per_rank[0]["torch DDP"]["loss"]
-    for name in STRATEGIES:
+    for name in DENSE_STRATEGIES:
         if name not in FP32_STRATEGIES:
             key = name.split(" (")[0].replace(" ", "_")
             gap = abs(per_rank[0][name]["loss"] - base_loss) / abs(base_loss)
             values[f"loss_gap.{key}"] = f"{100 * gap:.3f}%"
-    return values
+    return values | moe_values(per_rank)
 
 
 def format_tables(per_rank: Sequence[dict[str, Any]], config: StrategiesConfig) -> str:
     """The summary table (the most loaded rank's bytes) and the per-rank breakdown."""
     summary, ranks = summary_table(per_rank, config), per_rank_table(per_rank)
-    text = "\n".join([header(per_rank, config), "", summary.to_markdown(), "",
-                      "per rank (MiB):", "", ranks.to_markdown()])  # fmt: skip
+    traffic, values = traffic_table(per_rank), summary_values(per_rank)
+    text = "\n".join([header(per_rank, config), "", summary.to_markdown(), "", summary.note, "",
+                      "per rank (MiB):", "", ranks.to_markdown(), "",
+                      "the expert-parallel row's bytes per rank, one step:", "",
+                      traffic.to_markdown(), "", traffic.note, "",
+                      f"its loss against the same MoE model in one process: "
+                      f"{values['moe.loss']} and {values['moe.one_process_loss']}, "
+                      f"{values['moe.loss_vs_one_process']}"])  # fmt: skip
     if config.record:
         path = write_results(
             config.record,
             tables={"setup": Table(["setup"], [[header(per_rank, config)]]),
-                    "summary": summary, "per_rank": ranks},
-            values=summary_values(per_rank),
+                    "summary": summary, "per_rank": ranks, "expert_parallel": traffic},
+            values=values,
         )  # fmt: skip
         text += f"\n\nrecorded: {path}"
     return text

@@ -22,6 +22,7 @@ process group exists) and, as references, the demo and the strategies benchmark 
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections import Counter
 from typing import Any
@@ -600,25 +601,91 @@ def test_the_demo_refuses_bad_degrees_before_starting() -> None:
 @exercise("3.6")
 @pytest.mark.reference
 def test_the_strategies_benchmark_trains_one_model_every_way(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bench = program("benchmark_strategies")
+    measured: list[Any] = []
+
+    def measure(config: Any) -> Any:  # keep the ranks' numbers to check the bytes
+        measured.append(real_measure(config))
+        return measured[-1]
+
+    real_measure = bench.measure
+    monkeypatch.setattr(bench, "measure", measure)
     args = ["--width", "32", "--layers", "2", "--global-batch", "8", "--steps", "2"]
-    # the reference strategies: under --impl templates they would need 2.5, 3.1, 3.4 and 3.5
-    assert bench.main([*args, "--microbatches", "2", "--impl", "solutions"]) == 0
+    # a capacity factor of 0.5 drops choices for sure: the bytes formula must count drops
+    moe = ["--experts", "4", "--k", "2", "--expert-hidden", "16", "--capacity-factor", "0.5"]
+    # the reference strategies: under --impl templates they would need 2.5, 3.1, 3.4, 3.5, 3.8
+    assert bench.main([*args, *moe, "--microbatches", "2", "--impl", "solutions"]) == 0
     out = capsys.readouterr().out
     for name in bench.STRATEGIES:
         assert f"| {name} |" in out, f"no row for {name} in\n{out}"
     assert "1.000x" in out, f"torch DDP's row should be the 1.000x baseline:\n{out}"
     summary = out.split("per rank")[0]
-    losses = {
-        line.split("|")[1].strip(): float(line.rstrip(" |").rsplit("|", 1)[1])
+    rows = {
+        line.split("|")[1].strip(): line
         for line in summary.splitlines()
         if line.startswith("| ") and line.split("|")[1].strip() in bench.STRATEGIES
     }
-    assert len(losses) == len(bench.STRATEGIES), summary
+    assert len(rows) == len(bench.STRATEGIES), summary
+    losses = {name: float(line.rstrip(" |").rsplit("|", 1)[1]) for name, line in rows.items()}
+    models = {name: line.split("|")[2].strip() for name, line in rows.items()}
+    assert models == {
+        name: "MoE MLP" if name == bench.MOE_STRATEGY else "dense MLP" for name in rows
+    }, f"the table must say which model each row trains:\n{summary}"
     fp32 = [losses[name] for name in bench.FP32_STRATEGIES]
     assert max(fp32) - min(fp32) <= 1e-4 * max(fp32), f"one model, one loss:\n{summary}"
-    for name in set(bench.STRATEGIES) - set(bench.FP32_STRATEGIES):  # bf16 compute: rounding
+    for name in set(bench.DENSE_STRATEGIES) - set(bench.FP32_STRATEGIES):  # bf16: rounding
         assert abs(losses[name] - fp32[0]) <= 5e-2 * fp32[0], f"{name}'s loss:\n{summary}"
+    check_expert_parallel_row(bench, measured[0])
     assert bench.main(["--layers", "3"]) == 2  # 3 layers do not split into 2 stages
+
+
+def expected_moe_bytes(
+    census: list[list[int]], rank: int, hidden: int, ffn: int, factor: float
+) -> dict[str, int]:
+    """What rank ``rank`` hands to each collective in one step of the MoE row, from the census
+    alone (written here apart from the benchmark's own formula): float32 rows, int64 counts."""
+    world, experts = len(census), len(census[0])
+    capacity = math.ceil(factor * sum(map(sum, census)) / experts - 1e-9)
+    taken, kept = [0] * experts, []
+    for counts in census:  # first come, first served in rank order
+        kept.append([min(c, capacity - taken[e]) for e, c in enumerate(counts)])
+        taken = [t + k for t, k in zip(taken, kept[-1], strict=True)]
+    per = experts // world
+    mine = range(rank * per, (rank + 1) * per)
+    sent, received = sum(kept[rank]), sum(kept[s][e] for s in range(world) for e in mine)
+    return {
+        "all-to-all": 8 * experts + 2 * 4 * hidden * (sent + received),
+        "all-gather": 8 * world * experts,
+        "all-reduce world": 4 * (2 * (hidden * hidden + hidden) + experts * hidden),
+        "all-reduce dp": 4 * per * (2 * hidden * ffn + ffn + hidden),
+    }
+
+
+def check_expert_parallel_row(bench: Any, per_rank: list[Any]) -> None:
+    """The MoE row: every rank's counted bytes equal the formula (drops included), and its loss
+    equals the same MoE model's in one process (a missing term of the loss or of a gradient
+    shows there; a gradient off by a constant factor does not: AdamW's step ignores scale)."""
+    dropped = 0
+    for rank, numbers in enumerate(per_rank):
+        traffic = numbers[bench.MOE_STRATEGY]["traffic"]
+        want = expected_moe_bytes(traffic["census"], rank, hidden=32, ffn=16, factor=0.5)
+        assert traffic["counted"] == want, (
+            f"rank {rank}: one step of the expert-parallel row handed {traffic['counted']} bytes "
+            f"to the collectives; the formula from the census {traffic['census']} gives {want} "
+            "(all-to-all: 8E counts + 2 x 4h x (rows dispatched + rows received); the census "
+            "all-gather 8NE; the replicated Linear layers and router all-reduced on the world; "
+            "the experts on their dp group of one rank)"
+        )
+        assert traffic["formula"] == want, f"rank {rank}: the benchmark's own formula differs"
+        dropped += sum(traffic["census"][rank]) - traffic["sent_rows"]
+    assert dropped > 0, "capacity factor 0.5 must drop choices; none were dropped"
+    loss = per_rank[0][bench.MOE_STRATEGY]["loss"]
+    alone = per_rank[0][bench.MOE_STRATEGY]["one_process_loss"]
+    tolerance = bench.loss_tolerance(per_rank[0]["device"])  # 1e-6 on CPU
+    assert abs(loss - alone) <= tolerance * abs(alone), (
+        f"the expert-parallel row's loss {loss} differs from the same MoE model's in one "
+        f"process, {alone}, by more than {tolerance:g} relative: the two no longer train the "
+        "same model the same way (gradients synced, load-balancing loss, data slices)"
+    )
