@@ -167,11 +167,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not counted:
         return
     tally = TALLY.setdefault(ids[0], Tally())
+    tally.nodes.append(report.nodeid)
     if "reference" in report.keywords:
         outcome = _outcome(report)
         tally.reference[outcome] = tally.reference.get(outcome, 0) + 1
         return
-    tally.nodes.append(report.nodeid)
     if report.passed:
         tally.passed += 1
     elif report.failed:
@@ -184,9 +184,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def _status(tally: Tally) -> str:
+    """TODO or FAIL when a test (or a reference check) failed, pass when something passed and
+    nothing failed, skipped when nothing ran."""
     if tally.failed or (tally.skipped and tally.todo):
         return "TODO" if tally.todo else "FAIL"
-    if tally.passed:
+    if tally.reference.get("failed"):
+        return "FAIL"
+    if tally.passed or tally.reference.get("passed"):
         return "pass"
     return "skipped"
 
@@ -279,6 +283,7 @@ def pytest_terminal_summary(
     write = terminalreporter.write_line
     terminalreporter.section(f"scoreboard (--impl {impl})", sep="=")
     next_step = None
+    skipped: list[str] = []
     for phase, title in PHASE_TITLES.items():
         rows = [ex for ex in EXERCISES if ex.phase == phase and ex.id in TALLY]
         if not rows:
@@ -293,12 +298,18 @@ def pytest_terminal_summary(
                 f"  [{status:^7}] {ex.id:<5} {ex.title:<42} "
                 f"{tally.passed}/{total} tests pass{_reference_note(tally)}{needs}"
             )
-            if status != "pass" and next_step is None:
+            if status in ("TODO", "FAIL") and next_step is None:
                 next_step = _next_step(ex, tally, impl)
+            if status == "skipped":
+                skipped.append(ex.id)
     write(_count_line(terminalreporter))
     write("")
     if next_step:
         write(f"Next: {next_step}")
+    elif skipped:
+        write(
+            f"Nothing failed; every test of {', '.join(skipped)} was skipped (pytest -rs says why)."
+        )
     elif all(ex.id in TALLY for ex in EXERCISES):
         write("Every graded exercise passes.")
     else:

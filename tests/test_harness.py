@@ -327,3 +327,12 @@ def test_the_scoreboard_counts_what_pytest_counts() -> None:
     assert "2 passed" in out, out
     assert "1/1 tests pass, + 1/1 reference checks" in out, out
     assert "(2 tests of exercises above, as pytest counts them.)" in out, out
+
+
+def test_reference_checks_alone_set_the_exercises_status() -> None:
+    out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex2_1 or ex2_2")
+    rows = {line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")}
+    assert "[ FAIL  ] 2.1" in rows["2.1"], f"a failing reference check is a failure:\n{out}"
+    assert "[ pass  ] 2.2" in rows["2.2"], f"a passing reference check alone is a pass:\n{out}"
+    next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
+    assert "fix 2.1" in next_line and "workers/scoreboard_cases.py -m ex2_1" in next_line, out

@@ -21,6 +21,7 @@ from course.failure_injection import (
     parse_failure,
 )
 from course.torchrun_runner import TorchrunRun, alive, run_torchrun
+from course.world import DEFAULT_WORLD_TIMEOUT, world_timeout
 
 pytestmark = [pytest.mark.harness]
 
@@ -81,14 +82,17 @@ def test_two_agents_on_loopback_are_two_nodes_of_one_world() -> None:
 
 @pytest.mark.torchrun
 def test_a_hanging_scenario_is_killed_at_its_bound_and_leaves_no_process() -> None:
+    # long enough for the agent to start both workers (2-3 s here), stretched on a loaded
+    # machine as DTFS_WORLD_TIMEOUT stretches the worlds
+    bound = 6.0 * max(1.0, world_timeout() / DEFAULT_WORLD_TIMEOUT)
     run = run_torchrun(
         "tests.workers.restart_worker",
         nproc_per_node=2,
         env={"DTFS_FAIL": "hang:rank=0:step=1"},
-        time_limit=10,
+        time_limit=bound,
     )
     assert run.timed_out and not run.ok, run.describe()
-    assert 10 <= run.elapsed < 20, run.describe()
+    assert bound <= run.elapsed < bound + 10, run.describe()
     assert all(agent.returncode is None for agent in run.agents)
     assert len(run.pids) >= 3, f"expected the agent and its 2 workers, saw {run.pids}"
     _no_survivors(run)

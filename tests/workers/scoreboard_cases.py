@@ -56,3 +56,15 @@ def test_passes() -> None:
 @pytest.mark.reference
 def test_a_reference_check_beside_the_exercise() -> None:
     assert True
+
+
+@exercise("2.1")
+@pytest.mark.reference
+def test_a_failing_reference_check_alone() -> None:
+    raise AssertionError("the reference broke")
+
+
+@exercise("2.2")
+@pytest.mark.reference
+def test_a_passing_reference_check_alone() -> None:
+    assert True
