@@ -441,8 +441,14 @@ def summary_values(rows: list[Row], facts: dict[str, Any]) -> dict[str, str]:
         cores = 8 * GOAL / rate
         values[f"{name}_per_core"] = f"{rate:,.0f} images/s"
         values[f"{name}_cores_per_gpu"] = f"{GOAL / rate:.1f}"
-        fits = "fits in" if cores <= P5_CORES else "exceeds"
-        values[f"{name}_p5"] = f"{cores:.0f} cores for 8 GPUs: {fits} a p5's {P5_CORES}"
+        left = P5_CORES - cores  # the 8 training processes need cores of their own
+        if left < 0:
+            fits = f"exceeds a p5's {P5_CORES}"
+        elif left < 8:
+            fits = f"{left:.0f} of a p5's {P5_CORES} left, too few for its 8 training processes"
+        else:
+            fits = f"fits in a p5's {P5_CORES}, {left:.0f} left for its 8 training processes"
+        values[f"{name}_p5"] = f"{cores:.0f} cores for 8 GPUs: {fits}"
     return values
 
 
