@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phase3_multi_node.sharded_optimizer import ShardedOptimizer
 from phase3_multi_node.template_zero_partition import group_by_dtype, make_layout
 from phase3_multi_node.template_zero_units import ZeroUnit
 
@@ -55,7 +56,7 @@ STAGES = (1, 2, 3)
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ShardedOptimizer):
     """The optimizer ``zero_wrap`` returns: it steps this rank's shards only.
 
     ``inner`` is the optimizer built by the factory on the shards; ``state`` and
@@ -63,25 +64,14 @@ class ZeroOptimizer:
     """
 
     def __init__(self, inner: torch.optim.Optimizer, units: list[ZeroUnit], stage: int) -> None:
-        self.inner, self.units, self.stage = inner, units, stage
-        self.pending: dict[int, int] = {}  # unit index -> gradients seen in this backward
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
+        super().__init__(inner, units)
+        self.stage = stage
 
     def step(self) -> None:
         """Reduce the gradients (stage 1), step the shards, bring the parameters up to date."""
-        partial = [i for i, seen in self.pending.items() if seen]
-        if partial:
-            raise RuntimeError(
-                f"units {partial} received gradients for only some of their parameters in the "
-                "last backward: ZeRO here needs a gradient for every parameter in every backward"
-            )
+        self.refuse_partial_backward(
+            "ZeRO here needs a gradient for every parameter in every backward"
+        )
         if self.stage == 1:
             for unit in self.units:
                 unit.adopt_gradients()

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phase3_multi_node.sharded_optimizer import ShardedOptimizer
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -161,33 +163,16 @@ def assign_unit_parameters(
     return [(m, held[id(m)]) for m in chosen if held[id(m)]]
 
 
-class FsdpOptimizer:
+class FsdpOptimizer(ShardedOptimizer):
     """The optimizer the wrapper returns: ``inner`` steps this rank's fp32 shards only.
 
     ``units`` are the wrapper's units in forward order; ``state`` and ``param_groups`` are the
     inner optimizer's (its state covers 1/N of the padded elements, in the master dtype).
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, units: list[Any]) -> None:
-        self.inner, self.units = inner, units
-        self.pending: dict[int, int] = {}  # unit index -> gradients seen in this backward
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
     def step(self) -> None:
         """Step the shards (the next forward gathers the updated values)."""
-        partial = [i for i, seen in self.pending.items() if seen]
-        if partial:
-            raise RuntimeError(
-                f"units {partial} received gradients for only some of their parameters in the "
-                "last backward: every parameter needs a gradient in every backward"
-            )
+        self.refuse_partial_backward("every parameter needs a gradient in every backward")
         self.inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
