@@ -19,9 +19,10 @@ experts together hold as many weights as the two hidden Linear layers they repla
 E/world experts (3.8's ``MoELayer`` on ``ExpertLayout.build(ep=world, dp=1)``), a copy of
 ``first``, ``last`` and the router, and routes its own slice of the global batch. After backward,
 3.8's ``sync_moe_gradients`` (the router summed over the world, the experts over their dp group,
-here one rank, both divided by the world size), and the replicated Linear layers the router's
-way. The gradients are then those of the mean of the ranks' losses: what one process computes
-on the whole batch (``one_process_losses``, with 3.8's plain-loop ``reference_group``).
+here one rank, both divided by the world size), and the replicated Linear layers averaged
+over the world by phase 1's ``average_gradients`` (one flat all-reduce). The gradients are then
+those of the mean of the ranks' losses: what one process computes on the whole batch
+(``one_process_losses``, with 3.8's plain-loop ``reference_group``).
 
 **Traffic**, per rank and step (:func:`traffic_formula`): the bytes this rank hands to each
 collective as ``course.comm_counter.CommCounter`` counts them (an all-to-all's input, this
@@ -57,7 +58,7 @@ from phase3_multi_node.moe_experts import DenseMoE, MoEConfig, build_moe, expert
 from phase3_multi_node.moe_layout import ExpertLayout
 from solutions.phase3_multi_node.moe_reference import reference_group
 
-PHASE3 = "phase3_multi_node"
+PHASE1, PHASE3 = "phase1_data_parallel", "phase3_multi_node"
 AUX_COEF = 0.01  # Switch Transformer's coefficient of the load-balancing loss
 ROW_ELEMENT = 4  # float32 rows
 COUNT_ELEMENT = 8  # int64 counts
@@ -104,16 +105,6 @@ def parameter_count(config: MoEConfig) -> int:
     return sum(p.numel() for m in (first, last, dense) for p in m.parameters())
 
 
-def average_over_world(module: nn.Module) -> None:
-    """A replicated module's gradients: summed over the world, divided by its size (what
-    ``sync_moe_gradients`` does for the router)."""
-    world = dist.get_world_size()
-    for param in module.parameters():
-        assert param.grad is not None, "backward ran on every rank before the sync"
-        dist.all_reduce(param.grad)
-        param.grad.div_(world)
-
-
 @dataclass
 class ExpertParallelRun:
     """This rank's model, optimizer and step; ``traffic`` reads one counted step."""
@@ -147,6 +138,7 @@ def build_expert_parallel(
 ) -> ExpertParallelRun:
     """The expert-parallel MoE MLP on this rank (a collective: it builds the layout's groups)."""
     ep_mod = load_impl(PHASE3, "expert_parallel", impl)
+    replicated = load_impl(PHASE1, "trainer", impl).average_gradients
     layout = ExpertLayout.build(ep=dist.get_world_size(), dp=1)
     first, last, dense = model_parts(config)
     model = MoEMLP(first, ep_mod.MoELayer(dense, layout.ep_group), last).to(device)
@@ -158,8 +150,7 @@ def build_expert_parallel(
         loss = F.mse_loss(output, y[mine])
         (loss + AUX_COEF * aux).backward()
         ep_mod.sync_moe_gradients(model.moe, layout)
-        average_over_world(model.first)
-        average_over_world(model.last)
+        replicated(nn.ModuleList([model.first, model.last]))  # phase 1's average, world
         optimizer.step()
         return float(loss.detach())
 

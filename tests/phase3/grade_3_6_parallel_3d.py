@@ -615,7 +615,7 @@ def test_the_strategies_benchmark_trains_one_model_every_way(
     args = ["--width", "32", "--layers", "2", "--global-batch", "8", "--steps", "2"]
     # a capacity factor of 0.5 drops choices for sure: the bytes formula must count drops
     moe = ["--experts", "4", "--k", "2", "--expert-hidden", "16", "--capacity-factor", "0.5"]
-    # the reference strategies: under --impl templates they would need 2.5, 3.1, 3.4, 3.5, 3.8
+    # the reference strategies: under --impl templates they would need 1.2, 2.5, 3.1, 3.4, 3.5, 3.8
     assert bench.main([*args, *moe, "--microbatches", "2", "--impl", "solutions"]) == 0
     out = capsys.readouterr().out
     for name in bench.STRATEGIES:
