@@ -3,7 +3,9 @@
 Options must be known before pytest collects anything; a conftest inside tests/ is read too late
 when pytest runs with no path arguments. The grading machinery is in tests/conftest.py; the
 plugin that expands ``tests/test_phaseN.py`` into the phase's per-exercise graders is
-tests/phase_collection.py (plugins can only be declared here, at the root).
+tests/phase_collection.py; the scoreboard is tests/scoreboard.py, and how tests are shared among
+parallel workers is tests/parallel_runs.py. Plugins can only be declared here, at the root, and
+under pytest-xdist this is the only conftest the controlling process reads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["phase_collection"]
+pytest_plugins = ["phase_collection", "scoreboard", "parallel_runs"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -13,6 +13,15 @@ streams to ``DIR/<run_id>_*/attempt_<n>/<local_rank>/{stdout,stderr}.log``
 console (``--tee``), these files keep the streams of every attempt apart and never interleave
 ranks, so they are what :class:`RankLog` reads.
 
+How workers start: by default as torchrun starts them for ``torchrun -m module``, each a fresh
+``python -u -m module`` (which imports torch again: about 2.5 s of CPU per worker, per restart).
+``fork_workers=True`` asks torchrun for ``--start-method=fork --run-path <module's file>``
+(torch/distributed/run.py, ``run_script_path``): each worker is a fork of its agent, which has
+imported torch already, and runs the module's file as ``__main__``. The agent, the rendezvous,
+restarts, the environment the workers see and their logs are the same; what the worker does not
+do is import torch itself. Scenarios that restart workers many times use it; the plain path stays
+tested (tests/test_torchrun.py, the phase 1 trainer).
+
 No orphans: each agent starts in its own session, but torchrun starts each worker in a session of
 its own too (``start_new_session=True`` in
 torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py), so killing
@@ -161,6 +170,18 @@ def _kill_all(known: Mapping[int, int]) -> list[int]:
 # ----------------------------------------------------------------------------- the runner
 
 
+def module_file(module: str) -> Path:
+    """The file of a project module (``"tests.workers.node_worker"`` -> its ``.py`` path)."""
+    base = PROJECT_ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__main__.py"):
+        if path.is_file():
+            return path
+    raise ValueError(
+        f"module {module!r}: no {base.relative_to(PROJECT_ROOT)}.py or __main__.py in the "
+        "project; fork_workers runs a project module's file, name one by its dotted path"
+    )
+
+
 def _command(
     module: str,
     args: Sequence[str],
@@ -172,6 +193,7 @@ def _command(
     max_restarts: int,
     log_dir: Path,
     torchrun_args: Sequence[str],
+    fork_workers: bool = False,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if agents == 1 and nnodes is None:
@@ -190,11 +212,12 @@ def _command(
         f"--log-dir={log_dir}",
         "--redirects=3",
         *torchrun_args,
-        "-m",
-        module,
-        *args,
     ]
-    return cmd
+    if fork_workers:
+        cmd += ["--start-method=fork", "--run-path", str(module_file(module))]
+    else:
+        cmd += ["-m", module]
+    return cmd + list(args)
 
 
 def _read_rank_logs(agent: int, log_dir: Path) -> list[RankLog]:
@@ -227,6 +250,7 @@ def run_torchrun(
     time_limit: float = 60.0,
     torchrun_args: Sequence[str] = (),
     stagger: float = 0.0,
+    fork_workers: bool = False,
 ) -> TorchrunRun:
     """Run ``python -m module *args`` under ``agents`` torchrun agents on 127.0.0.1.
 
@@ -236,7 +260,8 @@ def run_torchrun(
     ``env`` is added to the agents' environment, which torchrun passes on to its workers (failure
     injection: ``{"DTFS_FAIL": "kill:rank=1:step=2"}``). ``stagger`` seconds pass between agent
     starts. After ``time_limit`` seconds every process of the scenario is killed and the result
-    says ``timed_out``; no process outlives this call either way.
+    says ``timed_out``; no process outlives this call either way. ``fork_workers`` forks each
+    worker from its agent instead of starting a fresh interpreter (see the module docstring).
     """
     if agents < 1 or nproc_per_node < 1:
         raise ValueError(
@@ -244,6 +269,8 @@ def run_torchrun(
         )
     if time_limit <= 0:
         raise ValueError(f"time_limit={time_limit}: give the scenario a positive number of seconds")
+    if fork_workers:
+        module_file(module)  # a module that is not a project file is refused before any start
     root = Path(tempfile.mkdtemp(prefix="dtfs-torchrun-"))
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     full_env = {
@@ -269,7 +296,7 @@ def run_torchrun(
             log_dir.mkdir()
             cmd = _command(
                 module, args, nproc_per_node, agents, nnodes, port, run_id, max_restarts,
-                log_dir / "logs", torchrun_args,
+                log_dir / "logs", torchrun_args, fork_workers,
             )  # fmt: skip
             outputs.append(log_dir / "agent.log")
             with open(outputs[-1], "wb") as sink:

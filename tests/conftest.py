@@ -8,23 +8,24 @@
   tracebacks.
 * After a world of an exercise hangs, the exercise's later worlds are skipped before they start
   ("blocked by the hang above (test_x)"): a hung exercise costs one timeout, not one per test.
-* At the end, a scoreboard per phase: which exercises pass, and the next TODO to open: the TODO
-  a failure actually stopped at, even when a test of 2.5 reached an unwritten 2.3 through a helper.
+* Tests run in parallel worker processes (tests/parallel_runs.py; ``-n 0`` runs them in this
+  one). Every test of one exercise runs in the same worker, in file order, so the two rules above
+  hold there; the scoreboard (tests/scoreboard.py) counts where the reports arrive.
 """
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from exercises import BY_ID, EXERCISES, PHASE_TITLES, Exercise
+from exercises import BY_ID, EXERCISES, Exercise
 from grading import IMPL_ENV, LoadError, block_worlds
+from parallel_runs import check_work_units, order_for_workers
+from scoreboard import TODO_PROPERTY
 
 from course.world import RankFailed, WorldError, WorldHung
 
@@ -32,21 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
-class Tally:
-    passed: int = 0
-    failed: int = 0
-    skipped: int = 0
+class Walls:
+    """What the tests of one exercise ran into so far, in this process (one xdist worker runs
+    every test of an exercise: see tests/parallel_runs.py)."""
+
     todo: str | None = None  # the first unwritten-TODO message seen for this exercise
-    blocked_by: str | None = None  # the exercise whose TODO that message names, when another
     hang: str | None = None  # the first test of this exercise whose world hung
-    nodes: list[str] = field(default_factory=list)
-    # tests marked ``reference`` check the reference or the library way beside the exercise:
-    # they grade no learner code, so they do not decide the status, but they are counted and
-    # shown, so the scoreboard's numbers add up to pytest's
-    reference: dict[str, int] = field(default_factory=dict)
 
 
-TALLY: dict[str, Tally] = {}
+WALLS: dict[str, Walls] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,6 +56,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
+        "long_running: runs for 10 s or more (a notebook, a deadline, a real-torchrun scenario; "
+        "torchrun implies it): its work unit starts first when tests run in parallel",
+    )
+    config.addinivalue_line(
+        "markers",
         "reference: checks the reference or library way beside an exercise (runs with the "
         "exercise's marker, not counted on the scoreboard: it grades no learner code)",
     )
@@ -70,6 +70,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"grading: --impl {config.getoption('--impl')}"
+
+
+# ----------------------------------------------------------------------------- parallel runs
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    check_work_units(items, _exercise_of)
+    if hasattr(config, "workerinput"):  # an xdist worker; otherwise tests run in file order
+        order_for_workers(items)
 
 
 # ----------------------------------------------------------------------------- short failures
@@ -89,19 +98,10 @@ def _todo_text(exc: BaseException) -> str | None:
     return None
 
 
-_TODO_ID = re.compile(r"TODO (\d+\.\d+):")
-
-
-def _todo_exercise(todo: str) -> str | None:
-    """The exercise a TODO message names (``"TODO 2.3: ..."`` -> ``"2.3"``), if it is known."""
-    match = _TODO_ID.match(todo)
-    return match[1] if match and match[1] in BY_ID else None
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     ex = _exercise_of(item)
-    tally = TALLY.get(ex.id) if ex else None
-    hang = tally.hang if tally else None
+    walls = WALLS.get(ex.id) if ex else None
+    hang = walls.hang if walls else None
     block_worlds(f"blocked by the hang above ({hang})" if hang else None)
 
 
@@ -132,18 +132,17 @@ def pytest_runtest_makereport(
     label = f"{ex.id} {ex.title}" if ex else item.name
     todo = _todo_text(exc)
     if isinstance(exc, WorldHung) and ex is not None:
-        tally = TALLY.setdefault(ex.id, Tally())
-        tally.hang = tally.hang or item.name
+        walls = WALLS.setdefault(ex.id, Walls())
+        walls.hang = walls.hang or item.name
     if todo is not None and ex is not None:
-        tally = TALLY.setdefault(ex.id, Tally())
-        other = _todo_exercise(todo)
-        if other is not None and other != ex.id and tally.blocked_by is None:
-            tally.blocked_by = other
-        if tally.todo is not None:
+        walls = WALLS.setdefault(ex.id, Walls())
+        # the scoreboard (tests/scoreboard.py) may run in another process: tell it in the report
+        report.user_properties.append((TODO_PROPERTY, todo))
+        if walls.todo is not None:
             report.outcome = "skipped"
             report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: blocked by {todo}")
             return
-        tally.todo = todo
+        walls.todo = todo
         where = _where(call.excinfo) if isinstance(exc, NotImplementedError) else ""
         if isinstance(exc, RankFailed) and exc.frames:
             where = f"rank {exc.rank}, {exc.frames[-1].location}"
@@ -152,165 +151,3 @@ def pytest_runtest_makereport(
         )
     elif isinstance(exc, (WorldError, LoadError)):
         report.longrepr = f"[{label}] {exc}"
-
-
-def _outcome(report: pytest.TestReport) -> str:
-    return "passed" if report.passed else "failed" if report.failed else "skipped"
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    ids = [ex.id for ex in EXERCISES if ex.marker in report.keywords]
-    if not ids:
-        return
-    # a test counts once, as pytest does: by its call, or by a setup that failed or skipped
-    counted = report.when == "call" or (report.when == "setup" and not report.passed)
-    if not counted:
-        return
-    tally = TALLY.setdefault(ids[0], Tally())
-    tally.nodes.append(report.nodeid)
-    if "reference" in report.keywords:
-        outcome = _outcome(report)
-        tally.reference[outcome] = tally.reference.get(outcome, 0) + 1
-        return
-    if report.passed:
-        tally.passed += 1
-    elif report.failed:
-        tally.failed += 1
-    else:
-        tally.skipped += 1
-
-
-# ----------------------------------------------------------------------------- the scoreboard
-
-
-def _status(tally: Tally) -> str:
-    """TODO or FAIL when a test (or a reference check) failed, pass when something passed and
-    nothing failed, skipped when nothing ran."""
-    if tally.failed or (tally.skipped and tally.todo):
-        return "TODO" if tally.todo else "FAIL"
-    if tally.reference.get("failed"):
-        return "FAIL"
-    if tally.passed or tally.reference.get("passed"):
-        return "pass"
-    return "skipped"
-
-
-def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str, str]]:
-    """(line, Class.function, guide section) of each ``raise NotImplementedError("TODO <id>:
-    ...")`` in a file; the section is the one the message names (a TODO may point below the
-    exercise's own heading, e.g. 2.5's zero-bubble part)."""
-    try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError):
-        return []
-    sites: list[tuple[int, str, str]] = []
-
-    def visit(node: ast.AST, scope: list[str]) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                visit(child, [*scope, child.name])
-                continue
-            if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call):
-                func, args = child.exc.func, child.exc.args
-                if (
-                    isinstance(func, ast.Name)
-                    and func.id == "NotImplementedError"
-                    and args
-                    and isinstance(args[0], ast.Constant)
-                    and str(args[0].value).startswith(f"TODO {exercise_id}:")
-                ):
-                    see = re.search(r"\(see (\S+?guidelines\.md#[\w-]+)\)", str(args[0].value))
-                    guide = see[1] if see else ""
-                    sites.append((child.lineno, ".".join(scope) or "<module>", guide))
-            visit(child, scope)
-
-    visit(tree, [])
-    return sorted(sites)
-
-
-def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
-    """Where to go next: the TODO the failures stopped at, which may belong to another exercise
-    (a 2.5 test that runs 2.3's checkpointing stops at TODO 2.3)."""
-    target = BY_ID.get(tally.blocked_by or "", ex)
-    needed = f", which {ex.id}'s tests need" if target is not ex else ""
-    guide = f"{target.phase}/guidelines.md#{target.anchor}"
-    if impl == "templates":
-        for module in target.modules:
-            path = ROOT / target.phase / f"template_{module}.py"
-            sites = _raise_sites(path, target.id)
-            if sites:
-                line, where, section = sites[0]
-                rel = path.relative_to(ROOT)
-                read = section or guide
-                return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {read})"
-    test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
-    rerun = f"uv run pytest {test_file} -m {ex.marker}"
-    return f"fix {target.id}{needed}: see its first failure above; rerun with `{rerun}`"
-
-
-def _reference_note(tally: Tally) -> str:
-    """``, + 2/2 reference checks`` when the exercise has tests of the reference beside it."""
-    total = sum(tally.reference.values())
-    if not total:
-        return ""
-    return f", + {tally.reference.get('passed', 0)}/{total} reference checks"
-
-
-def _count_line(terminalreporter: pytest.TerminalReporter) -> str:
-    """How the scoreboard's counts relate to pytest's summary line."""
-    listed = sum(
-        t.passed + t.failed + t.skipped + sum(t.reference.values()) for t in TALLY.values()
-    )
-    counted = sum(
-        len([r for r in terminalreporter.stats.get(key, []) if getattr(r, "when", "") != ""])
-        for key in ("passed", "failed", "skipped", "error")
-    )
-    others = counted - listed
-    if others <= 0:
-        return f"({listed} tests of exercises above, as pytest counts them.)"
-    return (
-        f"({listed} tests of exercises above; pytest's other {others} check the harness, the "
-        "templates, notebooks and programs.)"
-    )
-
-
-def pytest_terminal_summary(
-    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
-) -> None:
-    if not TALLY:
-        return
-    impl = config.getoption("--impl")
-    write = terminalreporter.write_line
-    terminalreporter.section(f"scoreboard (--impl {impl})", sep="=")
-    next_step = None
-    skipped: list[str] = []
-    for phase, title in PHASE_TITLES.items():
-        rows = [ex for ex in EXERCISES if ex.phase == phase and ex.id in TALLY]
-        if not rows:
-            continue
-        write(title)
-        for ex in rows:
-            tally = TALLY[ex.id]
-            total = tally.passed + tally.failed + tally.skipped
-            status = _status(tally)
-            needs = f" (needs TODO {tally.blocked_by})" if tally.blocked_by else ""
-            write(
-                f"  [{status:^7}] {ex.id:<5} {ex.title:<42} "
-                f"{tally.passed}/{total} tests pass{_reference_note(tally)}{needs}"
-            )
-            if status in ("TODO", "FAIL") and next_step is None:
-                next_step = _next_step(ex, tally, impl)
-            if status == "skipped":
-                skipped.append(ex.id)
-    write(_count_line(terminalreporter))
-    write("")
-    if next_step:
-        write(f"Next: {next_step}")
-    elif skipped:
-        write(
-            f"Nothing failed; every test of {', '.join(skipped)} was skipped (pytest -rs says why)."
-        )
-    elif all(ex.id in TALLY for ex in EXERCISES):
-        write("Every graded exercise passes.")
-    else:
-        write("Every selected exercise passes.")

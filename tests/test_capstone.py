@@ -489,7 +489,7 @@ def test_sigkill_under_torchrun_resumes_bitwise_equal(
     args = overrides(folder, directory, **{"data.workers": 1})
     run = run_torchrun(
         MODULE, args, nproc_per_node=2, max_restarts=1, time_limit=slow_machine_limit(90),
-        env={"DTFS_FAIL": "kill:rank=1:step=10"},
+        env={"DTFS_FAIL": "kill:rank=1:step=10"}, fork_workers=True,
     )  # fmt: skip
     what = "capstone under torchrun --max-restarts=1, rank 1 SIGKILLed after step 10"
     text = "\n".join(log.stdout + log.stderr for log in run.ranks if log.attempt == 1)

@@ -287,10 +287,12 @@ def test_the_ledger_costs_microseconds_per_message(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- the scoreboard
 
 
-def _pytest(case_file: str, *args: str, timeout_env: str = "3") -> str:
+def _pytest(case_file: str, *args: str, timeout_env: str = "3", workers: int = 0) -> str:
+    """pytest on a case file; in one process unless ``workers`` (xdist's start costs seconds)."""
     env = {**os.environ, "DTFS_WORLD_TIMEOUT": timeout_env, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "pytest", f"tests/workers/{case_file}", "-q", "-rs"]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", f"tests/workers/{case_file}", "-q", "-rs", *args],
+        [*command, "-n", str(workers), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -300,6 +302,7 @@ def _pytest(case_file: str, *args: str, timeout_env: str = "3") -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.long_running
 def test_after_a_hang_the_exercises_other_worlds_are_skipped_before_they_start() -> None:
     start = time.monotonic()
     out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_3 or ex1_2")
@@ -336,3 +339,22 @@ def test_reference_checks_alone_set_the_exercises_status() -> None:
     assert "[ pass  ] 2.2" in rows["2.2"], f"a passing reference check alone is a pass:\n{out}"
     next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
     assert "fix 2.1" in next_line and "workers/scoreboard_cases.py -m ex2_1" in next_line, out
+
+
+@pytest.mark.long_running
+def test_the_blocking_rules_and_the_scoreboard_hold_with_parallel_workers() -> None:
+    # the README's command runs tests in xdist workers: an exercise's tests must meet in one
+    # worker (one hang, one TODO each), and the controller must still count and point right
+    out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_3 or ex1_4 or ex1_1",
+                  workers=2)  # fmt: skip
+    assert "bringing up nodes" in out, f"no xdist workers started:\n{out}"
+    assert "2 failed, 2 passed, 3 skipped" in out, out
+    assert "blocked by the hang above (test_hangs_first)" in out, out
+    assert "blocked by TODO 1.3" in out, out
+    rows = {line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")}
+    assert "[ TODO  ] 1.4" in rows["1.4"] and "(needs TODO 1.3)" in rows["1.4"], out
+    assert "[ FAIL  ] 1.3" in rows["1.3"] and "0/3 tests pass" in rows["1.3"], out
+    assert "1/1 tests pass, + 1/1 reference checks" in rows["1.1"], out
+    assert "(7 tests of exercises above, as pytest counts them.)" in out, out
+    next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
+    assert "1.3" in next_line, out

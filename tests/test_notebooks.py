@@ -28,6 +28,7 @@ def test_there_are_notebooks() -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.long_running
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_small(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DTFS_NOTEBOOK_SMALL", "1")

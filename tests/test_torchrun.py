@@ -20,7 +20,8 @@ from course.failure_injection import (
     maybe_fail,
     parse_failure,
 )
-from course.torchrun_runner import TorchrunRun, alive, run_torchrun
+from course.torchrun_runner import PROJECT_ROOT as ROOT
+from course.torchrun_runner import TorchrunRun, _command, alive, run_torchrun
 from course.world import DEFAULT_WORLD_TIMEOUT, world_timeout
 
 pytestmark = [pytest.mark.harness]
@@ -50,6 +51,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted() -> No
         max_restarts=1,
         env={"DTFS_FAIL": "kill:rank=1:step=2"},
         time_limit=60,
+        fork_workers=True,
     )
     assert run.ok, run.describe()
     assert run.attempts() == [0, 1], run.describe()
@@ -135,3 +137,16 @@ def test_raise_fails_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
         maybe_fail(2)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     maybe_fail(2)  # the restarted attempt runs through
+
+
+def test_forked_workers_run_the_modules_file_and_a_non_project_module_is_refused() -> None:
+    cmd = _command(
+        "tests.workers.restart_worker", ["--x"], 2, 1, None, 1234, "id", 0, ROOT / "logs", [],
+        fork_workers=True,
+    )  # fmt: skip
+    assert cmd[-4:] == [
+        "--start-method=fork", "--run-path", str(ROOT / "tests/workers/restart_worker.py"), "--x"
+    ], cmd  # fmt: skip
+    assert "-m" not in cmd[3:], cmd  # the plain path's "-m module" is gone
+    with pytest.raises(ValueError, match=r"module 'json'.*fork_workers runs a project module"):
+        run_torchrun("json", fork_workers=True)

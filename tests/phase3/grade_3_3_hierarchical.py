@@ -169,6 +169,7 @@ def test_hierarchical_on_two_torchrun_agents() -> None:
         nproc_per_node=2,
         agents=2,
         time_limit=90,
+        fork_workers=True,
     )
     results = [
         json.loads(line.removeprefix("RESULT "))

@@ -132,13 +132,18 @@ def torchrun_trainer(
     time_limit: float = 60,
     **kwargs: Any,
 ) -> TorchrunRun:
-    """The trainer under real torchrun agents; an unwritten TODO in a worker is re-raised."""
+    """The trainer under real torchrun agents; an unwritten TODO in a worker is re-raised.
+
+    Workers are forked from their agent (``fork_workers``): these scenarios restart workers
+    several times, and a fresh interpreter per worker per restart would import torch each time.
+    """
     run = run_torchrun(
         TRAINER,
         config_args(cfg),
         nproc_per_node=nproc_per_node,
         max_restarts=max_restarts,
         time_limit=slow_machine_limit(time_limit),
+        fork_workers=True,
         **kwargs,
     )
     raise_if_todo(run)
