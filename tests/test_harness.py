@@ -358,3 +358,37 @@ def test_the_blocking_rules_and_the_scoreboard_hold_with_parallel_workers() -> N
     assert "(7 tests of exercises above, as pytest counts them.)" in out, out
     next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
     assert "1.3" in next_line, out
+
+
+# ----------------------------------------------------------------------------- parallel workers
+
+
+def test_an_exercise_is_one_work_unit_and_a_split_one_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from exercises import BY_ID
+    from parallel_runs import check_work_units, work_unit
+
+    assert work_unit("tests/phase2/grade_2_5_pipeline.py::test_a[2]") == "exercise 2.5"
+    assert work_unit("tests/phase2/grade_2_5_zero_bubble.py::test_b") == "exercise 2.5"
+    assert work_unit("tests/test_capstone.py::test_c") == "tests/test_capstone.py"
+    same = [SimpleNamespace(nodeid="tests/phase2/grade_2_5_pipeline.py::t"),
+            SimpleNamespace(nodeid="tests/phase2/grade_2_5_zero_bubble.py::u")]  # fmt: skip
+    check_work_units(same, lambda item: BY_ID["2.5"])  # type: ignore[arg-type]
+    split = [*same, SimpleNamespace(nodeid="tests/test_elsewhere.py::v")]
+    with pytest.raises(pytest.UsageError, match=r"'2.5'.*grade_<id>_<name>\.py"):
+        check_work_units(split, lambda item: BY_ID["2.5"])  # type: ignore[arg-type]
+
+
+def test_the_worker_count_follows_the_cpus_up_to_four_unless_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from parallel_runs import MAX_WORKERS, pytest_xdist_auto_num_workers
+
+    config: Any = None
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    for cpus, workers in ((1, 1), (2, 2), (16, MAX_WORKERS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert pytest_xdist_auto_num_workers(config) == workers, (cpus, workers)
+    monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
+    assert pytest_xdist_auto_num_workers(config) == 3

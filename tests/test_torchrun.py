@@ -1,8 +1,10 @@
 """Real torchrun agents in subprocesses: restarts, two agents as two nodes, a hard time bound.
 
 These start torchrun's elastic agent (``python -m torch.distributed.run``) through
-:func:`course.torchrun_runner.run_torchrun`; each scenario takes 8-15 s on a 2-core
-machine. Deselect them with ``-m 'not torchrun'``.
+:func:`course.torchrun_runner.run_torchrun`; each scenario takes 5-10 s on a 2-core machine.
+The restart scenario forks its workers from the agent (``fork_workers``), the two-agent and
+time-bound ones start them as torchrun does for ``-m module``, so both paths stay tested.
+Deselect them with ``-m 'not torchrun'``.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from course.training import SECTIONS, TrainingLoop, check_global_batch
 from phase4_production.checkpoint_files import folder_problem
 from phase4_production.device_peaks import peak_flops_per_second
 from phase4_production.training_monitor import TrainingMonitor, breakdown_table
+from solutions.phase1_data_parallel.trainer import average_gradients
 
 PHASE = "phase4_production"
 
@@ -110,18 +111,6 @@ def validate(config: DemoConfig, world_size: int) -> None:
         )
     if problems:
         raise ValueError("; ".join(problems))
-
-
-def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Phase 1's gradient averaging, given here: one flat all-reduce, divided by the world."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def slow_down(model: nn.Module, seconds: float) -> None:

@@ -76,6 +76,7 @@ from phase4_production.checkpoint_files import (
     newest_settings_problem,
 )
 from solutions.phase1_data_parallel.data_loader import DistributedShardSampler
+from solutions.phase1_data_parallel.trainer import average_gradients
 
 PHASE = "phase4_production"
 
@@ -243,18 +244,6 @@ def build_model(seed: int) -> nn.Module:
     return nn.Sequential(
         nn.Flatten(), nn.Linear(256, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 10)
     )
-
-
-def average_gradients(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """One flat all-reduce of every gradient, divided by the group size (deterministic)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class ScaledFp32(AutocastPrecision):
@@ -485,7 +474,7 @@ class Trainer:
             loader,
             device=self.device,
             group=group,
-            sync_gradients=lambda m: average_gradients(m, group),
+            sync_gradients=lambda m: average_gradients(m, group=group),
             accumulation_steps=accumulation,
             precision=ScaledFp32(self.device.type, torch.float32, self.scaler),
             callbacks=[self.audit, Tracker(self), EpochLog(self)],
