@@ -287,10 +287,13 @@ def test_the_ledger_costs_microseconds_per_message(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- the scoreboard
 
 
-def _pytest(case_file: str, *args: str, timeout_env: str = "3", workers: int = 0) -> str:
-    """pytest on a case file; in one process unless ``workers`` (xdist's start costs seconds)."""
+def _pytest(
+    case_file: str, *args: str, timeout_env: str = "3", workers: int = 0, first: Any = ()
+) -> str:
+    """pytest on a case file (after the paths ``first``); in one process unless ``workers``."""
     env = {**os.environ, "DTFS_WORLD_TIMEOUT": timeout_env, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "pytest", f"tests/workers/{case_file}", "-q", "-rs"]
+    args = tuple(arg for arg in args if arg not in first)
+    command = [sys.executable, "-m", "pytest", *first, f"tests/workers/{case_file}", "-q", "-rs"]
     done = subprocess.run(
         [*command, "-n", str(workers), *args],
         cwd=ROOT,
@@ -345,17 +348,23 @@ def test_reference_checks_alone_set_the_exercises_status() -> None:
 def test_the_blocking_rules_and_the_scoreboard_hold_with_parallel_workers() -> None:
     # the README's command runs tests in xdist workers: an exercise's tests must meet in one
     # worker (one hang, one TODO each), and the controller must still count and point right
-    out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_3 or ex1_4 or ex1_1",
-                  workers=2)  # fmt: skip
+    # exercise 2.5's two grader files come first: split by file, they would start in two workers
+    split = ["tests/workers/split_exercise/grade_2_5_first.py",
+             "tests/workers/split_exercise/grade_2_5_second.py"]  # fmt: skip
+    out = _pytest("scoreboard_cases.py", *split, "--impl", "solutions",
+                  "-m", "ex1_3 or ex1_4 or ex1_1 or ex2_5", workers=2, first=split)  # fmt: skip
     assert "bringing up nodes" in out, f"no xdist workers started:\n{out}"
-    assert "2 failed, 2 passed, 3 skipped" in out, out
+    assert "blocked by the hang above (test_hangs_in_the_first_file)" in out, (
+        f"2.5's second grader file ran in another worker than its first:\n{out}"
+    )
+    assert "3 failed, 2 passed, 4 skipped" in out, out
     assert "blocked by the hang above (test_hangs_first)" in out, out
     assert "blocked by TODO 1.3" in out, out
     rows = {line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")}
     assert "[ TODO  ] 1.4" in rows["1.4"] and "(needs TODO 1.3)" in rows["1.4"], out
     assert "[ FAIL  ] 1.3" in rows["1.3"] and "0/3 tests pass" in rows["1.3"], out
     assert "1/1 tests pass, + 1/1 reference checks" in rows["1.1"], out
-    assert "(7 tests of exercises above, as pytest counts them.)" in out, out
+    assert "(9 tests of exercises above, as pytest counts them.)" in out, out
     next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
     assert "1.3" in next_line, out
 
