@@ -13,6 +13,8 @@ the grader file's name (``tests/phase2/grade_2_5_pipeline.py`` and ``grade_2_5_z
 are both exercise 2.5), or else the test file (so a module fixture runs once).
 :func:`check_work_units` refuses a test suite where one exercise's tests would be split.
 
+Each worker computes on one thread (:func:`pytest_configure`): the workers already fill the CPUs.
+
 The scheduler is xdist's ``LoadScopeScheduling`` with this scope (xdist's own ``loadgroup`` reads
 ``xdist_group`` markers by rewriting node ids, which pytest 9 no longer allows). Units holding a
 long scenario (a notebook, a real-torchrun run) go first: started last, one would run on alone
@@ -57,6 +59,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return work_unit(nodeid)
 
     return ExerciseScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        # N workers share N CPUs: one compute thread each (torch's default is one per CPU, and
+        # idle OpenMP threads spin), and so do the programs a test starts
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def _long_running(item: pytest.Item) -> bool:
