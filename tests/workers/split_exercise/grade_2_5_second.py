@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from grade_2_5_first import rank_one_skips_the_barrier
 from grading import exercise, world
-
-
-def rank_one_skips_the_barrier() -> None:
-    if dist.get_rank() == 0:
-        dist.barrier()
 
 
 @exercise("2.5")
