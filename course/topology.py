@@ -1,28 +1,49 @@
-"""One object that names the layout of the world: data x tensor x pipeline degrees, and nodes.
+"""One object that names the layout of the world: pipeline x data x context x tensor degrees, the
+expert-parallel groups laid over data x context, and nodes.
 
 Parallel code never decides on its own which ranks it talks to: it is handed a :class:`Topology`
-built once from the world, and takes its ``dp_group``, ``tp_group``, ``pp_group``,
-``intra_node_group`` or ``inter_node_group`` from it (never from a module global, so two layouts
-can live in one test, and a reader sees in the signature what a function depends on).
+built once from the world, and takes its groups from it (``tp_group``, ``dp_group``, or
+``group("dp_cp")``, ``group("ep")``, ...), never from a module global, so two layouts can live in
+one test, and a reader sees in the signature what a function depends on.
 
 Two parts, after picotron's ``ProcessGroupManager`` (a grid ``torch.arange(world).view(...)``
 whose slices are the groups) and torchtitan's ``ParallelDims`` (validated degrees, ``-1`` for
 "whatever is left", then one ``init_device_mesh``):
 
-* :class:`RankGrid` is pure data: which global rank sits at which (pp, dp, tp) coordinate, which
-  ranks form each group, which node holds a rank. No processes, so it is unit-tested alone and
-  printed for learners.
+* :class:`RankGrid` is pure data: which global rank sits at which (pp, dp, cp, tp) coordinate,
+  which ranks form each group, which node holds a rank. No processes, so it is unit-tested alone
+  and printed for learners.
 * :class:`Topology` is the grid plus this rank's process groups, each created once with
   ``dist.new_group`` in the same order on every rank.
 
-Rank order: (pp, dp, tp), tp varying fastest, so ``rank = (pp_i * dp + dp_i) * tp + tp_i``. This
-is Megatron-LM's default order (``parallel_state``: "tp-cp-ep-dp-pp", tp fastest, pp slowest) and
-torchtitan's mesh order (pp outermost, tp innermost). The reason is bandwidth: tensor parallelism
-all-reduces activations in every layer, forward and backward, so its group must be adjacent ranks
-that share a node (NVLink); data parallelism all-reduces gradients once per step and overlaps them
-with backward; pipeline parallelism only passes activations between neighbouring stages, point to
+Rank order: (pp, dp, cp, tp), tp varying fastest, so
+``rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i``. This is Megatron-LM's default order
+(``parallel_state``: "tp-cp-ep-dp-pp", tp fastest, pp slowest) and torchtitan's mesh order (pp
+outermost, tp innermost). The reason is bandwidth: tensor parallelism all-reduces activations in
+every layer, forward and backward, so its group must be adjacent ranks that share a node
+(NVLink); context parallelism passes key/value blocks around a ring in every attention layer, the
+next most talkative; data parallelism all-reduces gradients once per step and overlaps them with
+backward; pipeline parallelism only passes activations between neighbouring stages, point to
 point, so it tolerates the slowest links and may span nodes. Ranks fill nodes in order (as
 torchrun assigns them), so adjacent ranks share a node.
+
+Expert parallelism does not add an axis of its own: the ``ep`` ranks that share the experts of an
+MoE layer are carved out of data x context (Megatron-LM's expert-model-parallel group and
+torchtitan's ``ep`` mesh borrow those ranks the same way). Those ranks hold different tokens, which
+is what an expert layer needs: tokens to exchange. Along the flattened (dp, cp) index, cp
+fastest, every ``ep`` consecutive ranks form an expert-parallel group; the ranks at the same
+place of every such block hold the same experts and form the expert-data-parallel group
+(``edp``) that reduces those experts' gradients.
+
+The groups a composition of every axis needs (:data:`GROUP_NAMES`):
+
+* ``dp``, ``cp``, ``tp``, ``pp``: one axis each, the other three coordinates fixed;
+* ``dp_cp``: the ranks that hold the same weights and different tokens (data x context): the
+  data-parallel gradient reduction and the loss's token count run over it;
+* ``ep`` and ``edp``: the experts' all-to-all, and their gradients' reduction;
+* ``embedding``: the first and the last pipeline stage of one (dp, cp, tp) position: a tied
+  embedding's two copies add their gradients there (Megatron-LM's embedding group);
+* ``intra_node``, ``inter_node``: hierarchical all-reduce's groups.
 """
 
 from __future__ import annotations
@@ -34,14 +55,28 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-GROUP_NAMES = ("dp", "tp", "pp", "intra_node", "inter_node")
+AXES = ("pp", "dp", "cp", "tp")  # the world's axes, slowest to fastest
+GROUP_NAMES = (
+    "dp",
+    "cp",
+    "tp",
+    "pp",
+    "dp_cp",
+    "ep",
+    "edp",
+    "embedding",
+    "intra_node",
+    "inter_node",
+)
 
 
 class Coords(NamedTuple):
-    """A rank's place in the grid: pipeline stage, data-parallel replica, tensor-parallel shard."""
+    """A rank's place in the grid: pipeline stage, data-parallel replica, context-parallel
+    shard of the sequence, tensor-parallel shard of each layer."""
 
     pp: int
     dp: int
+    cp: int
     tp: int
 
 
@@ -49,41 +84,67 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _resolve_dp(world_size: int, dp: int | None, tp: int, pp: int) -> int:
-    """``dp`` itself, or ``world_size // (tp * pp)`` for None/-1 (torchtitan's ``dp_shard=-1``)."""
-    for name, value in (("tp", tp), ("pp", pp)):
-        if value < 1:
-            raise ValueError(f"{name}={value}: every parallel degree must be >= 1")
-    if dp is not None and dp != -1:
-        return dp
-    if world_size % (tp * pp):
+def _check_degree(name: str, value: object, rest_allowed: bool) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        rest = "dp=None or -1" if name == "dp" else f"{name}=-1"
+        hint = f" ({rest} means 'the rest': use RankGrid.for_world)" if rest_allowed else ""
+        raise ValueError(f"{name}={value!r}: every parallel degree must be >= 1{hint}")
+
+
+def _resolve_rest(world_size: int, degrees: dict[str, int]) -> dict[str, int]:
+    """Replace the one degree given as -1 by what the others leave of the world."""
+    rest = [name for name, value in degrees.items() if value == -1]
+    if len(rest) > 1:
         raise ValueError(
-            f"tp={tp} x pp={pp} = {tp * pp} does not divide world size {world_size}, so no dp "
-            f"fills the world: choose tp and pp whose product is one of {_divisors(world_size)}"
+            f"{' and '.join(f'{n}=-1' for n in rest)}: only one degree can be 'the rest' (-1); "
+            "give the others as numbers"
         )
-    return world_size // (tp * pp)
+    for name, value in degrees.items():
+        if value != -1 and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r}: every parallel degree must be >= 1")
+    if not rest:
+        return degrees
+    fixed = {name: value for name, value in degrees.items() if value != -1}
+    product = 1
+    for value in fixed.values():
+        product *= value
+    if world_size % product:
+        named = " x ".join(f"{n}={v}" for n, v in fixed.items() if n != "cp" or v != 1)
+        raise ValueError(
+            f"{named} = {product} does not divide world size {world_size}, so no {rest[0]} "
+            f"fills the world: choose degrees whose product is one of {_divisors(world_size)}"
+        )
+    return {**degrees, rest[0]: world_size // product}
 
 
 @dataclass(frozen=True)
 class RankGrid:
-    """The (pp, dp, tp) grid of global ranks, and nodes of ``ranks_per_node`` consecutive ranks.
+    """The (pp, dp, cp, tp) grid of global ranks, the ep groups over dp x cp, and nodes of
+    ``ranks_per_node`` consecutive ranks.
 
-    ``RankGrid(dp=2, tp=2, pp=1, ranks_per_node=2)`` is 4 ranks on 2 nodes; use
-    :meth:`for_world` to check the degrees against a world size (and to let dp fill the rest).
-    ``ranks_per_node=None`` means one node holds every rank.
+    ``RankGrid(dp=2, tp=2, pp=1, ranks_per_node=2)`` is 4 ranks on 2 nodes;
+    ``RankGrid(dp=2, tp=2, pp=2, cp=2, ep=4)`` is 16 ranks whose experts are spread over groups
+    of 4 (dp x cp). Use :meth:`for_world` to check the degrees against a world size (and to let
+    one degree fill the rest). ``ranks_per_node=None`` means one node holds every rank.
     """
 
     dp: int
     tp: int = 1
     pp: int = 1
     ranks_per_node: int | None = None
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                hint = " (dp=None or -1 means 'the rest': use RankGrid.for_world)" * (name == "dp")
-                raise ValueError(f"{name}={value!r}: every parallel degree must be >= 1{hint}")
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            _check_degree(name, getattr(self, name), rest_allowed=name != "ep")
+        if (self.dp * self.cp) % self.ep:
+            fits = _divisors(self.dp * self.cp)
+            raise ValueError(
+                f"ep={self.ep} does not divide dp={self.dp} x cp={self.cp} = {self.dp * self.cp}: "
+                f"the expert-parallel groups are carved out of the data x context ranks, which "
+                f"hold different tokens; choose ep in {fits}"
+            )
         per_node = self.ranks_per_node
         if per_node is not None and (per_node < 1 or self.world_size % per_node):
             raise ValueError(
@@ -99,29 +160,40 @@ class RankGrid:
         tp: int = 1,
         pp: int = 1,
         ranks_per_node: int | None = None,
+        *,
+        cp: int = 1,
+        ep: int = 1,
     ) -> RankGrid:
-        """The grid for ``world_size`` ranks; ``dp=None`` (or -1) takes what tp and pp leave."""
+        """The grid for ``world_size`` ranks. One of dp, cp, tp, pp may be -1 ("the rest");
+        ``dp=None`` is -1. ValueError naming the degrees and a fix when they do not fill the
+        world."""
         if world_size < 1:
             raise ValueError(f"world_size={world_size}: a world has at least one rank")
-        dp = _resolve_dp(world_size, dp, tp, pp)
-        if dp < 1:
-            raise ValueError(f"dp={dp}: every parallel degree must be >= 1 (or None for the rest)")
-        if dp * tp * pp != world_size:
-            if world_size % (tp * pp) == 0:
-                fix = f"e.g. dp={world_size // (tp * pp)}, or dp=None to take the rest"
-            else:
-                fix = f"choose tp and pp whose product is one of {_divisors(world_size)}"
-            raise ValueError(
-                f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} != world size {world_size}: "
-                f"the degrees must multiply to the number of ranks; {fix}"
+        degrees = {"dp": -1 if dp is None else dp, "tp": tp, "pp": pp, "cp": cp}
+        resolved = _resolve_rest(world_size, degrees)
+        product = resolved["dp"] * resolved["tp"] * resolved["pp"] * resolved["cp"]
+        if product != world_size:
+            named = " x ".join(
+                f"{n}={resolved[n]}" for n in ("dp", "tp", "pp", "cp") if n != "cp" or cp != 1
             )
-        return cls(dp, tp, pp, ranks_per_node)
+            others = product // resolved["dp"]
+            if world_size % others == 0:
+                fix = f"e.g. dp={world_size // others}, or dp=None to take the rest"
+            else:
+                fix = "choose degrees whose product is one of " + str(_divisors(world_size))
+            raise ValueError(
+                f"{named} = {product} != world size {world_size}: the degrees must multiply to "
+                f"the number of ranks; {fix}"
+            )
+        return cls(
+            resolved["dp"], resolved["tp"], resolved["pp"], ranks_per_node, resolved["cp"], ep
+        )
 
     # ------------------------------------------------------------------ sizes and coordinates
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def per_node(self) -> int:
@@ -138,15 +210,22 @@ class RankGrid:
 
     def coords(self, rank: int) -> Coords:
         self._check_rank(rank)
-        stage, rest = divmod(rank, self.dp * self.tp)
-        replica, shard = divmod(rest, self.tp)
-        return Coords(stage, replica, shard)
+        rest, shard = divmod(rank, self.tp)
+        rest, context = divmod(rest, self.cp)
+        stage, replica = divmod(rest, self.dp)
+        return Coords(stage, replica, context, shard)
 
-    def rank_at(self, pp: int, dp: int, tp: int) -> int:
-        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+    def rank_at(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+        """The global rank at a coordinate (pass them by name: ``rank_at(pp=1, tp=0)``)."""
+        for name, value, size in (
+            ("pp", pp, self.pp),
+            ("dp", dp, self.dp),
+            ("cp", cp, self.cp),
+            ("tp", tp, self.tp),
+        ):
             if not 0 <= value < size:
                 raise ValueError(f"{name}={value} is outside 0..{size - 1} ({name} degree {size})")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def node_of(self, rank: int) -> int:
         self._check_rank(rank)
@@ -159,29 +238,69 @@ class RankGrid:
 
     # ------------------------------------------------------------------ groups
 
+    def _along(self, axis: str) -> list[tuple[int, ...]]:
+        """The groups that vary one axis, the other three fixed, in rank order."""
+        sizes = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for fixed in range(self.world_size // sizes[axis]):
+            place: dict[str, int] = {}
+            for other in reversed(others):  # fastest first
+                fixed, place[other] = divmod(fixed, sizes[other])
+            groups.append(tuple(self.rank_at(**place, **{axis: i}) for i in range(sizes[axis])))
+        return sorted(groups)
+
     def dp_groups(self) -> list[tuple[int, ...]]:
-        """Ranks that hold the same model shard and average gradients: same pp and tp."""
-        return [
-            tuple(self.rank_at(p, d, t) for d in range(self.dp))
-            for p in range(self.pp)
-            for t in range(self.tp)
-        ]
+        """Ranks that hold the same model shard and the same positions of different samples."""
+        return self._along("dp")
+
+    def cp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks that hold the same model shard and different positions of the same samples:
+        ring attention's ring."""
+        return self._along("cp")
 
     def tp_groups(self) -> list[tuple[int, ...]]:
-        """Ranks that split each layer's matrices: same pp and dp; adjacent ranks."""
-        return [
-            tuple(self.rank_at(p, d, t) for t in range(self.tp))
-            for p in range(self.pp)
-            for d in range(self.dp)
-        ]
+        """Ranks that split each layer's matrices: adjacent ranks."""
+        return self._along("tp")
 
     def pp_groups(self) -> list[tuple[int, ...]]:
-        """One pipeline each: the stages, in order, of one (dp, tp) position."""
+        """One pipeline each: the stages, in order, of one (dp, cp, tp) position."""
+        return self._along("pp")
+
+    def _dp_cp_blocks(self) -> list[list[int]]:
+        """For each (pp, tp) position, its dp x cp ranks in (dp, cp) order, cp fastest."""
         return [
-            tuple(self.rank_at(p, d, t) for p in range(self.pp))
-            for d in range(self.dp)
+            [self.rank_at(pp=p, dp=d, cp=c, tp=t) for d in range(self.dp) for c in range(self.cp)]
+            for p in range(self.pp)
             for t in range(self.tp)
         ]
+
+    def dp_cp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks that hold the same weights and different tokens (data x context)."""
+        return sorted(tuple(block) for block in self._dp_cp_blocks())
+
+    def ep_groups(self) -> list[tuple[int, ...]]:
+        """Ranks that share the experts of a layer: ``ep`` consecutive ranks of dp x cp."""
+        return sorted(
+            tuple(block[start : start + self.ep])
+            for block in self._dp_cp_blocks()
+            for start in range(0, len(block), self.ep)
+        )
+
+    def edp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks that hold the same experts (the same place in every ep group of dp x cp)."""
+        return sorted(
+            tuple(block[i :: self.ep]) for block in self._dp_cp_blocks() for i in range(self.ep)
+        )
+
+    def embedding_groups(self) -> list[tuple[int, ...]]:
+        """The first and the last stage of each pipeline (one rank when pp == 1); a middle
+        stage holds neither copy of a tied embedding and is a group of its own."""
+        groups = []
+        for pipeline in self.pp_groups():
+            groups.append(tuple(sorted({pipeline[0], pipeline[-1]})))
+            groups.extend((middle,) for middle in pipeline[1:-1])
+        return sorted(groups)
 
     def intra_node_groups(self) -> list[tuple[int, ...]]:
         """The ranks of each node (fast links: hierarchical all-reduce's first and last steps)."""
@@ -197,8 +316,13 @@ class RankGrid:
         """The groups of one kind: ``name`` is one of :data:`GROUP_NAMES`."""
         makers: dict[str, Callable[[], list[tuple[int, ...]]]] = {
             "dp": self.dp_groups,
+            "cp": self.cp_groups,
             "tp": self.tp_groups,
             "pp": self.pp_groups,
+            "dp_cp": self.dp_cp_groups,
+            "ep": self.ep_groups,
+            "edp": self.edp_groups,
+            "embedding": self.embedding_groups,
             "intra_node": self.intra_node_groups,
             "inter_node": self.inter_node_groups,
         }
@@ -213,9 +337,10 @@ class RankGrid:
 
     def pipeline_neighbours(self, rank: int) -> tuple[int | None, int | None]:
         """Global ranks of the stages before and after ``rank`` (None at either end)."""
-        stage, replica, shard = self.coords(rank)
-        prev = self.rank_at(stage - 1, replica, shard) if stage > 0 else None
-        nxt = self.rank_at(stage + 1, replica, shard) if stage < self.pp - 1 else None
+        here = self.coords(rank)
+        place = {"dp": here.dp, "cp": here.cp, "tp": here.tp}
+        prev = self.rank_at(pp=here.pp - 1, **place) if here.pp > 0 else None
+        nxt = self.rank_at(pp=here.pp + 1, **place) if here.pp < self.pp - 1 else None
         return prev, nxt
 
     @property
@@ -225,15 +350,27 @@ class RankGrid:
 
     # ------------------------------------------------------------------ printing
 
+    def degrees(self) -> str:
+        """``dp=2 x tp=2 x pp=2`` (cp and ep named when they are not 1)."""
+        named = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.cp > 1:
+            named.insert(1, f"cp={self.cp}")
+        text = " x ".join(named)
+        return text + (f" (ep={self.ep} over dp x cp)" if self.ep > 1 else "")
+
     def describe(self, mark: int | None = None) -> str:
-        """The grid as a small table: a row per pipeline stage, a column per data-parallel replica,
-        each cell one tensor-parallel group; ``mark`` puts a ``*`` after one rank."""
+        """The grid as a small table: a row per pipeline stage, a column per data-parallel
+        replica, each cell its context-parallel shards, each ``[...]`` one tensor-parallel
+        group; ``mark`` puts a ``*`` after one rank."""
         nodes = f"{self.num_nodes} node{'s' * (self.num_nodes > 1)} of {self.per_node} ranks"
-        lines = [f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} ranks, {nodes}"]
+        lines = [f"{self.degrees()} = {self.world_size} ranks, {nodes}"]
 
         def cell(p: int, d: int) -> str:
-            ranks = [self.rank_at(p, d, t) for t in range(self.tp)]
-            return "[" + " ".join(f"{r}{'*' if r == mark else ''}" for r in ranks) + "]"
+            parts = []
+            for c in range(self.cp):
+                ranks = [self.rank_at(pp=p, dp=d, cp=c, tp=t) for t in range(self.tp)]
+                parts.append("[" + " ".join(f"{r}{'*' if r == mark else ''}" for r in ranks) + "]")
+            return "".join(parts)
 
         cells = [[cell(p, d) for d in range(self.dp)] for p in range(self.pp)]
         width = max(len(c) for row in cells for c in [*row, f"dp{self.dp - 1}"])
@@ -241,7 +378,12 @@ class RankGrid:
         lines.append(head.rstrip())
         for p, row in enumerate(cells):
             lines.append(f"pp{p}".ljust(5) + " ".join(c.ljust(width) for c in row).rstrip())
-        lines.append("[...] = one tp group; same place in each row of a column = one pipeline")
+        legend = "[...] = one tp group; same place in each row of a column = one pipeline"
+        if self.cp > 1:
+            legend += f"; the {self.cp} [...] of a cell = its cp shards (one ring)"
+        lines.append(legend)
+        if self.ep > 1:
+            lines.append("ep groups: " + " ".join(str(g) for g in self.ep_groups()))
         if self.num_nodes > 1:
             spans = [f"node {n}: {g[0]}-{g[-1]}" for n, g in enumerate(self.intra_node_groups())]
             lines.append("; ".join(spans))
@@ -289,8 +431,9 @@ def ranks_per_node_from_env(world_size: int, rank: int) -> int:
 class Topology:
     """The grid and this rank's process groups. Build it with :meth:`Topology.build` on every rank.
 
-    Pass it to parallel code; read ``tp_group``/``tp_rank``/``tp_size`` (and the dp, pp, node
-    equivalents) there. ``group_ranks(name)`` gives the global ranks of one of this rank's groups.
+    Pass it to parallel code; read ``tp_group``/``tp_rank``/``tp_size`` (and the dp, cp, pp, node
+    equivalents) there, or any group by name: ``group("dp_cp")``, ``rank_in("ep")``,
+    ``size_of("edp")``. ``group_ranks(name)`` gives the global ranks of one of this rank's groups.
     """
 
     rank: int
@@ -304,12 +447,14 @@ class Topology:
         tp: int = 1,
         pp: int = 1,
         *,
+        cp: int = 1,
+        ep: int = 1,
         world_size: int | None = None,
         ranks_per_node: int | None = None,
     ) -> Topology:
         """Create every group once, in the same order on every rank (a collective: call it on all).
 
-        Order: all dp groups, then tp, pp, intra-node, inter-node; each rank calls
+        Order: the groups of each name of :data:`GROUP_NAMES` in turn; each rank calls
         ``dist.new_group`` for every group, including the ones it is not in, because
         ``new_group`` is itself a collective over the world (as Megatron's
         ``initialize_model_parallel`` does).
@@ -328,11 +473,16 @@ class Topology:
         rank = dist.get_rank()
         if ranks_per_node is None:
             ranks_per_node = ranks_per_node_from_env(actual, rank)
-        grid = RankGrid.for_world(actual, dp, tp, pp, ranks_per_node)
+        grid = RankGrid.for_world(actual, dp, tp, pp, ranks_per_node, cp=cp, ep=ep)
         mine: dict[str, dist.ProcessGroup] = {}
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for name in GROUP_NAMES:
             for index, ranks in enumerate(grid.groups(name)):
-                group = dist.new_group(list(ranks), group_desc=f"{name}{index}")
+                # one process group per set of ranks: a name whose groups repeat another's (cp
+                # when cp == 1 and tp == 1, say) shares its objects, and its creation costs nothing
+                if ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks), group_desc=f"{name}{index}")
+                group = made[ranks]
                 if rank in ranks:
                     assert isinstance(group, dist.ProcessGroup), (name, ranks, rank)
                     mine[name] = group
@@ -349,9 +499,21 @@ class Topology:
         """Global ranks of this rank's group of kind ``name`` (one of :data:`GROUP_NAMES`)."""
         return self.grid.group_of(name, self.rank)
 
+    def rank_in(self, name: str) -> int:
+        """This rank's index in its group of kind ``name`` (no communication)."""
+        return self.group_ranks(name).index(self.rank)
+
+    def size_of(self, name: str) -> int:
+        """How many ranks this rank's group of kind ``name`` holds."""
+        return len(self.group_ranks(name))
+
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self._groups["dp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self._groups["cp"]
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -384,6 +546,10 @@ class Topology:
         return self.coords.dp
 
     @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
     def tp_rank(self) -> int:
         return self.coords.tp
 
@@ -396,12 +562,20 @@ class Topology:
         return self.grid.dp
 
     @property
+    def cp_size(self) -> int:
+        return self.grid.cp
+
+    @property
     def tp_size(self) -> int:
         return self.grid.tp
 
     @property
     def pp_size(self) -> int:
         return self.grid.pp
+
+    @property
+    def ep_size(self) -> int:
+        return self.grid.ep
 
     @property
     def node(self) -> int:
@@ -441,28 +615,47 @@ class Topology:
 
     def describe(self) -> str:
         """The grid table with this rank starred, and this rank's coordinates and groups."""
+        c = self.coords
+        cp = f", cp={c.cp}" if self.cp_size > 1 else ""
         where = (
-            f"rank {self.rank}* (pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank}; "
+            f"rank {self.rank}* (pp={c.pp}, dp={c.dp}{cp}, tp={c.tp}; "
             f"node {self.node}, local rank {self.local_rank})"
         )
-        groups = ", ".join(f"{name} {self.group_ranks(name)}" for name in GROUP_NAMES)
+        shown = [
+            name
+            for name in GROUP_NAMES
+            if name in ("dp", "tp", "pp", "intra_node", "inter_node")
+            or (name in ("cp", "dp_cp") and self.cp_size > 1)
+            or (name in ("ep", "edp") and self.ep_size > 1)
+        ]
+        groups = ", ".join(f"{name} {self.group_ranks(name)}" for name in shown)
         return f"{self.grid.describe(mark=self.rank)}\n{where}: {groups}"
 
     def __repr__(self) -> str:
+        extra = f", cp={self.cp_size}" * (self.cp_size > 1) + f", ep={self.ep_size}" * (
+            self.ep_size > 1
+        )
+        coords = tuple(self.coords) if self.cp_size > 1 else (self.pp_rank, self.dp_rank, self.tp_rank)
         return (
-            f"Topology(rank={self.rank}, dp={self.dp_size}, tp={self.tp_size}, pp={self.pp_size}, "
-            f"nodes={self.num_nodes}x{self.ranks_per_node}, coords={tuple(self.coords)})"
+            f"Topology(rank={self.rank}, dp={self.dp_size}, tp={self.tp_size}, pp={self.pp_size}"
+            f"{extra}, nodes={self.num_nodes}x{self.ranks_per_node}, coords={coords})"
         )
 
     def as_device_mesh(self, device_type: str = "cpu") -> Any:
-        """torch's ``DeviceMesh`` with the same layout, dims ("pp", "dp", "tp"), for the library
-        comparisons (FSDP2, ``parallelize_module``). It creates its own process groups: call it on
-        every rank. ``init_device_mesh`` lays ranks out as ``arange(world).view(pp, dp, tp)``,
-        the same order as :class:`RankGrid`."""
+        """torch's ``DeviceMesh`` with the same layout, dims ("pp", "dp", "cp", "tp") (cp left
+        out when it is 1), for the library comparisons (FSDP2, ``parallelize_module``). It
+        creates its own process groups: call it on every rank. ``init_device_mesh`` lays ranks
+        out as ``arange(world).view(pp, dp, cp, tp)``, the same order as :class:`RankGrid`."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.cp_size == 1:
+            return init_device_mesh(
+                device_type,
+                (self.pp_size, self.dp_size, self.tp_size),
+                mesh_dim_names=("pp", "dp", "tp"),
+            )
         return init_device_mesh(
             device_type,
-            (self.pp_size, self.dp_size, self.tp_size),
-            mesh_dim_names=("pp", "dp", "tp"),
+            (self.pp_size, self.dp_size, self.cp_size, self.tp_size),
+            mesh_dim_names=("pp", "dp", "cp", "tp"),
         )

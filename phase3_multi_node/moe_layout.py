@@ -15,9 +15,11 @@ gradients are reduced. The router is replicated on every rank::
 
 ep is the fastest-varying index, so an expert-parallel group is adjacent ranks (one node, fast
 links, for the all-to-alls of every layer); Megatron-LM orders its groups "tp-cp-ep-dp-pp" for the
-same reason. The groups come from the course's one :class:`~course.topology.Topology`: its
-innermost (tp) axis is used as the expert-parallel axis, its dp axis as the data-parallel one
-(``Topology.build(dp=dp, tp=ep)``), so the layout is built once, collectively, on every rank.
+same reason. The groups come from the course's one :class:`~course.topology.Topology`, whose
+expert-parallel groups are carved out of its data-parallel ranks: ``Topology.build(dp=ep * dp,
+ep=ep)`` has exactly these ep groups (``group("ep")``) and these data-parallel groups of the
+experts (``group("edp")``), built once, collectively, on every rank. Exercise 4.7 lays the same
+groups over data x context parallelism.
 """
 
 from __future__ import annotations
@@ -40,17 +42,35 @@ class ExpertLayout:
     def build(cls, ep: int, dp: int | None = None) -> ExpertLayout:
         """``ep`` ranks per expert-parallel group, ``dp`` replicas (None: what ep leaves of the
         world). ValueError when ep x dp is not the world size."""
-        return cls(Topology.build(dp=dp, tp=ep))
+        if ep < 1:
+            raise ValueError(f"ep={ep}: an expert-parallel group has at least one rank")
+        replicas = -1 if dp is None or dp == -1 else dp
+        if replicas != -1 and replicas < 1:
+            raise ValueError(f"dp={dp}: at least one replica of the expert-parallel group")
+        world = dist.get_world_size()
+        if replicas == -1:
+            if world % ep:
+                raise ValueError(
+                    f"ep={ep} does not divide the world of {world} ranks: every replica of the "
+                    "expert-parallel group needs ep ranks"
+                )
+            replicas = world // ep
+        if ep * replicas != world:
+            raise ValueError(
+                f"ep={ep} x dp={replicas} = {ep * replicas} != world size {world}: the replicas "
+                "of the expert-parallel group must fill the world"
+            )
+        return cls(Topology.build(dp=ep * replicas, ep=ep))
 
     @property
     def ep_group(self) -> dist.ProcessGroup:
         """The ranks that share the experts and exchange tokens (adjacent ranks)."""
-        return self.topology.tp_group
+        return self.topology.group("ep")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """The ranks that hold the same experts in different replicas."""
-        return self.topology.dp_group
+        return self.topology.group("edp")
 
     @property
     def world_group(self) -> dist.ProcessGroup:
@@ -61,19 +81,19 @@ class ExpertLayout:
 
     @property
     def ep_rank(self) -> int:
-        return self.topology.tp_rank
+        return self.topology.rank_in("ep")
 
     @property
     def ep_size(self) -> int:
-        return self.topology.tp_size
+        return self.topology.ep_size
 
     @property
     def dp_rank(self) -> int:
-        return self.topology.dp_rank
+        return self.topology.rank_in("edp")
 
     @property
     def dp_size(self) -> int:
-        return self.topology.dp_size
+        return self.topology.size_of("edp")
 
     @property
     def world_size(self) -> int:
@@ -82,12 +102,12 @@ class ExpertLayout:
     @property
     def ep_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's expert-parallel group."""
-        return self.topology.group_ranks("tp")
+        return self.topology.group_ranks("ep")
 
     @property
     def dp_ranks(self) -> tuple[int, ...]:
         """Global ranks of this rank's data-parallel group."""
-        return self.topology.group_ranks("dp")
+        return self.topology.group_ranks("edp")
 
     def describe(self, num_experts: int | None = None) -> str:
         """The grid: a row per replica, a column per expert-parallel rank (and, given the number
@@ -98,7 +118,7 @@ class ExpertLayout:
         lines = [f"ep={ep} x dp={dp} = {self.world_size} ranks"]
         lines.append(" " * 9 + "".join(f"ep{j}".ljust(width) for j in range(ep)).rstrip())
         for d in range(dp):
-            cells = "".join(str(grid.rank_at(0, d, j)).ljust(width) for j in range(ep))
+            cells = "".join(str(grid.rank_at(dp=d * ep + j)).ljust(width) for j in range(ep))
             lines.append(f"dp{d}".ljust(9) + cells.rstrip())
         if num_experts is not None and num_experts % ep == 0:
             per = num_experts // ep

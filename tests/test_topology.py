@@ -26,33 +26,74 @@ def _every_rank_once(groups: list[tuple[int, ...]], world_size: int) -> bool:
 # ---------------------------------------------------------------------- the grid, no processes
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp"), [*LAYOUTS, (2, 2, 2)])
-def test_coords_round_trip_with_tp_fastest(dp: int, tp: int, pp: int) -> None:
-    grid = RankGrid(dp, tp, pp)
+GRIDS = [(dp, tp, pp, 1, 1) for dp, tp, pp in [*LAYOUTS, (2, 2, 2)]] + [
+    (2, 2, 2, 2, 1),
+    (1, 1, 2, 2, 2),
+    (2, 1, 1, 2, 4),
+    (4, 1, 1, 1, 2),
+    (2, 2, 1, 2, 2),
+]
+GRID_IDS = [f"dp{dp}-tp{tp}-pp{pp}-cp{cp}-ep{ep}" for dp, tp, pp, cp, ep in GRIDS]
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp", "cp", "ep"), GRIDS, ids=GRID_IDS)
+def test_coords_round_trip_with_tp_fastest(dp: int, tp: int, pp: int, cp: int, ep: int) -> None:
+    grid = RankGrid(dp, tp, pp, cp=cp, ep=ep)
     seen = []
     for rank in range(grid.world_size):
-        stage, replica, shard = grid.coords(rank)
-        assert grid.rank_at(stage, replica, shard) == rank
-        seen.append((stage, replica, shard))
-    assert seen == sorted(seen)  # (pp, dp, tp) in lexicographic order: tp varies fastest
+        here = grid.coords(rank)
+        assert grid.rank_at(pp=here.pp, dp=here.dp, cp=here.cp, tp=here.tp) == rank
+        seen.append(tuple(here))
+    assert seen == sorted(seen)  # (pp, dp, cp, tp) in lexicographic order: tp varies fastest
 
 
-@pytest.mark.parametrize(("dp", "tp", "pp"), [*LAYOUTS, (2, 2, 2)])
-def test_every_rank_is_in_exactly_one_group_of_each_kind(dp: int, tp: int, pp: int) -> None:
-    grid = RankGrid(dp, tp, pp, ranks_per_node=2 if dp * tp * pp % 2 == 0 else None)
-    sizes = {"dp": dp, "tp": tp, "pp": pp, "intra_node": 2, "inter_node": grid.num_nodes}
+@pytest.mark.parametrize(("dp", "tp", "pp", "cp", "ep"), GRIDS, ids=GRID_IDS)
+def test_every_rank_is_in_exactly_one_group_of_each_kind(
+    dp: int, tp: int, pp: int, cp: int, ep: int
+) -> None:
+    world = dp * tp * pp * cp
+    grid = RankGrid(dp, tp, pp, ranks_per_node=2 if world % 2 == 0 else None, cp=cp, ep=ep)
+    sizes = {
+        "dp": dp,
+        "cp": cp,
+        "tp": tp,
+        "pp": pp,
+        "dp_cp": dp * cp,
+        "ep": ep,
+        "edp": dp * cp // ep,
+        "embedding": min(pp, 2),
+        "intra_node": 2 if world % 2 == 0 else 1,
+        "inter_node": grid.num_nodes,
+    }
     for name in GROUP_NAMES:
         groups = grid.groups(name)
         assert _every_rank_once(groups, grid.world_size), (name, groups)
+        if name == "embedding":  # first and last stage; a middle stage alone
+            assert {len(g) for g in groups} == {min(pp, 2)} | ({1} if pp > 2 else set())
+            continue
         assert {len(group) for group in groups} == {sizes[name]}, (name, groups)
+    varies = {"dp": {"dp"}, "cp": {"cp"}, "tp": {"tp"}, "pp": {"pp"}, "dp_cp": {"dp", "cp"}}
+    varies.update(ep={"dp", "cp"}, edp={"dp", "cp"}, embedding={"pp"})
     for rank in range(grid.world_size):
-        me = grid.coords(rank)
-        for other in grid.group_of("dp", rank):  # a dp group varies only dp, and so on
-            assert (grid.coords(other).pp, grid.coords(other).tp) == (me.pp, me.tp)
-        for other in grid.group_of("tp", rank):
-            assert (grid.coords(other).pp, grid.coords(other).dp) == (me.pp, me.dp)
-        for other in grid.group_of("pp", rank):
-            assert (grid.coords(other).dp, grid.coords(other).tp) == (me.dp, me.tp)
+        me = grid.coords(rank)._asdict()
+        for name, axes in varies.items():  # a dp group varies only dp, and so on
+            for other in grid.group_of(name, rank):
+                theirs = grid.coords(other)._asdict()
+                fixed = [a for a in me if a not in axes]
+                assert [theirs[a] for a in fixed] == [me[a] for a in fixed], (name, rank, other)
+
+
+def test_ep_groups_are_consecutive_ranks_of_dp_x_cp_and_edp_the_same_place_in_each() -> None:
+    grid = RankGrid(2, 1, 2, cp=2, ep=2)  # pp=2: ranks 0-3 stage 0, 4-7 stage 1
+    assert grid.dp_cp_groups() == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert grid.ep_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]  # the cp pairs
+    assert grid.edp_groups() == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert grid.embedding_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    four = RankGrid(4, ep=4)
+    assert four.ep_groups() == [(0, 1, 2, 3)] and four.edp_groups() == [(0,), (1,), (2,), (3,)]
+    with_tp = RankGrid(2, 2, 1, cp=1, ep=2)
+    assert with_tp.ep_groups() == [(0, 2), (1, 3)]  # same tp rank, different dp
+    assert with_tp.embedding_groups() == [(0,), (1,), (2,), (3,)]  # pp == 1: one rank each
 
 
 def test_groups_of_the_four_rank_layouts() -> None:
@@ -70,7 +111,7 @@ def test_groups_of_the_four_rank_layouts() -> None:
 
 def test_eight_ranks_dp2_tp2_pp2_on_two_nodes() -> None:
     grid = RankGrid.for_world(8, dp=2, tp=2, pp=2, ranks_per_node=4)
-    assert grid.coords(5) == Coords(pp=1, dp=0, tp=1)
+    assert grid.coords(5) == Coords(pp=1, dp=0, cp=0, tp=1)
     assert grid.rank_at(pp=1, dp=1, tp=0) == 6
     assert grid.tp_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert grid.dp_groups() == [(0, 2), (1, 3), (4, 6), (5, 7)]
@@ -109,6 +150,17 @@ def test_pipeline_neighbours_walk_the_stages() -> None:
 def test_dp_none_takes_what_tp_and_pp_leave(dp: int | None) -> None:
     assert RankGrid.for_world(8, dp, tp=2, pp=2) == RankGrid(2, 2, 2)
     assert RankGrid.for_world(4, dp, tp=2) == RankGrid(2, 2, 1)
+    assert RankGrid.for_world(8, dp, tp=2, cp=2) == RankGrid(2, 2, 1, cp=2)
+
+
+def test_any_one_degree_may_be_the_rest() -> None:
+    assert RankGrid.for_world(8, 2, tp=2, pp=2, cp=-1) == RankGrid(2, 2, 2, cp=1)
+    assert RankGrid.for_world(8, 2, tp=-1, cp=2) == RankGrid(2, 2, 1, cp=2)
+    assert RankGrid.for_world(8, 1, pp=-1, cp=2, ep=2) == RankGrid(1, 1, 4, cp=2, ep=2)
+    with pytest.raises(ValueError, match="dp=-1 and cp=-1: only one degree can be 'the rest'"):
+        RankGrid.for_world(8, -1, cp=-1)
+    with pytest.raises(ValueError, match=r"dp=2 x tp=3 x pp=1 = 6 does not divide world size 8, so no cp"):
+        RankGrid.for_world(8, 2, tp=3, cp=-1)
 
 
 def test_describe_draws_the_grid() -> None:
@@ -148,8 +200,10 @@ def test_bad_ranks_and_coordinates_are_refused() -> None:
         grid.rank_at(0, 0, 2)
     with pytest.raises(ValueError, match="dp=None or -1 means 'the rest'"):
         RankGrid(-1, 2, 1)
-    with pytest.raises(ValueError, match="group name 'cp'"):
-        grid.groups("cp")
+    with pytest.raises(ValueError, match="group name 'sp'"):
+        grid.groups("sp")
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=2 x cp=1 = 2"):
+        RankGrid(2, 2, 1, ep=3)
 
 
 # ---------------------------------------------------------------------- groups in a world
@@ -194,6 +248,8 @@ def topology_rank() -> dict[str, Any]:
             "describe": topo.describe(),
             "repr": repr(topo),
         }
+    topo = Topology.build(1, 1, 2, cp=2, ep=2)
+    results["cp2ep2"] = {"sums": _all_reduce_sums(topo), "describe": topo.describe()}
     topo = Topology.build(tp=2)  # dp=None: the rest of the world
     mesh = topo.as_device_mesh("cpu")
     results["mesh"] = {
@@ -223,9 +279,24 @@ def test_each_group_reduces_exactly_its_members(
             assert (got["size"], got["group_rank"]) == (len(members), members.index(rank))
 
 
+def test_cp_and_ep_groups_reduce_exactly_their_members(
+    topology_world: list[dict[str, Any]],
+) -> None:
+    grid = RankGrid(1, 1, 2, ranks_per_node=2, cp=2, ep=2)
+    for rank, result in enumerate(topology_world):
+        for name, got in result["cp2ep2"]["sums"].items():
+            members = grid.group_of(name, rank)
+            assert got["ranks"] == members, (rank, name)
+            assert got["sum"] == sum(members), (rank, name, got)
+            assert got["crossing"] == [], (rank, name)
+    text = topology_world[1]["cp2ep2"]["describe"]
+    assert "dp=1 x cp=2 x tp=1 x pp=2 (ep=2 over dp x cp) = 4 ranks" in text
+    assert "pp0  [0][1*]" in text and "ep (0, 1)" in text and "edp (1,)" in text
+
+
 def test_each_rank_knows_its_place(topology_world: list[dict[str, Any]]) -> None:
     places = [result["221"]["place"] for result in topology_world]
-    assert [p["coords"] for p in places] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert [p["coords"] for p in places] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1)]
     assert [p["ranks"] for p in places] == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
     assert {p["sizes"] for p in places} == {(2, 2, 1)}
     assert [p["node"] for p in places] == [(0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 2, 2), (1, 1, 2, 2)]

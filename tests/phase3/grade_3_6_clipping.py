@@ -62,6 +62,11 @@ def runs() -> list[list[dict[str, Any]]]:
     return _RUNS
 
 
+def _ppdptp(grid: RankGrid, rank: int) -> tuple[int, int, int]:
+    here = grid.coords(rank)
+    return here.pp, here.dp, here.tp
+
+
 def norm_name(norm_type: float) -> str:
     return "inf-norm" if math.isinf(norm_type) else f"{norm_type:g}-norm"
 
@@ -75,7 +80,8 @@ def test_counted_here_counts_every_set_of_copies_once() -> None:
         shard = GradShard("g", torch.zeros(1), axes)
         counted: dict[tuple[int, ...], list[int]] = {}
         for rank in range(grid.world_size):
-            pp, dp, tp = grid.coords(rank)
+            here = grid.coords(rank)
+            pp, dp, tp = here.pp, here.dp, here.tp
             topology = SimpleNamespace(rank=rank, dp_rank=dp, tp_rank=tp, pp_rank=pp,
                                        dp_size=2, tp_size=2, pp_size=2, coords=(pp, dp, tp))  # fmt: skip
             # the ranks holding the same copy differ only along the replicated axes
@@ -88,7 +94,7 @@ def test_counted_here_counts_every_set_of_copies_once() -> None:
         for key, who in counted.items():
             if len(who) != 1:
                 copies = [r for r in range(8) if tuple(
-                    c for c, a in zip(grid.coords(r), ("pp", "dp", "tp"), strict=True)
+                    c for c, a in zip(_ppdptp(grid, r), ("pp", "dp", "tp"), strict=True)
                     if a not in axes) == key]  # fmt: skip
                 what = f"replicated on {sorted(axes)}" if axes else "held by its rank alone"
                 problems.append(

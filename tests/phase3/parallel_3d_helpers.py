@@ -76,7 +76,8 @@ def run_3d(dp: int, tp: int, pp: int) -> Run3D:
     """Build the 3D model on this rank and train it ``STEPS`` steps on the global batches."""
     p3d = parallel_3d_module()
     topology = Topology.build(dp, tp, pp)
-    pp_rank, dp_rank, tp_rank = topology.coords
+    here = topology.coords
+    pp_rank, dp_rank, tp_rank = here.pp, here.dp, here.tp
     groups = {n: topology.group_ranks(n) for n in ("dp", "tp", "pp")}
     run = Run3D((pp_rank, dp_rank, tp_rank), groups)
     model = p3d.Parallel3D(dense_model(), topology, MICROBATCHES, LR, schedule="1f1b")
