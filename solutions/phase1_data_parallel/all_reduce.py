@@ -107,9 +107,11 @@ def reduce_broadcast_all_reduce(
     #   from a copy of contribution 0 (its own tensor sits at position `root`, not first),
     #   writes the result into `tensor` and sends it to each peer. Every message names the
     #   group and a peer mapped to its global rank; a non-root needs just two blocking calls.
-    # Hint 3: non-root: dist.send then dist.recv with the peer global_rank(group, root) and
-    #   group=group. Root: dist.irecv into torch.empty_like(tensor) per peer, wait_all, then
-    #   combine_(result, contribution, op) for contributions 1..n-1, tensor.copy_(result).
+    # Hint 3: non-root: a blocking send to the root, then a blocking receive from it into the
+    #   same tensor, the root named by its global rank (global_rank) and `group` given. Root:
+    #   one irecv per peer into a fresh buffer like the tensor (empty_like), one wait_all; the
+    #   result starts as a clone of contribution 0, contributions 1..n-1 are combined into it
+    #   with op (combine_), it is copied back into `tensor`, and isent to every peer.
     # See guidelines.md#13-all-reduce-from-send-and-recv
     # >>> solution
     if rank != root:
@@ -155,9 +157,10 @@ def direct_exchange_all_reduce(
     #   all of them, and only then reduce: start from a copy of contribution 0 and fold in
     #   1..n-1 with combine_, your own tensor taking its own slot. Do not overwrite `tensor`
     #   before every send has completed: a peer may still be reading it.
-    # Hint 3: works = [dist.isend(tensor, dst=global_rank(group, peer), group=group) ...] +
-    #   [dist.irecv(buffers[peer], src=...) ...]; wait_all(works); then the fold of
-    #   reduce_broadcast_all_reduce's root.
+    # Hint 3: one list of 2(n-1) works: an isend of `tensor` to each peer and an irecv into
+    #   that peer's buffer, each peer by its global rank, on `group`; one wait_all over the
+    #   list; then the fold of reduce_broadcast_all_reduce's root (a clone of contribution 0,
+    #   contributions 1..n-1 combined into it, copied into `tensor`).
     # See guidelines.md#13-all-reduce-from-send-and-recv
     # >>> solution
     buffers = {peer: torch.empty_like(tensor) for peer in range(world) if peer != rank}

@@ -82,8 +82,9 @@ class DistributedShardSampler(Sampler[int]):
         #   rank takes it. drop_last with a remainder: the largest count every rank can take
         #   without repeating a sample. Check n = 0, 1 and 10 on 4 ranks against the guide's
         #   table.
-        # Hint 3: math.ceil(n / num_replicas); with drop_last and a remainder,
-        #   math.ceil((n - num_replicas) / num_replicas), which is the floor of n / num_replicas.
+        # Hint 3: with R = num_replicas: padding takes ⌈n / R⌉ (math.ceil); drop_last with a
+        #   remainder takes ⌈(n − R) / R⌉, which is ⌊n / R⌋ (DistributedSampler writes it the
+        #   first way).
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.drop_last and n % num_replicas != 0:
@@ -106,8 +107,9 @@ class DistributedShardSampler(Sampler[int]):
         #   0..n-1 without shuffle. Cut: with drop_last keep the first total_size. Pad: append
         #   copies of the list's *start* until total_size, repeating the whole list when the
         #   gap is longer than it.
-        # Hint 3: g = torch.Generator(); g.manual_seed(self.seed + self.epoch);
-        #   torch.randperm(n, generator=g).tolist(); (indices * repeats)[:padding].
+        # Hint 3: a fresh torch.Generator seeded with seed + epoch drives torch.randperm of n
+        #   (as a Python list). The padding is the first `padding` entries of the list repeated
+        #   ceil(padding / len) times, where padding = total_size minus the list's length.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.shuffle:
@@ -133,8 +135,8 @@ class DistributedShardSampler(Sampler[int]):
         #   rank and any number of ranks.
         # Hint 2: one slice of the epoch list gives the shard; skip start_index *after*
         #   sharding (it counts this rank's samples, not the epoch's), and return an iterator.
-        # Hint 3: a strided slice that starts at self.rank and steps by self.num_replicas, up to
-        #   self.total_size; then [self.start_index :].
+        # Hint 3: a strided slice: from position rank, every num_replicas-th entry, stopping at
+        #   total_size; then drop the shard's first start_index entries.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas]

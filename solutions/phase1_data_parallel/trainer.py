@@ -115,8 +115,10 @@ def average_gradients(
     #   the group, divide by the group's size, then copy consecutive slices back into each
     #   .grad (same order, reshaped). The byte count is the buffers' element count times the
     #   element size.
-    # Hint 3: by_dtype.setdefault(grad.dtype, []).append(grad); flat = torch.cat of the
-    #   reshape(-1)s; all_reduce(flat, group=group); flat.div_(dist.get_world_size(group)).
+    # Hint 3: a dict from dtype to the list of gradients of that dtype; per list, torch.cat
+    #   of each gradient reshaped to one dimension is the flat buffer; all_reduce it on
+    #   `group`, divide it in place by the group's world size, and copy the slice
+    #   [offset, offset + numel) back into each gradient, viewed as its shape.
     # See guidelines.md#12-broadcast-and-gradient-averaging
     # >>> solution
     world = dist.get_world_size(group)
@@ -166,9 +168,10 @@ def data_parallel_step(
     #   is the two intervals around it added together (the optimizer step is compute). Clear
     #   the old gradients first (to None, so "no gradient" stays distinguishable). Return the
     #   loss as a Python float and the byte count average_gradients gave back.
-    # Hint 3: zero_grad(set_to_none=True); loss_fn(model(inputs), targets).backward();
-    #   synchronize(inputs.device) before each time.perf_counter(); then
-    #   average_gradients(model, all_reduce_fn, group=group) and optimizer.step().
+    # Hint 3: the optimizer's zero_grad with set_to_none; the loss of the model's output on
+    #   the targets, then its backward; synchronize on the inputs' device right before each
+    #   time.perf_counter; average_gradients with the given all-reduce and group; the
+    #   optimizer's step. compute = (t1 - t0) + (t3 - t2), communication = t2 - t1.
     # See guidelines.md#12-broadcast-and-gradient-averaging
     # >>> solution
     device = inputs.device
@@ -288,8 +291,10 @@ class DataParallelLoop(TrainingLoop):
         #   group while the counter is active; build a StepOutput from the StepStats it
         #   returns: its loss, the number of targets, and the four metrics named in the
         #   docstring, the last one read from the counter afterwards.
-        # Hint 3: data_parallel_step(self.model, self.optimizer, self.loss_fn, inputs, targets,
-        #   self.all_reduce_fn, group=self.group); the counter's bytes_sent.
+        # Hint 3: data_parallel_step takes the loop's model, optimizer and loss function, the
+        #   batch, the loop's all-reduce function and its group (a keyword); run it inside
+        #   `with CommCounter()`; bytes_sent is the counter's, read after the block; the
+        #   metrics are floats.
         # See guidelines.md#14-the-data-parallel-trainer
         # >>> solution
         with CommCounter() as comm:
@@ -324,8 +329,9 @@ class DataParallelLoop(TrainingLoop):
         # Hint 2: order the keys the same way on every rank, pack the values into one tensor
         #   (in a dtype that keeps large sums exact) on the loop's device, all-reduce it over
         #   the loop's group, and pair the keys with the summed values again.
-        # Hint 3: keys = sorted(totals); a float64 tensor on self.device; group=self.group;
-        #   dict(zip(keys, values.tolist())).
+        # Hint 3: the keys in sorted order; their values in one float64 tensor on the loop's
+        #   device; dist.all_reduce of it on the loop's group; zip the sorted keys with the
+        #   summed values (as a Python list) back into a dict.
         # See guidelines.md#14-the-data-parallel-trainer
         # >>> solution
         keys = sorted(totals)

@@ -78,8 +78,10 @@ class CheckpointFunction(torch.autograd.Function):
         #   arguments and a copy of args with those positions blanked out, and the tensors
         #   themselves through the way autograd Functions save tensors for backward. Then the
         #   call itself, without grad, returned as it is.
-        # Hint 3: ctx.cpu_rng = torch.get_rng_state(); torch.cuda.get_rng_state(d) per device;
-        #   ctx.save_for_backward(*tensors); with torch.no_grad(): return run_function(*args).
+        # Hint 3: torch.get_rng_state for the CPU and torch.cuda.get_rng_state for each CUDA
+        #   device, kept as attributes of ctx; ctx.save_for_backward with the tensor arguments
+        #   unpacked; the call of run_function on every argument inside a torch.no_grad block,
+        #   its result returned from inside it.
         # See guidelines.md#23-activation-checkpointing
         # >>> solution
         if preserve_rng_state:
@@ -109,10 +111,12 @@ class CheckpointFunction(torch.autograd.Function):
         #   backward of the outputs that require grad with their grad_outputs. Return one entry
         #   per forward input: three Nones (run_function, preserve_rng_state, anchor), then
         #   for each of args the .grad of its rebuilt copy (tensors) or None.
-        # Hint 3: saved.detach().requires_grad_(saved.requires_grad); with
-        #   torch.random.fork_rng(devices=..., enabled=ctx.preserve_rng_state):
-        #   torch.set_rng_state(ctx.cpu_rng); with torch.enable_grad(),
-        #   _reentered_autocast(ctx.autocast_states): ...; torch.autograd.backward(outs, grads).
+        # Hint 3: each saved tensor detached, then requires_grad_ set to the saved one's flag;
+        #   torch.random.fork_rng over the saved CUDA devices, enabled by preserve_rng_state,
+        #   inside which torch.set_rng_state and torch.cuda.set_rng_state put the saved states
+        #   back; one `with` holding torch.enable_grad and _reentered_autocast of the saved
+        #   autocast states around the call; torch.autograd.backward on the (output, gradient)
+        #   pairs whose output requires grad.
         # See guidelines.md#23-activation-checkpointing
         # >>> solution
         args = list(ctx.non_tensor_args)

@@ -68,8 +68,10 @@ def merge_partials(
     #   1, the other at most 1); the new lse is that maximum plus the log of the summed
     #   weights; the new out is each out times its weight over the summed weights (the
     #   weights need a trailing dimension to broadcast over head_dim).
-    # Hint 3: torch.maximum(lse_a, lse_b); weights exp(lse - max); lse = max + log(w_a + w_b);
-    #   out = (w_a[..., None] * out_a + w_b[..., None] * out_b) / (w_a + w_b)[..., None].
+    # Hint 3: m = the element-wise maximum of lse_a and lse_b (torch.maximum);
+    #   w_a = exp(lse_a − m), w_b = exp(lse_b − m); lse = m + log(w_a + w_b);
+    #   out = (w_a·out_a + w_b·out_b) / (w_a + w_b), every weight given a last dimension of
+    #   size 1 (unsqueeze) so that it broadcasts over head_dim.
     # See guidelines.md#27-context-parallelism
     # >>> solution
     largest = torch.maximum(lse_a, lse_b)
@@ -108,9 +110,11 @@ def ring_attention_forward(
     #   on the diagonal) and merge the result into that query chunk's (out, lse) (the first one
     #   is taken as it is); wait for the pass and make what arrived the current block. Return
     #   the outputs (in q's dtype) and the lse, concatenated back along the sequence.
-    # Hint 3: source = (rank - step) % cp; q.chunk(len(mine), dim=2); pending =
-    #   start_ring_pass([k_block, v_block], group) ... k_block, v_block = pending.wait();
-    #   torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2).
+    # Hint 3: the visiting block's home is rank − step (mod cp); chunk q (and each block's k
+    #   and v) along dim 2 into as many pieces as the rank holds chunks; the pass takes the
+    #   pair [k, v] of the block held now and its wait() gives the next pair; at the end,
+    #   torch.cat along dim 2 of the outs (cast to q's dtype) and of the lses (left in the
+    #   accumulation dtype, as the guide's "Which dtype" says).
     # See guidelines.md#27-context-parallelism
     # >>> solution
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -182,8 +186,10 @@ def ring_attention_backward(
     #   every pair block_kind allows and add each result into its chunk of dq, dk, dv; from
     #   step 1 on, pass those dK/dV buffers on; wait for the K/V pass. After the loop, wait
     #   for the last dK/dV pass and add what came home to this rank's own dk/dv.
-    # Hint 3: chunks are views: dq.chunk(n, dim=2)[a].add_(dq_block) adds into dq. Keep the
-    #   sums in lse's dtype; return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype).
+    # Hint 3: chunk gives views, so an in-place add_ into the a-th chunk of dq adds into dq
+    #   itself (the same for a block's dK/dV sums). Allocate dq and the dK/dV sums (kept and
+    #   travelling) with zeros in lse's dtype; cast each returned gradient to its input's
+    #   dtype.
     # See guidelines.md#27-context-parallelism
     # >>> solution
     rank, cp = dist.get_rank(group), dist.get_world_size(group)

@@ -64,8 +64,9 @@ def accumulate_gradients(
     # Hint 2: one loop over the micro-batches; each pass is forward, weighted loss, backward,
     #   and adds its weighted loss (as a Python float) to a running sum that is returned.
     #   Nothing is kept from one pass to the next, so only one micro-batch's graph is alive.
-    # Hint 3: weighted = loss_fn(model(x), y) * (len(y) / total); weighted.backward();
-    #   mean_loss += weighted.item().
+    # Hint 3: a micro-batch's weight is its number of targets over the total; its weighted
+    #   loss is the loss of the model's output times that weight; backward on the weighted
+    #   loss, and its .item() goes into the running sum.
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     mean_loss = 0.0
@@ -142,7 +143,9 @@ def ddp_accumulation_step(
     # Hint 2: the loop of accumulate_gradients, with each micro-batch's forward AND backward
     #   inside a context that turns syncing off for all but the last micro-batch and does
     #   nothing for the last; one optimizer step after the loop.
-    # Hint 3: context = ddp_model.no_sync() if index < last else contextlib.nullcontext().
+    # Hint 3: enumerate the micro-batches; the context is the DDP model's no_sync() for
+    #   every index below the last one and contextlib.nullcontext() for the last; the
+    #   forward (through the DDP model) and the backward both inside the `with`.
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     mean_loss = 0.0

@@ -115,9 +115,10 @@ class DynamicLossScaler:
         #   flag; one all-reduce of the flag that keeps the largest value, on the scaler's
         #   group, even with no gradients (when a process group exists). Record the flag as a
         #   bool in self._found_inf and set self._unscaled.
-        # Hint 3: inv = self._scale.double().reciprocal().float(); grad.mul_(inv);
-        #   (~torch.isfinite(grad)).any(); dist.all_reduce(flag, op=dist.ReduceOp.MAX,
-        #   group=self.group) when dist.is_initialized().
+        # Hint 3: the inverse is the scale in float64, its reciprocal, rounded to float32
+        #   once; each gradient is multiplied by it in place (mul_); "not torch.isfinite,
+        #   anywhere in the gradient" is the overflow test; the flag is all-reduced with
+        #   ReduceOp.MAX on the scaler's group whenever dist.is_initialized() says so.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         device = grads[0].device if grads else torch.device("cpu")
@@ -160,9 +161,10 @@ class DynamicLossScaler:
         #   float32) and restart the count. Compute each product in float64 and store it in the
         #   float32 scale tensor. Then clear the per-iteration state (found_inf back to None,
         #   not unscaled).
-        # Hint 3: self._scale.fill_(float(self._scale) * self.backoff_factor); grown =
-        #   torch.tensor(float(self._scale) * self.growth_factor, dtype=torch.float32), kept
-        #   if torch.isfinite(grown).
+        # Hint 3: new scale = float(scale) × factor, a product of Python floats (float64),
+        #   written into the float32 scale tensor in place (fill_ or copy_: one rounding). For
+        #   growth, first make the product a float32 tensor and keep it only if torch.isfinite
+        #   says it is finite.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         # aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp: float scale * double factor,
@@ -212,8 +214,10 @@ def mixed_precision_step(
     #   the scaled loss; unscale; clip (only when max_grad_norm is given); the scaler's step;
     #   the scaler's update, every iteration, also after a skipped step. Return the loss as a
     #   float and what the scaler's step returned.
-    # Hint 3: with torch.autocast(device_type=inputs.device.type, dtype=autocast_dtype,
-    #   enabled=autocast_dtype is not None); nn.utils.clip_grad_norm_(model.parameters(), ...).
+    # Hint 3: torch.autocast takes the device type of the inputs, autocast_dtype, and
+    #   enabled set to whether autocast_dtype was given; clipping is nn.utils.clip_grad_norm_
+    #   over the model's parameters with max_grad_norm; the scaler's scale() wraps the loss
+    #   before backward.
     # See guidelines.md#22-mixed-precision
     # >>> solution
     optimizer.zero_grad(set_to_none=True)
@@ -263,8 +267,9 @@ class MasterWeights:
         #   one step of the masters' optimizer, through the scaler when there is one (its step
         #   says whether it stepped); and only if it stepped, each model parameter overwritten
         #   in place from its master, without recording autograd.
-        # Hint 3: master.grad = param.grad.detach().float(); scaler.step(self.optimizer);
-        #   with torch.no_grad(): param.copy_(master).
+        # Hint 3: a master's grad is its parameter's grad, detached and cast to float32 (or
+        #   None when that is None); the scaler's step takes the masters' optimizer; the copy
+        #   back is an in-place copy_ of each master into its parameter under torch.no_grad.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         for param, master in zip(self.model_params, self.master_params, strict=True):

@@ -70,7 +70,8 @@ def split_sizes(num_layers: int, world_size: int) -> list[int]:
     #   first ranks.
     # Hint 2: the base count and the number left over come from one integer division; then
     #   one list over the ranks, adding one where the rank is among the first ones left over.
-    # Hint 3: base, extra = divmod(num_layers, world_size); base + (1 if rank < extra else 0).
+    # Hint 3: divmod of num_layers by world_size gives (base, extra); rank r gets base + 1
+    #   layers when r < extra, base otherwise.
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     base, extra = divmod(num_layers, world_size)
@@ -114,8 +115,9 @@ def send_activation(
     # Hint 2: two blocking sends to the same peer, header first. The data message must be a
     #   plain tensor: detach it from the graph and make it contiguous (a transposed or sliced
     #   activation is not, and torch refuses to send it).
-    # Hint 3: dist.send(encode_header(tensor), group=group, group_dst=dst); then the same for
-    #   tensor.detach().contiguous().
+    # Hint 3: dist.send with the group and the peer as group_dst (a rank within the group,
+    #   not dst=), first of encode_header of the tensor, then of the tensor detached and made
+    #   contiguous.
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     dist.send(encode_header(tensor), group=group, group_dst=dst)
@@ -137,8 +139,9 @@ def recv_activation(
     # Hint 2: mirror send_activation: receive into a header buffer from the same peer (as a
     #   rank within the group), decode it, allocate the data buffer it describes on `device`,
     #   receive into that, return it.
-    # Hint 3: header = empty_header(device); dist.recv(header, group=group, group_src=src);
-    #   buffer = decode_header(header).empty(device).
+    # Hint 3: empty_header on `device` is the header's buffer; dist.recv into it with the
+    #   group and group_src (the rank within the group); decode_header gives a TensorMeta,
+    #   whose empty(device) is the data buffer; a second dist.recv the same way fills it.
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     header = empty_header(device)
@@ -223,8 +226,9 @@ class ModelParallelStage(nn.Module):
         #   received as needing a gradient. Everyone runs its layers and saves input and
         #   output on self; the last rank returns its output, the others send it to the next
         #   rank and return None.
-        # Hint 3: recv_activation(self.rank - 1, self.device, group=self.group).requires_grad_();
-        #   send_activation(stage_output, self.rank + 1, group=self.group).
+        # Hint 3: recv_activation from rank − 1 onto self.device on self.group, then
+        #   requires_grad_() on what arrived; send_activation of the output to rank + 1 on
+        #   self.group.
         # See guidelines.md#24-naive-model-parallelism
         # >>> solution
         if self.is_first:
@@ -266,9 +270,9 @@ class ModelParallelStage(nn.Module):
         #   shaped like their saved output, then backpropagate the output with that gradient
         #   when the output requires grad. Then every rank but the first sends its saved
         #   input's .grad to the previous rank. Finally forget both saved tensors.
-        # Hint 3: torch.empty_like(self.stage_output); dist.recv(..., group=self.group,
-        #   group_src=self.rank + 1); self.stage_output.backward(output_grad);
-        #   dist.send(self.stage_input.grad, group=self.group, group_dst=self.rank - 1).
+        # Hint 3: the buffer is empty_like the saved output; dist.recv into it on self.group
+        #   with group_src = rank + 1; backward of the saved output with the received gradient;
+        #   dist.send of the saved input's .grad on self.group with group_dst = rank − 1.
         # See guidelines.md#24-naive-model-parallelism
         # >>> solution
         if self.is_last:

@@ -65,8 +65,9 @@ def send_tensor(
     # Hint 2: make the payload contiguous first (the same tensor goes into the send and into
     #   the Pending you return); the peer is the holder of the receiving stage, as a global
     #   rank; the tag names the receiving stage too; the group is the pipeline's.
-    # Hint 3: dist.isend(payload, dst=links.peer(to_stage), group=links.group,
-    #   tag=links.tag(kind, to_stage, microbatch)).
+    # Hint 3: dist.isend of the contiguous payload, its dst the global rank links.peer gives
+    #   for to_stage, its group links.group, its tag links.tag of (kind, to_stage,
+    #   microbatch); Pending pairs the work with that same payload.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     payload = tensor.contiguous()
@@ -102,9 +103,10 @@ def post_receive(
     #   that returns at once from the rank holding that stage (a global rank), on the
     #   pipeline's group, with the tag of (kind, the RECEIVING stage, micro-batch), not the
     #   neighbour's; return the work and the buffer together.
-    # Hint 3: buffer = meta.empty(device); neighbour = at_stage + 1 for GRADIENT, else
-    #   at_stage - 1; dist.irecv(buffer, src=links.peer(neighbour), group=links.group,
-    #   tag=links.tag(kind, at_stage, microbatch)).
+    # Hint 3: the buffer is meta's empty tensor on `device`; the neighbour is at_stage + 1 for
+    #   a GRADIENT and at_stage − 1 for the other kinds; dist.irecv into the buffer from
+    #   links.peer of the neighbour, on links.group, tagged links.tag of (kind, at_stage,
+    #   microbatch): the receiving stage's tag, the one the sender used.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     buffer = meta.empty(device)

@@ -90,9 +90,11 @@ class PipelineExecutor(PipelineRuntime):
         #   the output by the scaled loss against this micro-batch's targets and record it;
         #   stash the pair under (microbatch, chunk); hand back the detached output unless this
         #   is the last stage.
-        # Hint 3: x = received.requires_grad_(); output = self._run_chunk(chunk, x); on the
-        #   last stage output = self.loss_fn(output, state.targets[microbatch]) /
-        #   self.num_microbatches; state.stash[(microbatch, chunk)] = (x, output).
+        # Hint 3: stage 0's input is state.inputs[microbatch]; elsewhere it is the received
+        #   tensor after requires_grad_(); self._run_chunk(chunk, input) gives the output; on
+        #   the last stage the output becomes loss_fn(output, that micro-batch's targets) / m
+        #   and its detached copy goes into state.losses; the stash maps (microbatch, chunk)
+        #   to the pair (input, output).
         # See guidelines.md#25-pipeline-parallelism
         # >>> solution
         if stage == 0:
@@ -128,8 +130,10 @@ class PipelineExecutor(PipelineRuntime):
         #   schedule says); backpropagate when the stashed output requires grad; stage 0 sends
         #   nothing back, the others return their input's .grad (zeros shaped like the input
         #   when autograd left it None: the output did not depend on it).
-        # Hint 3: x, output = state.stash.pop(key); torch.autograd.backward(output, received)
-        #   (received is None on the last stage); return x.grad or torch.zeros_like(x).
+        # Hint 3: pop the (input, output) pair under (microbatch, chunk); torch.autograd.backward
+        #   of the output with `received` as its gradient (None on the last stage: the loss is
+        #   a scalar); return the input's .grad, or torch.zeros_like of the input when it is
+        #   None.
         # See guidelines.md#25-pipeline-parallelism
         # >>> solution
         x, output = state.stash.pop((microbatch, chunk))
@@ -164,8 +168,10 @@ class PipelineExecutor(PipelineRuntime):
         #   the graph; put the output and that incoming gradient in the weight stash under the
         #   same key; return the input's gradient (zeros shaped like the input when autograd
         #   found none), or None on stage 0.
-        # Hint 3: (grad,) = torch.autograd.grad(output, x, received, retain_graph=True,
-        #   allow_unused=True); state.weight_stash[key] = (output, received).
+        # Hint 3: torch.autograd.grad of the output with respect to the input alone, with
+        #   `received` as the output's gradient, keeping the graph (retain_graph) and allowing
+        #   an input the output does not use; it returns a one-element tuple. The weight
+        #   stash maps the same key to the pair (output, received).
         # See guidelines.md#zero-bubble-split-the-backward-in-two
         # >>> solution
         x, output = state.stash.pop((microbatch, chunk))
@@ -195,8 +201,9 @@ class PipelineExecutor(PipelineRuntime):
         #   require grad; if there are any and the output requires grad, backpropagate from the
         #   output with the stashed gradient, restricted to those parameters (this last walk
         #   may free the graph).
-        # Hint 3: torch.autograd.backward(output, grad_output, inputs=params) accumulates into
-        #   each param.grad and touches nothing else.
+        # Hint 3: torch.autograd.backward of the output with the stashed gradient, its
+        #   `inputs` argument set to the list of parameters: it accumulates into each of their
+        #   .grad and touches nothing else.
         # See guidelines.md#zero-bubble-split-the-backward-in-two
         # >>> solution
         output, grad_output = state.weight_stash.pop((microbatch, chunk))

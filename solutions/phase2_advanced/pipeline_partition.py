@@ -53,8 +53,9 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     #   stage that leaves each earlier stage a layer, and keeps the start that wins. Prefix
     #   sums give any piece's cost at once. Then rebuild the ranges from the end: the start
     #   of the last stage is the end of the stage before it, and so on down to layer 0.
-    # Hint 3: best[k][j] = min over i of max(best[k - 1][i], prefix[j] - prefix[i]), for i
-    #   from k - 1 to j - 1; cut[k][j] = the i that won; walk back from cut[num_stages][n].
+    # Hint 3: with P the prefix sums (P_0 = 0), best(1, j) = P_j and, for k >= 2,
+    #   best(k, j) = min over i in [k − 1, j − 1] of max(best(k − 1, i), P_j − P_i); cut(k, j)
+    #   remembers the winning i; the ranges come from walking back from cut(num_stages, n).
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     n = len(costs)

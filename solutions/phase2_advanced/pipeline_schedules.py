@@ -105,9 +105,8 @@ def one_f_one_b_order(num_warmup: int, num_forwards: int) -> list[tuple[ActionKi
     #   backward) pairs, one pair per forward that the warm-up did not run; the drain is the
     #   run of backwards the steady state did not reach. Check it on the guide's p = 4, m = 6
     #   orders.
-    # Hint 3: forwards 0 .. num_warmup - 1; then for j in range(num_forwards - num_warmup):
-    #   forward num_warmup + j, backward j; then the backwards from num_forwards - num_warmup
-    #   to num_forwards - 1.
+    # Hint 3: w = num_warmup, f = num_forwards: forwards 0 to w − 1; then, for j from 0 to
+    #   f − w − 1, forward w + j followed by backward j; then backwards f − w to f − 1.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     order: list[tuple[ActionKind, int]] = [(FORWARD, k) for k in range(num_warmup)]
@@ -130,8 +129,8 @@ def one_f_one_b_rank_actions(rank: int, num_stages: int, num_microbatches: int) 
     # Hint 2: read the warm-up counts off the guide's p = 4 picture (rank 0 runs 3, rank 3
     #   none) and say them as a rule of p and the rank; cap it by m; then turn each (kind, k)
     #   of one_f_one_b_order into an Action of micro-batch k.
-    # Hint 3: the warm-up is the number of stages after this rank, min(..., num_microbatches);
-    #   [Action(kind, k) for kind, k in one_f_one_b_order(warmup, num_microbatches)].
+    # Hint 3: the warm-up is the number of stages after this rank, p − 1 − rank, capped by
+    #   m; one Action per (kind, k) pair of one_f_one_b_order of that warm-up and m, in order.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     warmup = min(num_stages - rank - 1, num_microbatches)

@@ -147,8 +147,9 @@ class ParallelSelfAttention(nn.Module):
         #   fused parts); out_proj row-parallel from the dense out_proj, its input already
         #   split; both on the group; then the class built from them, the number of heads and
         #   causal.
-        # Hint 3: ColumnParallelLinear.from_weights(attention.in_proj_weight,
-        #   attention.in_proj_bias, group, fused_parts=3).
+        # Hint 3: ColumnParallelLinear.from_weights takes the attention's in_proj_weight and
+        #   in_proj_bias, the group, and fused_parts (q, k and v: 3); RowParallelLinear's
+        #   from_dense takes the attention's out_proj with input_is_parallel set.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         qkv = ColumnParallelLinear.from_weights(
@@ -170,9 +171,10 @@ class ParallelSelfAttention(nn.Module):
         #   heads, head_dim) and one permute gives q, k and v, each [batch, local heads, seq,
         #   head_dim]; one attention call (causal when self.causal); then the inverse: heads
         #   back after seq, flattened into the last dimension, into out_proj.
-        # Hint 3: .view(batch, seq, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4);
-        #   F.scaled_dot_product_attention(q, k, v, is_causal=self.causal);
-        #   heads.transpose(1, 2).reshape(batch, seq, -1).
+        # Hint 3: view as (batch, seq, 3, local heads, head_dim), then permute the dimensions
+        #   into the order (3, batch, heads, seq, head_dim), and unpack q, k, v along the first;
+        #   F.scaled_dot_product_attention with is_causal from self.causal; swap dims 1 and 2
+        #   back and reshape to (batch, seq, everything else) before out_proj.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         batch, seq, _ = x.shape

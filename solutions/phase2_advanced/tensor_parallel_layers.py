@@ -69,8 +69,9 @@ def column_shard(
     # Hint 2: the width of one rank's slice of one block; the blocks of the weight along its
     #   first dimension; from each block, the rows of this rank; the pieces concatenated in
     #   block order, as a copy (not a view of weight).
-    # Hint 3: width = weight.shape[0] // fused_parts // world_size; weight.chunk(fused_parts);
-    #   block[rank * width : (rank + 1) * width]; torch.cat(...).clone().
+    # Hint 3: width = rows / fused_parts / world_size (integer division); the blocks are
+    #   weight chunked into fused_parts along dim 0; from each block, rows rank·width up to
+    #   (rank + 1)·width; torch.cat of those pieces, then clone.
     # See guidelines.md#26-tensor-parallelism
     # >>> solution
     width = weight.shape[0] // fused_parts // world_size
@@ -182,8 +183,9 @@ class ColumnParallelLinear(nn.Module):
         #   belongs; between them, an ordinary linear layer on this rank's weight and bias.
         # Hint 2: three stages, each given self.group: f on the input, the local linear with
         #   this rank's weight and bias, and the gather only when self.gather_output.
-        # Hint 3: F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight,
-        #   self.bias), then gather_from_tensor_parallel_region(..., self.group).
+        # Hint 3: copy_to_tensor_parallel_region (f) of the input on self.group; F.linear of
+        #   that with self.weight and self.bias; gather_from_tensor_parallel_region of the
+        #   result on self.group when gather_output is set.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         local_output = F.linear(
@@ -282,8 +284,9 @@ class RowParallelLinear(nn.Module):
         # Hint 2: four stages, each given self.group where it communicates: the scatter only
         #   when the input is not already split; the local linear WITHOUT bias; g; then the
         #   whole bias (when there is one) added to g's output.
-        # Hint 3: scatter_to_tensor_parallel_region(x, self.group);
-        #   reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group) + bias.
+        # Hint 3: scatter_to_tensor_parallel_region of the input on self.group, unless
+        #   input_is_parallel; F.linear with self.weight and no bias; its
+        #   reduce_from_tensor_parallel_region (g) on self.group; plus self.bias if it exists.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         if not self.input_is_parallel:

@@ -100,8 +100,9 @@ class DistributedDataParallel(DDPBase):
         #   then loop: while the bucket at self._next_bucket has nothing pending, launch it
         #   through self._launch, keep the returned work on the bucket and move
         #   self._next_bucket on. Do not wait here: the callback waits when backward ends.
-        # Hint 3: torch.mul with out= the slot; `while self._next_bucket < len(self.buckets)`
-        #   and the bucket there has pending == 0: bucket.work = self._launch(bucket).
+        # Hint 3: torch.mul of the gradient and the copy factor with out= the slot; then, as
+        #   long as the next bucket index is within the bucket list and that bucket has no
+        #   gradient pending, store self._launch's work on it and advance the index.
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         bucket, position = self._locate[index]

@@ -76,7 +76,10 @@ def assign_buckets(
     #   bucket; when that bucket's bytes reach the limit for this kind's next bucket, the
     #   bucket is closed: it goes to the result and its kind starts an empty one. At the end
     #   the buckets still open and not empty follow, in the order their kinds first appeared.
-    # Hint 3: limit = limits[min(closed_of_kind, len(limits) - 1)]; close when bytes >= limit.
+    # Hint 3: the limit for a kind's next bucket is limits at position min(buckets of that
+    #   kind closed so far, last position); the bucket closes when its bytes are >= that
+    #   limit; per-kind dicts (setdefault, get with 0) hold the open bucket, its bytes, and
+    #   the closed count.
     # See guidelines.md#34-ddp-from-scratch
     # >>> solution
     open_buckets: dict[Hashable, list[int]] = {}

@@ -99,9 +99,11 @@ def dispatch(
     #   once viewed; (4) the rows to send: the token of each of those choices, in that order;
     #   the splits: the counts sent and received summed per rank; (5) move the rows with the
     #   given all_to_all and return them with a DispatchPlan.
-    # Hint 3: sorting torch.where(keep, experts, num_experts) (flattened) with
-    #   torch.argsort(..., stable=True) puts dropped choices last; the token of flat choice i
-    #   is i // k.
+    # Hint 3: give each dropped choice the sort key num_experts, past every real expert
+    #   (torch.where over the flattened choices and keep); a stable torch.argsort of the keys
+    #   then puts the dropped ones last, and its first `kept` entries are the order; the token
+    #   of flat choice i is floor(i / k); the splits are the counts viewed as (ep, E/ep),
+    #   summed per rank (dim 1).
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     num_tokens, k = experts.shape
@@ -156,8 +158,9 @@ def combine(
     #   per (token, choice), each returned row placed at its choice's position (out of place,
     #   so that autograd follows); viewed as (T, k, hidden), times the weights (broadcast over
     #   hidden), summed over the k choices.
-    # Hint 3: zeros.index_copy(0, plan.order, back) places the rows;
-    #   weights.unsqueeze(-1) broadcasts.
+    # Hint 3: index_copy along dim 0 of a zero buffer (T·k rows) puts the returned rows at
+    #   the positions plan.order names, out of place; the weights with a last dimension of
+    #   size 1 (unsqueeze) broadcast over hidden; sum over dim 1 of the (T, k, hidden) view.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     back = all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)
@@ -242,11 +245,17 @@ def sync_moe_gradients(layer: MoELayer, layout: ExpertLayout) -> None:
     # Hint 1: for one expert, list whose losses its gradient already includes after backward
     #   (the all-to-all's backward carried gradients from the ranks that sent it tokens) and
     #   whose are still missing; do the same for the router, which every rank holds.
-    # Hint 2: each router gradient: an all-reduce (sum) over the layout's world group, then
-    #   divided by the world size; each expert gradient: an all-reduce (sum) over the
-    #   layout's dp group, then divided by the world size as well (not by the dp size: the
-    #   mean divides by the number of losses averaged, whatever group the sum ran over).
-    # Hint 3: dist.all_reduce(grad, group=...) sums in place; grad.div_(n) divides in place.
+    # Hint 2: the router: each copy saw only its own rank's tokens, so the missing parts sit
+    #   on every other rank. An expert: the all-to-all's backward already brought it the parts
+    #   of every rank of its own replica (its ep group), so the missing parts are those of the
+    #   other replicas, on the ranks holding copies of the same expert. Sum each gradient over
+    #   the ranks where its missing parts are, then divide by the number of losses the mean is
+    #   over (not necessarily the size of the group the sum ran over).
+    # Hint 3: router gradients: dist.all_reduce (a sum, in place) on layout.world_group, then
+    #   an in-place division by layout.world_size. Expert gradients: dist.all_reduce on
+    #   layout.dp_group, then an in-place division by layout.world_size too, not by dp_size:
+    #   the mean is over all ep·dp losses (Megatron-LM's expert_gradient_scaling_factor is
+    #   1/(data-parallel size including ep) for the same reason).
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     world = layout.world_size

@@ -56,8 +56,10 @@ def hierarchical_all_reduce(
     #   an all-reduce of the chunk it returned over the ranks that share this local rank on
     #   every node, and an all-gather of that chunk into tensor over this node again. With one
     #   node, or one rank per node, the steps over a group of one rank do nothing.
-    # Hint 3: chunk = reduce_scatter_ring(tensor, op, <intra-node group>, inplace=True); then
-    #   ring_all_reduce(chunk, op, <inter-node group>); then all_gather_ring(chunk, tensor, ...).
+    # Hint 3: reduce_scatter_ring of tensor with op on the topology's intra-node group, in
+    #   place, returns the chunk; ring_all_reduce of that chunk with op on the inter-node
+    #   group; all_gather_ring from the chunk into tensor on the intra-node group; return
+    #   tensor.
     # See guidelines.md#33-hierarchical-all-reduce
     # >>> solution
     chunk = reduce_scatter_ring(tensor, op, topology.intra_node_group, inplace=True)

@@ -62,8 +62,9 @@ def route(logits: torch.Tensor, k: int) -> Routing:
     # Hint 2: the softmax over the expert dimension; the k largest probabilities of each row
     #   and where they are (one torch function returns both, sorted); each row of chosen
     #   probabilities divided by its own total.
-    # Hint 3: probs.topk(k, dim=-1) returns (values, indices); values.sum(-1, keepdim=True)
-    #   is the per-token total to divide by.
+    # Hint 3: topk over the last dimension of probs returns (values, indices), largest
+    #   first; the values' sum over the last dimension, kept as a column (keepdim), is the
+    #   per-token total to divide by.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     probs = torch.softmax(logits, dim=-1)

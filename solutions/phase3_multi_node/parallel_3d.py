@@ -180,8 +180,9 @@ def build_stage(dense: nn.Sequential, topology: Topology) -> nn.Sequential:
     #   pipeline size; this stage's contiguous run of them, found from its pipeline rank; each
     #   turned into its tensor-parallel shard on the tensor-parallel group (not the world, not
     #   the pp or dp group); all of them, in order, in one nn.Sequential.
-    # Hint 3: k = len(blocks) // topology.pp_size; blocks[pp_rank * k : (pp_rank + 1) * k];
-    #   ParallelMLP.from_dense(block, topology.tp_group) for each.
+    # Hint 3: per stage, the number of blocks divided (whole) by the pipeline size; this
+    #   stage's run starts at its pipeline rank times that; each block of the run through your
+    #   ParallelMLP.from_dense with the topology's tensor-parallel group, in an nn.Sequential.
     # See guidelines.md#36-3d-parallelism
     # >>> solution
     blocks = dense_blocks(dense)

@@ -79,7 +79,8 @@ class ParameterServer(ServerBase):
         #   (the configured one only in ssp), then compare the number of applied clocks with
         #   the clock asked for, less that staleness. Try the edge: with staleness 0, a pull for
         #   clock 0 is served at once, one for clock 1 only after the first clock was applied.
-        # Hint 3: serve when self.clock >= clock - s.
+        # Hint 3: serve when the number of applied clocks (self.clock) is at least the clock
+        #   asked for minus s, with s the ssp staleness and 0 in sync.
         # See guidelines.md#37-parameter-server
         # >>> solution
         if self.config.mode == "async":
@@ -103,7 +104,9 @@ class ParameterServer(ServerBase):
         #   Otherwise refuse first a clock older than the oldest open one (a worker dropped
         #   from a re-formed clock pushes late); then store the gradient under its clock, its
         #   worker and its key, creating the inner dicts the first time.
-        # Hint 3: self.pending.setdefault(clock, {}).setdefault(worker, {})[key] = grad
+        # Hint 3: async: step_with a dict mapping the key to grad / num_workers. Otherwise a
+        #   clock below self.clock is a ProtocolError; the gradient goes to pending[clock]
+        #   [worker][key], each level created empty by setdefault when missing.
         # See guidelines.md#37-parameter-server
         # >>> solution
         if self.config.mode == "async":
@@ -129,8 +132,9 @@ class ParameterServer(ServerBase):
         # Hint 2: unless async, repeat while something is pending and every member has
         #   completed the oldest open clock: apply that clock with the workers that completed
         #   it (a given helper lists them); applying it moves the oldest open clock on by one.
-        # Hint 3: while self.pending and all(self.completed[m] > self.clock for m in
-        #   self.members): self.close_clock(...the helper's list...).
+        # Hint 3: loop while pending is not empty and every member's completed count is above
+        #   self.clock (all(...) over self.members); each pass calls close_clock with
+        #   clock_pushers()'s list.
         # See guidelines.md#37-parameter-server
         # >>> solution
         if self.config.mode == "async":
@@ -152,8 +156,9 @@ class ParameterServer(ServerBase):
         #   build one dict key -> average (start from a copy of the first pusher's gradient,
         #   add the others' in order, divide by their number) and step once with the whole
         #   dict; then advance the clock.
-        # Hint 3: grads = self.pending.pop(...); total = grads[pushers[0]][key].clone();
-        #   total += grads[w][key] for the rest; averaged[key] = total / len(pushers).
+        # Hint 3: pop self.clock's entry from pending (an empty dict when absent); per key, a
+        #   clone of the first pusher's gradient, the others added in place in pusher order,
+        #   the sum divided by the number of pushers; one step_with of the dict; clock + 1.
         # See guidelines.md#37-parameter-server
         # >>> solution
         grads = self.pending.pop(self.clock, {})
@@ -211,8 +216,10 @@ class Worker(WorkerBase):
         # Hint 2: two passes over the servers: first send each its PULL; then read each one's
         #   answer frame by frame until END, copying each PARAM's tensor into the parameter of
         #   its key without recording autograd history, and refusing anything else.
-        # Hint 3: self.send(s, encode_control(MsgType.PULL, ...)); header, payload =
-        #   self.receive(s); copy_ payload_tensor(header, payload) under torch.no_grad().
+        # Hint 3: self.send to each server of encode_control with MsgType.PULL, this worker
+        #   and the clock; then per server, self.receive gives (header, payload) until an END;
+        #   payload_tensor of the two is copied in place (copy_) into the key's parameter,
+        #   under torch.no_grad.
         # See guidelines.md#37-parameter-server
         # >>> solution
         for server in range(len(self.keys)):

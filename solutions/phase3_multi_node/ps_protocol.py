@@ -57,8 +57,9 @@ def check_header(header: Header, max_payload: int) -> None:
     #   max_payload; a fixed-size frame's length must equal its size; any other frame's must
     #   be zero. Each refusal raises ProtocolError naming the field, its value and what was
     #   allowed.
-    # Hint 3: itemsize = torch.empty((), dtype=header.dtype).element_size(); expected length =
-    #   math.prod(header.shape) * itemsize; header.dims[header.ndim:] are the unused sizes.
+    # Hint 3: an element's size is element_size() of an empty 0-d tensor of header.dtype;
+    #   the expected length is math.prod of header.shape times it; the unused sizes are the
+    #   entries of header.dims from position ndim on.
     # See guidelines.md#37-parameter-server
     # >>> solution
     if header.dtype_code >= len(WIRE_DTYPES):

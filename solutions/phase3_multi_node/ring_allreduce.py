@@ -79,8 +79,8 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     # Hint 2: walk the chunks in order keeping a running start; a chunk is one element longer
     #   when its index is below the remainder. Check it on numel = 10, n = 4 (sizes 3, 3, 2, 2)
     #   and on numel = 2, n = 3 (1, 1, 0).
-    # Hint 3: base, extra = divmod(numel, n); chunk i has base + (1 if i < extra else 0)
-    #   elements and starts where chunk i - 1 stopped.
+    # Hint 3: divmod of numel by n gives (base, extra); chunk i has base + 1 elements when
+    #   i < extra and base otherwise, and starts where chunk i − 1 stopped (chunk 0 at 0).
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     base, extra = divmod(numel, n)
@@ -163,9 +163,12 @@ def _reduce_scatter_steps(
     #   reduced segment on at once (it is what the next step sends). At the last step the
     #   reduced segment belongs to your own chunk: send it on only if forward_own, under the
     #   all-gather's tag.
-    # Hint 3: at step s rank r sends chunk (r - 1 - s) % n and receives chunk (r - 2 - s) % n;
-    #   plan.pieces(index) gives a chunk's segments, _POOL.get(size, flat, slot=s) a buffer,
-    #   links.irecv(buffer_view, REDUCE_SCATTER_TAG) / links.isend(flat_view, tag) the messages.
+    # Hint 3: at step s rank r sends chunk r − 1 − s and receives chunk r − 2 − s, both mod n
+    #   (plan.pieces(i) and plan.chunk(i) reduce any integer i mod n themselves). Step s's
+    #   buffer is the pool's slot s, sized to the arriving chunk; a segment [lo, hi) of that
+    #   chunk (which starts at `start`) lands in the buffer's [lo − start, hi − start) through
+    #   links.irecv under REDUCE_SCATTER_TAG, and is reduced into flat's [lo, hi) by combine_;
+    #   links.isend sends flat's views.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     incoming = []  # per step: (this rank's view of the chunk, its receive buffer, the irecv)
@@ -207,8 +210,9 @@ def _post_all_gather_receives(plan: RingPlan) -> Receives:
     #   Receive into flat itself (no buffer): the data is final when it lands.
     # Hint 2: for each step, the index of the arriving chunk, then one receive per segment of
     #   it (plan.pieces lists a chunk's segments), each into that segment's view of flat.
-    # Hint 3: at step s rank r receives chunk (r - 1 - s) % n:
-    #   [(flat[lo:hi], plan.links.irecv(flat[lo:hi], ALL_GATHER_TAG)) for lo, hi in ...].
+    # Hint 3: at step s rank r receives chunk r − 1 − s (mod n), for s from 0 to n − 2; for
+    #   each segment [lo, hi) of it, the pair (flat's view from lo to hi, an irecv by
+    #   plan.links into that same view under ALL_GATHER_TAG).
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     rank, n = plan.rank, plan.n
@@ -240,7 +244,9 @@ def _finish_all_gather(
     # Hint 2: step by step, segment by segment: wait for the segment's receive; unless this is
     #   the last step, post its send to the right under the all-gather's tag and keep the work.
     #   When every receive is done, wait for every send (those already in `sends` included).
-    # Hint 3: plan.links.isend(view, ALL_GATHER_TAG) for steps 0 .. n-3, then wait_all(sends).
+    # Hint 3: after each segment's receive completes, at steps 0 to n − 3 only, an isend by
+    #   plan.links of that same view under ALL_GATHER_TAG, its work appended to sends; after
+    #   the loop, one wait_all over sends.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     for step, posted in enumerate(receives):
@@ -341,10 +347,16 @@ def ring_all_reduce(
     # Hint 1: the helpers above are the two halves: _reduce_scatter_steps leaves chunk r
     #   reduced in plan.flat, _post_all_gather_receives + _finish_all_gather pass the chunks
     #   around (see all_gather_ring for them used alone).
-    # Hint 2: post the all-gather's receives first (their tag keeps them apart from the
-    #   reduce-scatter's messages, and no all-gather data can arrive before the chunk it belongs
-    #   to is final everywhere), then run the reduce-scatter with forward_own=True: its sends
-    #   include your own chunk's, which replace all_gather_ring's _send_own_chunk.
+    # Hint 2: the all-gather's receives can be posted before the reduce-scatter starts: gloo
+    #   pairs messages from one neighbour and tag in posting order, and their own tag keeps
+    #   them apart from the reduce-scatter's; and no all-gather data can arrive before the
+    #   chunk it belongs to is final everywhere. The all-gather's first step (your own chunk,
+    #   which all_gather_ring sends with _send_own_chunk) can then leave from inside the
+    #   reduce-scatter, segment by segment, the moment each is final.
+    # Hint 3: three calls in this order: _post_all_gather_receives on the plan; then
+    #   _reduce_scatter_steps with forward_own set to True, whose returned sends already hold
+    #   your own chunk's segments, in flight; then _finish_all_gather with those receives and
+    #   sends. Return the tensor.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     receives = _post_all_gather_receives(plan)

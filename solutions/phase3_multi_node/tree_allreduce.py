@@ -112,8 +112,10 @@ def halving_doubling_all_reduce(
     #   result back into it, and is done (blocking calls are safe: the partner receives first).
     #   Its partner receives that tensor into a separate buffer and combines it into its own.
     #   Every peer is a group rank to map to a global one.
-    # Hint 3: folded: dist.send(flat, dst=peer(group, me), group=group), then dist.recv back;
-    #   an odd rank < 2e: dist.recv(buffer, src=peer(group, rank - 1), ...), combine_(flat, ...).
+    # Hint 3: a folded rank: a blocking dist.send of the flat tensor to its partner (`me`
+    #   names it; peer maps it to a global rank, with group given), then a blocking dist.recv
+    #   from the same partner into the same tensor. An odd rank below 2e: a dist.recv from
+    #   group rank rank − 1 into a pooled buffer, then combine_ of that buffer into flat.
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     # >>> solution
     if role == "folded":
@@ -140,9 +142,11 @@ def halving_doubling_all_reduce(
     #   a buffer), reduce it into the kept half, remember the step. Doubling: the steps in
     #   reverse, sending what you hold and receiving the half you gave into place. At the end
     #   an odd rank below 2e sends the result back to its folded partner.
-    # Hint 3: partner = peer(group, core_rank_to_group(me ^ d, n)); the lower rank is the one
-    #   with me & d == 0; exchange(flat[give], buffer, partner, group) then combine_(flat[keep],
-    #   buffer, op); doubling: exchange(flat[keep], flat[give], partner, group).
+    # Hint 3: the partner is core rank me XOR d, mapped by core_rank_to_group then peer; the
+    #   lower of the pair is the one whose bit d is 0 (me AND d = 0). Halving: exchange sends
+    #   flat's `give` range and receives into a buffer, then combine_ reduces the buffer into
+    #   flat's `keep` range. Doubling: exchange sends flat's `keep` range and receives straight
+    #   into flat's `give` range.
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     # >>> solution
     lo, hi = 0, flat.numel()

@@ -81,8 +81,9 @@ class ZeroOptimizer(ShardedOptimizer):
         #   gradient goes into its shard's gradient (in place: the optimizer holds that tensor);
         #   then the inner optimizer's step; then, in stages 1-2 only, each unit brings its
         #   parameters up to date (stage 3 gathers before the next forward instead).
-        # Hint 3: unit.shard.grad.copy_(unit.reduce_scatter(unit.flat_grad)); self.inner.step();
-        #   unit.all_gather_params() for each unit when self.stage < 3.
+        # Hint 3: in stage 1, per unit: the unit's reduce_scatter of its flat_grad, copied
+        #   in place (copy_) into its shard's .grad; the inner optimizer's step; in stages 1 and
+        #   2, per unit: all_gather_params.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         if self.stage == 1:

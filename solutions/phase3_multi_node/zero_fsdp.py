@@ -75,8 +75,9 @@ class Prefetcher:
         # Hint 2: first the unit at `position`: wait for it (its gather was started one step
         #   earlier, or is started now); then start the gathers of the units after it in
         #   `order`, up to `window` of them; wait for none of those.
-        # Hint 3: order[position].wait_gather(); for unit in order[position + 1 : position + 1
-        #   + self.window]: unit.start_gather().
+        # Hint 3: wait_gather on the unit at `position`; then start_gather on each unit of
+        #   `order` from position + 1 up to (not including) position + 1 + window (a slice that
+        #   ends early at the end of the list).
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         order[position].wait_gather()

@@ -88,9 +88,10 @@ class FsdpUnit:
         #   to padded_bytes; cast the detached shard to param_dtype and keep it; issue the
         #   all-gather from it into flat_param on the unit's group without waiting, and keep
         #   the Work it returns.
-        # Hint 3: storage.resize_(self.padded_bytes); self.gather_input =
-        #   self.shard.detach().to(self.param_dtype); self.work = dist.all_gather_into_tensor(
-        #   self.flat_param, self.gather_input, group=self.group, async_op=True).
+        # Hint 3: resize_ flat_param's untyped storage to padded_bytes; gather_input is the
+        #   shard, detached, converted to param_dtype; dist.all_gather_into_tensor from it into
+        #   flat_param on the unit's group with async_op set returns the Work to keep in
+        #   self.work.
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         if self.is_gathered or self.work is not None:
@@ -141,9 +142,11 @@ class FsdpUnit:
         # Hint 2: cast the flat gradient to reduce_dtype; divide it by the first factor; an
         #   output of one slice in reduce_dtype; the reduce-scatter on the unit's group;
         #   divide by the second factor; return it cast to the shard's dtype.
-        # Hint 3: before, after = divide_factors(self.world_size, self.reduce_dtype);
-        #   dist.reduce_scatter_tensor(out, flat_grad.to(self.reduce_dtype) / before, group=...);
-        #   return (out / after).to(self.shard.dtype).
+        # Hint 3: divide_factors of the world size and reduce_dtype gives (before, after); the
+        #   input is flat_grad converted to reduce_dtype, divided by `before`; the output an
+        #   empty tensor of shard_numel elements in reduce_dtype on the gradient's device;
+        #   dist.reduce_scatter_tensor on the unit's group; divide by `after`, convert to the
+        #   shard's dtype.
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         before, after = divide_factors(self.world_size, self.reduce_dtype)

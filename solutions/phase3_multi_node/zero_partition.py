@@ -32,7 +32,8 @@ def padded_size(numel: int, world_size: int) -> int:
     # Hint 1: 107 elements on 4 ranks need 1 element of padding: 27 per rank.
     # Hint 2: the elements per rank are numel divided by the world, rounded up (a ceiling
     #   division in integers); the padded size is that times the world.
-    # Hint 3: -(-numel // world_size) is the ceiling of numel / world_size.
+    # Hint 3: in integers, ⌈a / b⌉ = (a + b − 1) // b, or minus the floor division of −a by b;
+    #   the padded size is that ceiling of numel / world_size, times world_size.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     return -(-numel // world_size) * world_size

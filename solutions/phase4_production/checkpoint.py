@@ -82,9 +82,11 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     #   folder and make them durable (Python's buffer, then the operating system's); rename that
     #   file onto the target and make the rename durable too (the folder is data as well); if any
     #   step raises, remove the temporary file and let the error go on.
-    # Hint 3: tempfile.mkstemp(dir=path.parent) gives a descriptor and a name; os.fdopen(fd,
-    #   "wb") wraps the descriptor; f.flush() and os.fsync(f.fileno()) before os.replace(tmp,
-    #   path); then fsync_directory(path.parent).
+    # Hint 3: tempfile.mkstemp in the target's folder gives a descriptor and a name; os.fdopen
+    #   opens the descriptor for binary writing; the file object's flush, then os.fsync of its
+    #   descriptor number (fileno), before os.replace moves the temporary name onto the
+    #   target; then fsync_directory on the target's folder. The except branch unlinks the
+    #   temporary file (missing_ok) and re-raises.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".tmp-")

@@ -65,9 +65,10 @@ def cast_compress_hook(
     #   copy that runs while backward goes on; a future that, once the sum is there, copies it
     #   back into the buffer and yields the buffer. What runs when the sum arrives only
     #   computes: it starts no collective.
-    # Hint 3: buffer.to(dtype).div_(world); dist.all_reduce(..., group=group,
-    #   async_op=True).get_future().then(fn), where fn(done) copies done.value()[0] into the
-    #   buffer and returns it.
+    # Hint 3: the bucket's buffer converted to dtype, then divided in place by the group's
+    #   world size; dist.all_reduce of it on group with async_op set; the Work's get_future();
+    #   its then() with a function of the finished future that copies the future's value()[0]
+    #   into the buffer (copy_ casts back) and returns the buffer.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     buffer = bucket.buffer()

@@ -131,8 +131,10 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
     # Hint 2: for each column, left to right: scale it to unit length (epsilon added to the
     #   length only when it is not 0), then remove from every later column its projection on
     #   this one (all later columns at once). Work on views of the matrix, in place.
-    # Hint 3: col = matrix[:, i : i + 1]; torch.linalg.vector_norm(col, dim=0, keepdim=True);
-    #   rest = matrix[:, i + 1 :]; rest -= torch.sum(col * rest, dim=0, keepdim=True) * col.
+    # Hint 3: column i as an n x 1 view (a slice of width 1 keeps it 2-d); its norm by
+    #   torch.linalg.vector_norm over dim 0, kept as 1 x 1; divide the view in place; the
+    #   later columns as one n x (r − i − 1) view R; with c the unit column, R −= c·(cᵀR):
+    #   the column-wise dot products (a sum over dim 0 of c times R, kept 1 x k) times c.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     columns = matrix.shape[1]
@@ -185,10 +187,12 @@ def low_rank_average(
     #   one all-reduce of all P's (no division: normalized next); orthogonalize every P; each
     #   Q from its matrix transposed and P; one all-reduce of all Q's, then the average; each
     #   matrix becomes its P times its Q transposed.
-    # Hint 3: warm = state.warm_start and index in state.q_memory; first.new_empty(total);
-    #   state.fill_random(q_views); torch.bmm(m.unsqueeze(0), q.unsqueeze(0),
-    #   out=p.unsqueeze(0)) (torch's kernels: `@` differs in the last bit, within tolerance);
-    #   dist.all_reduce(state.p_memory[index], group=group); state.q_memory[index].div_(world).
+    # Hint 3: warm-start only when state.warm_start is set and q_memory has this index;
+    #   otherwise new_empty flat memories of Σ rows·r elements (P) and Σ cols·r (Q), and
+    #   state.fill_random on Q's views. Products with torch.bmm on batches of one (unsqueeze
+    #   each matrix at dim 0, the result written with out= into the factor's view): torch's
+    #   own kernels, where `@` may differ in the last bit. dist.all_reduce on the flat P
+    #   memory, then on the flat Q memory, which is then divided in place by the world size.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     eps = state.orthogonalization_epsilon

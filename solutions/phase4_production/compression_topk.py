@@ -96,8 +96,10 @@ def sparsify(state: TopKState, bucket: dist.GradBucket) -> tuple[torch.Tensor, t
     #   tensor: the bucket stays as it is); then how many entries this bucket sends, and which
     #   (largest magnitude); their signed values are what is sent; what is held back now is
     #   that sum with the sent entries zeroed, kept for this bucket's next step.
-    # Hint 3: total = bucket.buffer() + state.error_of(bucket); topk_count(total.numel(),
-    #   state.ratio); torch.topk(total.abs(), k).indices; state.errors[bucket.index()].
+    # Hint 3: the sum is the bucket's buffer() plus state.error_of the bucket; k is topk_count
+    #   of the sum's element count and state.ratio; the indices are those of torch.topk of the
+    #   sum's absolute values; the values are the sum at those indices; the new error is a
+    #   clone of the sum zeroed there, stored in state.errors under the bucket's index().
     # See guidelines.md#44-gradient-compression
     # >>> solution
     total = bucket.buffer() + state.error_of(bucket)
@@ -129,9 +131,10 @@ def average_sparse(
     #   cleared; each rank's values added at its indices, rank after rank in the same order
     #   everywhere (an index may come from several ranks, never twice from one); one division
     #   by the group size at the end.
-    # Hint 3: dist.all_gather_into_tensor(a flat tensor of world x k, values, group=group)
-    #   (the same for indices); out.zero_(); for each rank's row: out[its indices] += its
-    #   values; out.div_(world).
+    # Hint 3: dist.all_gather_into_tensor into a flat tensor of world·k elements, from the
+    #   contiguous values, on group (the same for the indices); zero out in place; for rank r
+    #   from 0 to world − 1, add r's k values into out at r's k indices; divide out in place by
+    #   the world size.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     world = dist.get_world_size(group)

@@ -188,10 +188,11 @@ def resume(
     #   step's state file, hands it to state.load_state_dicts, restores its own RNG states from the
     #   saved "rng" entry with its global rank (a KeyError is tolerated only when strict_rng is
     #   False) and returns the saved progress, the path and the dictionary.
-    # Hint 3: torch.tensor([-1], dtype=torch.int64, device=collective_device(group)),
-    #   step_of(manager.latest_valid()), dist.broadcast(t, src=dist.get_global_rank(group, 0)
-    #   or 0, group=group), manager.load(manager.path_for(step), STATE_FILE), restore_rng(saved[
-    #   "rng"], dist.get_rank()).
+    # Hint 3: a one-element int64 tensor holding −1 on collective_device of the group; on
+    #   rank 0 of the group, step_of the manager's latest_valid() (when there is one) goes in
+    #   it; dist.broadcast from the global rank of the group's rank 0 (get_global_rank; 0
+    #   when group is None); the manager's load of path_for(step) and STATE_FILE; restore_rng
+    #   of the saved "rng" entry with this process's global rank (dist.get_rank()).
     # See guidelines.md#42-automatic-recovery
     # >>> solution
     chosen = torch.tensor([-1], dtype=torch.int64, device=collective_device(group))

@@ -225,9 +225,10 @@ def find_stragglers(
     #   an all-gather of those over the group; the median of the gathered ones is the
     #   reference; every group member strictly above threshold x the reference becomes a
     #   Straggler named by its global rank, with its median, the reference and the threshold.
-    # Hint 3: torch.median, a float64 tensor of shape [1] on collective_device(group),
-    #   dist.all_gather(list, tensor, group=group), dist.get_global_rank(group, r) (r itself
-    #   when group is None).
+    # Hint 3: torch.median of the window as a float64 tensor, reshaped to one element and
+    #   moved to collective_device of the group; dist.all_gather on group into a list of
+    #   tensors like it, one per rank; the global rank of group rank r is
+    #   dist.get_global_rank of the group and r (r itself when group is None).
     # See guidelines.md#45-monitoring-and-profiling
     # >>> solution
     device = collective_device(group)

@@ -1,0 +1,173 @@
+"""The hint ladder (``uv run python -m tests.hint 3.1``) gives one rung of one TODO at a time.
+
+Each test works on a scratch copy of the learner's template (under pytest's tmp_path) and a
+state file there, so nothing is left behind in the project.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import hint
+import pytest
+from exercises import EXERCISES, Exercise
+from hint_ladder import LadderState, exercise_todos, open_raises, unwritten_line
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = Path("phase3_multi_node/template_ring_allreduce.py")
+RAISE = re.compile(r'raise NotImplementedError\((?:\s*"[^"]*")+\s*\)')
+Capture = pytest.CaptureFixture[str]
+
+pytestmark = pytest.mark.harness
+
+
+@pytest.fixture
+def learner(tmp_path: Path) -> Path:
+    """A scratch project root holding an untouched copy of 3.1's template."""
+    (tmp_path / TEMPLATE.parent).mkdir(parents=True)
+    shutil.copy(ROOT / TEMPLATE, tmp_path / TEMPLATE)
+    return tmp_path
+
+
+def ask(learner: Path, capsys: Capture, *argv: str) -> tuple[int, str]:
+    """Run ``tests.hint`` with ``argv`` on the scratch copy; (exit code, what it printed)."""
+    code = hint.main(list(argv), root=learner, state_file=learner / ".hints" / "ladder.json")
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def write_todo(learner: Path, number: int) -> None:
+    """Replace the raise of 3.1's TODO ``number`` in the scratch template, as a learner would."""
+    todo = exercise_todos("3.1")[number - 1]
+    line = unwritten_line(todo, learner)
+    assert line is not None, f"TODO 3.1 #{number} is written already in {learner / TEMPLATE}"
+    path = learner / TEMPLATE
+    text = path.read_text()
+    start = sum(map(len, text.splitlines(keepends=True)[: line - 1]))
+    match = RAISE.search(text, start)
+    assert match is not None
+    path.write_text(text[: match.start()] + "pass  # written" + text[match.end() :])
+
+
+def test_first_call_gives_hint_2_of_the_first_unwritten_todo_only(
+    learner: Path, capsys: Capture
+) -> None:
+    code, out = ask(learner, capsys, "3.1")
+    first = exercise_todos("3.1")[0]
+    assert code == 0, out
+    assert f"TODO 3.1 #1 of 5: {first.goal}" in out
+    assert re.search(rf"in {re.escape(str(TEMPLATE))}:\d+", out), "the rung names the file:line"
+    assert "Hint 2:" in out and "Hint 3:" not in out
+    assert "#2 of 5" not in out, "one TODO at a time"
+    assert "ask again (without --level) for Hint 3" in out, "the rung says how to get the next one"
+
+
+def test_asking_again_climbs_to_hint_3_then_says_it_was_the_last(
+    learner: Path, capsys: Capture
+) -> None:
+    ask(learner, capsys, "3.1")
+    _, second = ask(learner, capsys, "3.1")
+    assert "Hint 3:" in second and "Hint 2:" not in second
+    assert "last rung" in second
+    _, third = ask(learner, capsys, "3.1")
+    assert "Hint 3:" in third and "last rung" in third, "the top rung stays the top rung"
+
+
+def test_a_written_todo_moves_the_ladder_to_the_next_one(learner: Path, capsys: Capture) -> None:
+    ask(learner, capsys, "3.1")
+    write_todo(learner, 1)
+    _, out = ask(learner, capsys, "3.1")
+    assert "TODO 3.1 #2 of 5" in out and "Hint 2:" in out, "a new TODO starts at Hint 2"
+
+
+def test_every_todo_written_says_so_and_points_at_todo(learner: Path, capsys: Capture) -> None:
+    for number in range(1, 6):
+        write_todo(learner, number)
+    assert open_raises(learner / TEMPLATE) == []
+    code, out = ask(learner, capsys, "3.1")
+    assert code == 0
+    assert "Every TODO of 3.1 is written" in out
+    assert "--todo K" in out and "-m ex3_1" in out
+
+
+def test_todo_and_level_pick_a_rung(learner: Path, capsys: Capture) -> None:
+    _, out = ask(learner, capsys, "3.1", "--todo", "2", "--level", "3")
+    assert "TODO 3.1 #2 of 5" in out and "Hint 3:" in out and "Hint 2:" not in out
+    _, out = ask(learner, capsys, "3.1", "--todo", "3")
+    assert "TODO 3.1 #3 of 5" in out and "Hint 2:" in out
+    _, out = ask(learner, capsys, "3.1", "--todo", "3")
+    assert "TODO 3.1 #3 of 5" in out and "Hint 3:" in out, "--todo keeps its own ladder"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["3.9"], "exercise '3.9' has no TODOs"),
+        (["phase3"], "numbered like 2.5"),
+        (["3.1", "--todo", "6"], "--todo 6: exercise 3.1 has TODOs 1 to 5"),
+        (["3.1", "--todo", "0"], "--todo 0"),
+        (["3.1", "--level", "1"], "Hint 1 of TODO 3.1 #1 is in your template"),
+        (["3.1", "--level", "4"], "--level 4: TODO 3.1 #1 has Hints 2, 3"),
+    ],
+)
+def test_bad_arguments_are_named_with_the_fix(
+    learner: Path, capsys: Capture, argv: list[str], says: str
+) -> None:
+    code, out = ask(learner, capsys, *argv)
+    assert code == 2, out
+    assert says in out, out
+    assert not (learner / ".hints").exists(), "a refused request records no rung"
+
+
+def test_a_todo_with_hint_2_only_refuses_level_3(learner: Path, capsys: Capture) -> None:
+    for ex in EXERCISES:
+        for todo in exercise_todos(ex.id):
+            if sorted(todo.rungs) == [2]:
+                code, out = ask(learner, capsys, ex.id, "--todo", str(todo.number), "--level", "3")
+                assert code == 2 and f"#{todo.number} has Hint 2 only" in out, out
+                return
+    pytest.skip("every TODO has a Hint 3")
+
+
+def test_reset_starts_the_exercise_again_at_hint_2(learner: Path, capsys: Capture) -> None:
+    ask(learner, capsys, "3.1")
+    ask(learner, capsys, "3.1")
+    _, out = ask(learner, capsys, "3.1", "--reset")
+    assert "Forgot" in out
+    _, out = ask(learner, capsys, "3.1")
+    assert "Hint 2:" in out and "Hint 3:" not in out
+
+
+def test_a_broken_state_file_is_an_empty_ladder(learner: Path, capsys: Capture) -> None:
+    state = learner / ".hints" / "ladder.json"
+    state.parent.mkdir()
+    state.write_text("{not json")
+    code, out = ask(learner, capsys, "3.1")
+    assert code == 0 and "Hint 2:" in out
+    assert LadderState(state).shown, "the rung shown is recorded again"
+
+
+def test_all_prints_every_later_hint_for_instructors(learner: Path, capsys: Capture) -> None:
+    code, out = ask(learner, capsys, "3.1", "--all")
+    assert code == 0
+    todos = exercise_todos("3.1")
+    assert all(f"#{todo.number}: {todo.goal}" in out for todo in todos)
+    assert out.count("Hint 2:") == len(todos)
+    assert not (learner / ".hints").exists(), "--all is not a rung"
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=lambda ex: ex.id)
+def test_every_todo_has_a_ladder_without_gaps(ex: Exercise) -> None:
+    for todo in exercise_todos(ex.id):
+        levels = sorted(todo.rungs)
+        assert levels == list(range(2, 2 + len(levels))), (
+            f"TODO {ex.id} #{todo.number} ({todo.goal}) has later hints {levels}: number them "
+            "Hint 2, Hint 3 in order, so that each rung leads to the next"
+        )
+
+
+def test_the_state_file_stays_out_of_git() -> None:
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/.hints/" in ignored, "add /.hints/ to .gitignore: the ladder is each learner's own"
