@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-AXES = ("dp", "tp", "pp")
+# the groups of a Topology along which identical copies of a gradient can live
+COPY_GROUPS = ("dp", "cp", "tp", "dp_cp", "edp", "embedding")
 # parameters whole on every tp rank of a Megatron block: the row-parallel layer's bias (added
 # once, after the all-reduce) and, in transformer blocks, the layer norms
 TP_REPLICATED_SUFFIXES = ("fc2.bias", "norm.weight", "norm.bias")
@@ -36,9 +37,12 @@ TP_REPLICATED_SUFFIXES = ("fc2.bias", "norm.weight", "norm.bias")
 class GradShard:
     """One gradient this rank holds (``grad``, clipped in place) and where its copies live.
 
-    ``replicated_on`` names the axes of the topology (a subset of ``"dp"``, ``"tp"``) along
-    which every rank holds an identical copy of this tensor; along the other axes the ranks hold
-    different pieces of the model. ``name`` is for messages.
+    ``replicated_on`` names groups of the topology (:data:`COPY_GROUPS`) along which every rank
+    holds an identical copy of this tensor: ``"dp"`` and ``"tp"`` in a 3D-parallel stack; in
+    exercise 4.7 also ``"cp"`` or ``"dp_cp"`` (data x context ranks hold the same weights),
+    ``"edp"`` (the copies of an expert) and ``"embedding"`` (the first and last stage's copies
+    of a tied embedding). Along the other axes the ranks hold different pieces of the model.
+    ``name`` is for messages.
     """
 
     name: str
@@ -46,11 +50,11 @@ class GradShard:
     replicated_on: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        unknown = set(self.replicated_on) - {"dp", "tp"}
+        unknown = set(self.replicated_on) - set(COPY_GROUPS)
         if unknown:
             raise ValueError(
-                f"{self.name}: replicated_on={sorted(self.replicated_on)}; only 'dp' and 'tp' "
-                "can hold copies (every pipeline stage holds its own blocks)"
+                f"{self.name}: replicated_on={sorted(self.replicated_on)}; copies live on the "
+                f"groups {', '.join(COPY_GROUPS)} (a pipeline stage holds its own blocks)"
             )
 
 

@@ -5,13 +5,13 @@ A mixture-of-experts (MoE) layer replaces one feed-forward block by ``num_expert
 router that sends each token to ``k`` of those experts (Shazeer et al., "Outrageously Large Neural
 Networks: The Sparsely-Gated Mixture-of-Experts Layer", ICLR 2017). Nothing here is the exercise:
 
-* :class:`MoEConfig` and :func:`check_moe_config`: the settings, every bad one refused at once
-  with its fix, before any process group work (a rank that raises inside an all-to-all leaves its
-  peers waiting);
-* :class:`ExpertMLP`: one expert, the usual block ``Linear(h, f), GELU, Linear(f, h)``;
-* :class:`DenseMoE` and :func:`build_moe`: the whole layer's weights (the router and every
-  expert), the same on every rank for one seed, so that one process can compute the reference and
-  every rank can cut its own experts from it;
+* :class:`MoEConfig` (from ``course/moe_model.py``) and :func:`check_moe_config`: the settings,
+  every bad one refused at once with its fix, before any process group work (a rank that raises
+  inside an all-to-all leaves its peers waiting);
+* :class:`ExpertMLP`, :class:`DenseMoE` and :func:`build_moe` (from ``course/moe_model.py``, where
+  the language model of 4.7 finds them too): one expert, the whole layer's weights (the router
+  and every expert), the same on every rank for one seed, so that one process can compute the
+  reference and every rank can cut its own experts from it;
 * :func:`experts_of_rank`: which experts a rank of the expert-parallel group holds (contiguous
   blocks of ``num_experts / ep``, rank order);
 * :class:`LocalExperts`: this rank's experts, run on the rows an all-to-all delivered. Those rows
@@ -24,24 +24,21 @@ Networks: The Sparsely-Gated Mixture-of-Experts Layer", ICLR 2017). Nothing here
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from course.moe_model import DenseMoE, ExpertMLP, MoEConfig, build_moe
 
-@dataclass(frozen=True)
-class MoEConfig:
-    """One MoE layer: ``num_experts`` experts ``hidden -> ffn_hidden -> hidden``, each token sent
-    to ``k`` of them; each expert takes at most ``capacity_factor`` times its fair share of the
-    expert-parallel group's token choices (see ``moe_comm.expert_capacity``)."""
-
-    hidden: int = 16
-    ffn_hidden: int = 32
-    num_experts: int = 4
-    k: int = 2
-    capacity_factor: float = 1.25
+__all__ = [
+    "DenseMoE",
+    "ExpertMLP",
+    "LocalExperts",
+    "MoEConfig",
+    "build_moe",
+    "check_moe_config",
+    "experts_of_rank",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -82,41 +79,6 @@ def check_moe_config(config: MoEConfig, ep: int, dp: int = 1) -> None:
         )
     if problems:
         raise ValueError("; ".join(problems))
-
-
-class ExpertMLP(nn.Module):
-    """One expert: ``fc2(gelu(fc1(x)))``, ``hidden -> ffn_hidden -> hidden``."""
-
-    def __init__(self, hidden: int, ffn_hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn_hidden)
-        self.fc2 = nn.Linear(ffn_hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class DenseMoE(nn.Module):
-    """The whole layer's weights: ``router`` (``Linear(hidden, num_experts)``, no bias: its
-    outputs are the logits) and ``experts`` (all ``num_experts`` of them). A container only:
-    the forward pass is the exercise."""
-
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.router = nn.Linear(config.hidden, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            ExpertMLP(config.hidden, config.ffn_hidden) for _ in range(config.num_experts)
-        )
-
-
-def build_moe(config: MoEConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> DenseMoE:
-    """The whole layer from ``seed``, the same on every rank (built under a forked RNG, so the
-    caller's random state is left alone)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        dense = DenseMoE(config)
-    return dense.to(dtype)
 
 
 def experts_of_rank(num_experts: int, ep: int, ep_rank: int) -> range:

@@ -11,9 +11,10 @@ global ``total``, while it holds only some gradients, some of them also held by 
 * a p-norm is a sum in disguise: ``total^p = sum over elements |g|^p``. Each rank sums ``|g|^p``
   over what it holds, the partial sums are added over the groups whose ranks hold *different*
   pieces, and ``total = sum^(1/p)``;
-* a copy held by several ranks (replicated on dp, or on tp) must enter the sum once: only one
-  rank of each set of copies counts it (Megatron-LM's ``param_is_not_tensor_parallel_duplicate``
-  decides it for tensor parallelism);
+* a copy held by several ranks (replicated on dp, or on tp; in exercise 4.7 also on cp, on the
+  experts' edp group, or on the two stages of a tied embedding) must enter the sum once: only
+  one rank of each set of copies counts it (Megatron-LM's
+  ``param_is_not_tensor_parallel_duplicate`` decides it for tensor parallelism);
 * the inf-norm is a max: each rank's largest ``|g|``, then the max over the groups (a copy
   counted twice changes nothing; a SUM would add the ranks' maxima).
 
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from course.topology import Topology
+from course.topology import AXES, Topology
 from phase3_multi_node.clip_placement import GradShard
 
 
@@ -40,11 +41,12 @@ def counted_here(shard: GradShard, topology: Topology) -> bool:
     identical copies of it, exactly one does."""
     # TODO 3.6: decide whether this rank's copy of the gradient is the one the norm counts.
     # Invariant: over all ranks, every distinct piece of every gradient is counted exactly once:
-    #   a tensor replicated on some axes is counted by one rank of each set of copies, a tensor
-    #   held by nobody else by its rank.
-    # Hint 1: the copies of a tensor replicated on an axis are the ranks that differ from this
-    #   one only along that axis; every rank must recognise, from its own coordinates alone
-    #   (no message), whether it is the representative of its set.
+    #   a tensor replicated on some groups is counted by one rank of each set of copies, a
+    #   tensor held by nobody else by its rank.
+    # Hint 1: the copies of a tensor replicated on a group are the ranks of that group of the
+    #   topology (the ranks that differ from this one only along that group's axes); every rank
+    #   must recognise, from its own place alone (no message), whether it is the representative
+    #   of its set.
     # More hints: uv run python -m tests.hint 3.6
     # See guidelines.md#gradient-clipping-across-shards
     raise NotImplementedError(
@@ -66,10 +68,12 @@ def global_grad_norm(
     # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.
     # Invariant: every rank returns the norm one process would compute over all gradients:
     #   every distinct element enters once (counted_here), every group holding other pieces
-    #   (tp shards, pipeline stages, dp slices) contributes; for inf, the largest |g| anywhere.
+    #   (tp shards, cp and dp copies or slices, pipeline stages) contributes; for inf, the
+    #   largest |g| anywhere.
     # Hint 1: the p-th power of a p-norm is a sum over elements, and the inf-norm a max: both
     #   can be computed in parts, one per rank, and combined by all-reduces (ReduceOp.SUM or
-    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing.
+    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing. The groups
+    #   of the topology's four axes (AXES: pp, dp, cp, tp) together span the world.
     # More hints: uv run python -m tests.hint 3.6
     # See guidelines.md#gradient-clipping-across-shards
     raise NotImplementedError(

@@ -8,9 +8,10 @@ global ``total``, while it holds only some gradients, some of them also held by 
 * a p-norm is a sum in disguise: ``total^p = sum over elements |g|^p``. Each rank sums ``|g|^p``
   over what it holds, the partial sums are added over the groups whose ranks hold *different*
   pieces, and ``total = sum^(1/p)``;
-* a copy held by several ranks (replicated on dp, or on tp) must enter the sum once: only one
-  rank of each set of copies counts it (Megatron-LM's ``param_is_not_tensor_parallel_duplicate``
-  decides it for tensor parallelism);
+* a copy held by several ranks (replicated on dp, or on tp; in exercise 4.7 also on cp, on the
+  experts' edp group, or on the two stages of a tied embedding) must enter the sum once: only
+  one rank of each set of copies counts it (Megatron-LM's
+  ``param_is_not_tensor_parallel_duplicate`` decides it for tensor parallelism);
 * the inf-norm is a max: each rank's largest ``|g|``, then the max over the groups (a copy
   counted twice changes nothing; a SUM would add the ranks' maxima).
 
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from course.topology import Topology
+from course.topology import AXES, Topology
 from phase3_multi_node.clip_placement import GradShard
 
 
@@ -37,18 +38,18 @@ def counted_here(shard: GradShard, topology: Topology) -> bool:
     identical copies of it, exactly one does."""
     # TODO 3.6: decide whether this rank's copy of the gradient is the one the norm counts.
     # Invariant: over all ranks, every distinct piece of every gradient is counted exactly once:
-    #   a tensor replicated on some axes is counted by one rank of each set of copies, a tensor
-    #   held by nobody else by its rank.
-    # Hint 1: the copies of a tensor replicated on an axis are the ranks that differ from this
-    #   one only along that axis; every rank must recognise, from its own coordinates alone
-    #   (no message), whether it is the representative of its set.
-    # Hint 2: for every axis the shard is replicated on, look at this rank's coordinate on
-    #   that axis; the rank counts the shard only when that coordinate is the first (0) on all
-    #   of them; with no such axis it always counts.
+    #   a tensor replicated on some groups is counted by one rank of each set of copies, a
+    #   tensor held by nobody else by its rank.
+    # Hint 1: the copies of a tensor replicated on a group are the ranks of that group of the
+    #   topology (the ranks that differ from this one only along that group's axes); every rank
+    #   must recognise, from its own place alone (no message), whether it is the representative
+    #   of its set.
+    # Hint 2: for every group name the shard is replicated on, look at this rank's index in
+    #   its group of that name (topology.rank_in); the rank counts the shard only when that
+    #   index is the first (0) in all of them; with no such group it always counts.
     # See guidelines.md#gradient-clipping-across-shards
     # >>> solution
-    coordinate = {"dp": topology.dp_rank, "tp": topology.tp_rank}
-    return all(coordinate[axis] == 0 for axis in shard.replicated_on)
+    return all(topology.rank_in(name) == 0 for name in shard.replicated_on)
     # <<< solution
 
 
@@ -65,18 +66,21 @@ def global_grad_norm(
     # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.
     # Invariant: every rank returns the norm one process would compute over all gradients:
     #   every distinct element enters once (counted_here), every group holding other pieces
-    #   (tp shards, pipeline stages, dp slices) contributes; for inf, the largest |g| anywhere.
+    #   (tp shards, cp and dp copies or slices, pipeline stages) contributes; for inf, the
+    #   largest |g| anywhere.
     # Hint 1: the p-th power of a p-norm is a sum over elements, and the inf-norm a max: both
     #   can be computed in parts, one per rank, and combined by all-reduces (ReduceOp.SUM or
-    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing.
+    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing. The groups
+    #   of the topology's four axes (AXES: pp, dp, cp, tp) together span the world.
     # Hint 2: a float64 zero on the grads' device; for inf, the max of |g| over the shards
-    #   (copies do not change a max), all-reduced with MAX on the dp, tp and pp groups; else
+    #   (copies do not change a max), all-reduced with MAX on the group of every axis; else
     #   the sum of |g|^p over the shards counted_here keeps, all-reduced with SUM on the same
-    #   three groups, then raised to 1/p.
-    # Hint 3: partial = torch.zeros((), dtype=torch.float64, device=device); for inf:
-    #   partial = max(partial, g.abs().max()) and op = dist.ReduceOp.MAX; else partial +=
-    #   g.double().abs().pow(norm_type).sum() when counted_here; dist.all_reduce(partial,
-    #   op=op, group=g) for g in the three groups; return partial ** (1 / norm_type).
+    #   four groups, then raised to 1/p.
+    # Hint 3: the partial result starts as a 0-dim float64 tensor on the device; a counted
+    #   gradient adds the sum of its absolute values in float64, each raised to the p-th power;
+    #   for inf the partial keeps the larger of itself and a gradient's largest absolute
+    #   value, and the reduction is ReduceOp.MAX; after one all-reduce on
+    #   topology.group(name) for each name of AXES, the 1/p-th power of the sum.
     # See guidelines.md#gradient-clipping-across-shards
     # >>> solution
     partial = torch.zeros((), dtype=torch.float64, device=device)
@@ -90,9 +94,10 @@ def global_grad_norm(
             if counted_here(shard, topology):
                 partial += shard.grad.detach().double().abs().pow(norm_type).sum()
         op = dist.ReduceOp.SUM
-    # the three groups together span the world: dp slices or copies, tp pieces, stages
-    for group in (topology.tp_group, topology.pp_group, topology.dp_group):
-        dist.all_reduce(partial, op=op, group=group)
+    # the four axes' groups together span the world: tp pieces, cp and dp copies or slices,
+    # pipeline stages (a group of one rank when the axis has degree 1)
+    for axis in AXES:
+        dist.all_reduce(partial, op=op, group=topology.group(axis))
     return partial if math.isinf(norm_type) else partial ** (1.0 / norm_type)
     # <<< solution
 

@@ -82,8 +82,11 @@ def test_counted_here_counts_every_set_of_copies_once() -> None:
         for rank in range(grid.world_size):
             here = grid.coords(rank)
             pp, dp, tp = here.pp, here.dp, here.tp
-            topology = SimpleNamespace(rank=rank, dp_rank=dp, tp_rank=tp, pp_rank=pp,
-                                       dp_size=2, tp_size=2, pp_size=2, coords=(pp, dp, tp))  # fmt: skip
+            topology = SimpleNamespace(
+                rank=rank, dp_rank=dp, tp_rank=tp, pp_rank=pp, cp_rank=0, dp_size=2, tp_size=2,
+                pp_size=2, cp_size=1, coords=grid.coords(rank),
+                rank_in=lambda name, rank=rank: grid.group_of(name, rank).index(rank),
+            )  # fmt: skip
             # the ranks holding the same copy differ only along the replicated axes
             key = tuple(c for c, axis in zip((pp, dp, tp), ("pp", "dp", "tp"), strict=True)
                         if axis not in axes)  # fmt: skip
