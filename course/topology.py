@@ -475,7 +475,7 @@ class Topology:
             ranks_per_node = ranks_per_node_from_env(actual, rank)
         grid = RankGrid.for_world(actual, dp, tp, pp, ranks_per_node, cp=cp, ep=ep)
         mine: dict[str, dist.ProcessGroup] = {}
-        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        made: dict[tuple[int, ...], Any] = {}
         for name in GROUP_NAMES:
             for index, ranks in enumerate(grid.groups(name)):
                 # one process group per set of ranks: a name whose groups repeat another's (cp
@@ -635,7 +635,9 @@ class Topology:
         extra = f", cp={self.cp_size}" * (self.cp_size > 1) + f", ep={self.ep_size}" * (
             self.ep_size > 1
         )
-        coords = tuple(self.coords) if self.cp_size > 1 else (self.pp_rank, self.dp_rank, self.tp_rank)
+        coords = (
+            tuple(self.coords) if self.cp_size > 1 else (self.pp_rank, self.dp_rank, self.tp_rank)
+        )
         return (
             f"Topology(rank={self.rank}, dp={self.dp_size}, tp={self.tp_size}, pp={self.pp_size}"
             f"{extra}, nodes={self.num_nodes}x{self.ranks_per_node}, coords={coords})"

@@ -160,7 +160,16 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
 
 def infer_output_meta(module: nn.Module, meta: TensorMeta) -> TensorMeta:
     """The shape and dtype ``module`` outputs for an input described by ``meta``, computed on
-    the meta device: nothing is computed, no RNG is drawn, no buffer changes."""
+    the meta device: nothing is computed, no RNG is drawn, no buffer changes.
+
+    A module that knows its output without running asks to be trusted instead, with a method
+    ``output_meta(meta) -> TensorMeta``: a chunk whose forward sends point-to-point messages
+    (4.7's ring attention) cannot run on the meta device."""
+    known = getattr(module, "output_meta", None)
+    if callable(known):
+        result = known(meta)
+        assert isinstance(result, TensorMeta), type(result)
+        return result
     state = {name: t.to("meta") for name, t in module.state_dict(keep_vars=True).items()}
     with torch.no_grad():
         output = functional_call(module, state, (meta.empty("meta"),))

@@ -203,6 +203,14 @@ EXERCISES = [
         ("monitoring",),
         "45-monitoring-and-profiling",
     ),
+    # The pieces meet: one language model trained on every axis with the learner's own pieces.
+    Exercise(
+        "4.7",
+        "a language model on every axis",
+        "phase4_production",
+        ("lm_parallel", "lm_sequence_parallel"),
+        "47-the-pieces-meet-a-language-model-on-every-axis",
+    ),
 ]
 
 BY_ID = {exercise.id: exercise for exercise in EXERCISES}

@@ -1,0 +1,297 @@
+"""Given for exercise 4.7: the language model's training step on every axis, minus the thinking.
+
+Not an exercise. ``template_lm_parallel.py``'s ``ParallelLanguageModel`` is a
+:class:`LanguageModelRuntime` whose :attr:`~LanguageModelRuntime.functions` are yours. One step,
+on every rank, from the GLOBAL batch (the same ``tokens`` and ``targets`` everywhere, as 3.6):
+
+1. **This rank's tokens.** Its data-parallel replica's rows (contiguous, equal), then its
+   context-parallel shard of every sequence (2.7's zig-zag ``shard_sequence``). The count of
+   valid targets of the whole batch comes from yours (``count_valid_tokens``).
+2. **The pipeline** (2.5's executor on the pp group, the schedule of the settings) runs the
+   micro-batches through this rank's chunks (``lm_blocks.py``); the last stage turns its logits
+   into your ``loss_share``, the executor divides every micro-batch's loss by m, so the runtime
+   hands it ``m x`` the share. MoE layers attach their balance-loss shares to the backward.
+3. **The gradients** this rank holds (:class:`~phase4_production.lm_support.HeldGradient`,
+   whole or ZeRO slices) go through your ``finish_gradients``, then, with ``max_norm``, through
+   3.6's ``clip_grad_norm_`` with your ``gradient_placements``.
+4. **The optimizer** steps (AdamW, or the ZeRO/FSDP-style optimizer of 3.5 over the dp x cp
+   group), and the step's losses are reported on every rank (:class:`StepReport`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from course.language_model import LanguageModel
+from course.topology import Topology
+from phase3_multi_node.zero_fsdp_support import MixedPrecision, full_master_state
+from phase4_production.lm_blocks import Piece, StageChunk, StepContext, build_chunks, pieces_of
+from phase4_production.lm_functions import CompositionFunctions
+from phase4_production.lm_layout import ParallelSettings
+from phase4_production.lm_support import HeldGradient, sequence_share
+
+NORM_TYPE = 2.0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step's result, the same on every rank: the loss the step minimized
+    (``cross_entropy + aux_coefficient * balance``), its two parts, the global gradient norm
+    before clipping (None without clipping) and the valid targets of the global batch."""
+
+    loss: float
+    cross_entropy: float
+    balance: float
+    grad_norm: float | None
+    valid_tokens: int
+
+
+class LanguageModelRuntime:
+    """This rank's part of the language model, its pipeline and its optimizer.
+
+    ``LanguageModelRuntime(dense, topology, settings)``: ``dense`` is the one-process model (the
+    same on every rank, e.g. ``build_language_model(config, seed)``), ``topology`` this rank's
+    :class:`~course.topology.Topology` with the settings' degrees. Then
+    :meth:`train_step` per global batch.
+    """
+
+    functions: ClassVar[CompositionFunctions]
+
+    def __init__(
+        self, dense: LanguageModel, topology: Topology, settings: ParallelSettings
+    ) -> None:
+        config = dense.config
+        settings.check(topology.world_size, config)
+        degrees = (topology.dp_size, topology.cp_size, topology.tp_size, topology.pp_size)
+        wanted = (settings.dp, settings.cp, settings.tp, settings.pp)
+        if degrees != wanted or topology.ep_size != settings.ep:
+            raise ValueError(
+                f"the topology is {topology.grid.degrees()} but the settings say "
+                f"{settings.label()}: build the Topology from the same degrees"
+            )
+        fns = self.functions
+        self.config, self.topology, self.settings = config, topology, settings
+        self.placement = fns.placement_of(settings.schedule)
+        self.context = StepContext()
+        self.chunks = build_chunks(dense, fns, topology, settings, self.context, self.placement)
+        self.model = nn.ModuleList(self.chunks)
+        holds_both = any(c.embedding is not None for c in self.chunks) and any(
+            c.head is not None for c in self.chunks
+        )
+        self.pieces: dict[int, Piece] = pieces_of(self.chunks, config.tied and not holds_both)
+        self.optimizer, self.units = self._optimizer()
+        m = settings.microbatches
+        actions = fns.make_schedule(settings.schedule, settings.pp, m, settings.chunks)
+        self.executor = fns.executor(
+            self.chunks,
+            actions[topology.pp_rank],
+            m,
+            self._loss_fn,
+            group=topology.pp_group,
+            placement=self.placement,
+        )
+        self.global_valid = 0
+
+    # ------------------------------------------------------------------ building
+
+    def _optimizer(self) -> tuple[Any, list[Any]]:
+        s, fns = self.settings, self.functions
+
+        def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(
+                params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, eps=1e-8
+            )
+
+        group = self.topology.group("dp_cp")
+        if s.zero == 0:
+            return adamw(list(self.model.parameters())), []
+        if s.zero == "fsdp":
+            owners = [m for m in self.model.modules() if any(True for _ in m.parameters(False))]
+            _, optimizer = fns.fsdp_wrap(self.model, owners, adamw, MixedPrecision(), 1, group)
+        else:
+            _, optimizer = fns.zero_wrap(self.model, adamw, int(s.zero), group)
+        return optimizer, list(optimizer.units)
+
+    # ------------------------------------------------------------------ one step
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        topology = self.topology
+        if self.settings.sequence_parallel:
+            targets = sequence_share(targets, topology.tp_rank, topology.tp_size)
+        share = self.functions.loss_share(logits, targets, self.global_valid, topology)
+        return share * self.settings.microbatches  # the executor divides by m
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (its dp replica's) and positions (its cp shard) of a global batch."""
+        topology = self.topology
+        if batch.dim() != 2 or batch.shape[1] != self.config.seq_len:
+            raise ValueError(
+                f"a batch of shape {tuple(batch.shape)}: expected [sequences, "
+                f"{self.config.seq_len}] (the model's seq_len)"
+            )
+        rows = batch.shape[0] // topology.dp_size
+        mine = batch[topology.dp_rank * rows : (topology.dp_rank + 1) * rows]
+        return self.functions.shard_sequence(
+            mine, topology.cp_rank, topology.cp_size, zigzag=True, dim=1
+        )
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
+        """One AdamW step on the GLOBAL batch (``tokens`` and ``targets`` [sequences, seq_len],
+        the same on every rank; targets equal to IGNORE_INDEX do not count)."""
+        settings, topology, fns = self.settings, self.topology, self.functions
+        settings.check(topology.world_size, self.config, tokens.shape[0])
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} for tokens {tuple(tokens.shape)}")
+        x, y = self.local_batch(tokens), self.local_batch(targets)
+        self.global_valid = fns.count_valid_tokens(y, topology)
+        self.context.global_sequences = tokens.shape[0]
+        self.context.balance.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        executor = self.executor
+        result = executor.step(
+            x if executor.links.holds(0) else None,
+            y if executor.links.holds(executor.last_stage) else None,
+        )
+        held = self.held_gradients()
+        fns.finish_gradients(held, topology, settings.sequence_parallel)
+        grad_norm = None
+        if settings.max_norm is not None:
+            shards = fns.gradient_placements(held, topology)
+            grad_norm = float(fns.clip_grad_norm(shards, settings.max_norm, NORM_TYPE, topology))
+        self.optimizer.step()
+        return self._report(result.loss, grad_norm)
+
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
+        """The losses of a global batch without updating anything. 2.5's executor has no
+        forward-only mode, so this runs its step and drops the gradients (twice the work of a
+        forward; the course's models are small)."""
+        settings, topology, fns = self.settings, self.topology, self.functions
+        settings.check(topology.world_size, self.config, tokens.shape[0])
+        x, y = self.local_batch(tokens), self.local_batch(targets)
+        self.global_valid = fns.count_valid_tokens(y, topology)
+        self.context.global_sequences = tokens.shape[0]
+        self.context.balance.clear()
+        executor = self.executor
+        result = executor.step(
+            x if executor.links.holds(0) else None,
+            y if executor.links.holds(executor.last_stage) else None,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._report(result.loss, None)
+
+    def _report(self, loss: float | None, grad_norm: float | None) -> StepReport:
+        """Sum the ranks' shares of the step's losses onto every rank: the loss shares (scaled
+        by dp x cp for the gradient average) over the ranks holding other tokens, the MoE layers'
+        over the pipeline stages too."""
+        topology = self.topology
+        parts = torch.tensor(
+            [loss or 0.0, float(sum(float(b) for b in self.context.balance))], dtype=torch.float64
+        ) / topology.size_of("dp_cp")
+        dist.all_reduce(parts, group=topology.group("dp_cp"))
+        if self.settings.sequence_parallel:
+            dist.all_reduce(parts, group=topology.tp_group)
+        dist.all_reduce(parts, group=topology.pp_group)
+        ce, balance = float(parts[0]), float(parts[1])
+        return StepReport(
+            ce + self.config.aux_coefficient * balance, ce, balance, grad_norm, self.global_valid
+        )
+
+    # ------------------------------------------------------------------ what a rank holds
+
+    def held_gradients(self) -> list[HeldGradient]:
+        """Every gradient this rank holds, in the same order on every rank of each group: whole
+        (plain data parallel, ZeRO-1: averaged by you) or this rank's slices of ZeRO-2/3 and
+        FSDP-style units (averaged over dp x cp during backward)."""
+        out = []
+        if self.settings.zero in (2, 3, "fsdp"):
+            for unit in self.units:
+                pieces = [self.pieces[id(p)] for p in unit.layout.params]
+                first = pieces[0]
+                if unit.shard.grad is None:
+                    raise RuntimeError(f"{first.dense_name}: ZeRO left no gradient in its shard")
+                name = ",".join(p.dense_name for p in pieces)
+                out.append(
+                    HeldGradient(name, unit.shard.grad, first.tp_replicated, first.tied,
+                                 first.expert, reduced=True)
+                )  # fmt: skip
+            return out
+        seen: set[int] = set()
+        for param in self.model.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            piece = self.pieces[id(param)]
+            if param.grad is None:
+                raise RuntimeError(
+                    f"{piece.dense_name} has no gradient after the pipeline's step: every "
+                    "weight of a chunk is used by every micro-batch"
+                )
+            out.append(
+                HeldGradient(piece.dense_name, param.grad, piece.tp_replicated, piece.tied,
+                             piece.expert)
+            )  # fmt: skip
+        return out
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's piece of every parameter, named as in the one-process model (ZeRO and
+        FSDP-style shards gathered: a collective over dp x cp, call it on every rank)."""
+        zero = self.settings.zero
+        if zero in (1, 2, 3):
+            full = self.functions.full_state_dict(self.model, self.optimizer)
+        elif zero == "fsdp":
+            full = full_master_state(self.model, self.units)
+        else:
+            full = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        return {self.pieces[id(params[name])].dense_name: value for name, value in full.items()}
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The one-process model's whole state dict, on every rank, assembled from every rank's
+        pieces (a collective over the world): tp shards concatenated, experts from their
+        holders. For sampling text, or loading into another layout."""
+        mine = (self.topology.tp_rank, self.local_state(), {
+            name: (p.how, p.fused_parts) for name, p in self.piece_of().items()
+        })  # fmt: skip
+        everyone: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(everyone, mine)
+        return assemble_state(everyone, self.topology.tp_size, self.config.tied)
+
+    def piece_of(self) -> dict[str, Piece]:
+        """Which piece of each one-process parameter this rank holds, by dense name."""
+        return {piece.dense_name: piece for piece in self.pieces.values()}
+
+    def chunk_layers(self) -> list[range]:
+        return [chunk.layers for chunk in self.chunks]
+
+    def holds(self, chunk: StageChunk) -> bool:
+        return chunk in self.chunks
+
+
+def assemble_state(everyone: list[Any], tp: int, tied: bool) -> dict[str, torch.Tensor]:
+    """The whole state from ``(tp_rank, local_state, {name: (how, fused_parts)})`` of every rank:
+    a column piece is each fused block's rows of one tp rank, a row piece its columns."""
+    by_name: dict[str, dict[int, torch.Tensor]] = {}
+    how_of: dict[str, tuple[str, int]] = {}
+    for tp_rank, state, pieces in everyone:
+        for name, value in state.items():
+            by_name.setdefault(name, {})[tp_rank] = value
+            how_of[name] = pieces[name]
+    out = {}
+    for name, per_tp in by_name.items():
+        how, parts = how_of[name]
+        if how == "column":
+            blocks = [per_tp[t].chunk(parts, dim=0) for t in range(tp)]
+            out[name] = torch.cat([torch.cat([b[i] for b in blocks]) for i in range(parts)])
+        elif how == "row":
+            out[name] = torch.cat([per_tp[t] for t in range(tp)], dim=1)
+        else:
+            out[name] = next(iter(per_tp.values()))
+    if tied:
+        out["head.weight"] = out.get("head.weight", out.get("embedding.weight"))  # type: ignore[assignment]
+        out["embedding.weight"] = out["head.weight"]
+    return out

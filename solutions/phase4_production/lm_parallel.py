@@ -1,0 +1,241 @@
+"""Exercise 4.7: the thinking of a language model trained on every axis at once.
+
+The pieces are yours already: 2.5's executor, 2.6's layers, 2.7's ring attention, 3.5's ZeRO,
+3.6's clipping, 3.8's experts (``lm_blocks.py`` cuts the model with them, ``lm_runtime.py`` runs
+the step; sequence parallelism's regions are in ``lm_sequence_parallel.py``). What none of
+them decides is how they meet. Every rank holds some *weights* (its tp shard, its pipeline
+stage, its experts) and some *tokens* (its dp replica's samples, its cp shard of their
+positions, with sequence parallelism its tp share of those), and two rules decide every
+reduction of the step:
+
+* **a sum over tokens runs over the ranks that hold other tokens of the same weights**: data x
+  context (``topology.group("dp_cp")``), and, inside the sequence-parallel region, tp too;
+* **a gradient is complete once every rank whose tokens used that weight has added its part**:
+  the copies of a weight that saw different tokens must be combined (dp x cp; tp for the weights
+  sequence parallelism runs on token shares; the two stages that hold a tied embedding), and
+  copies that saw the same tokens must not be (tp without sequence parallelism).
+
+Get a group wrong and nothing crashes: the loss still falls, a little off. torchtitan (a loss
+reduced on the wrong mesh with tp and cp: shown 2x off) and Megatron-LM (cp = 2 halving the
+gradient under uneven valid-token counts; MoE counts under cp) fixed exactly these in 2026. The
+grader compares every loss and parameter with one process, in float64, so nothing slips by.
+
+The data-parallel reductions of the course *average* (phase 1's average_gradients, 3.5's ZeRO
+reduce-scatter), so every share below is scaled for an average over dp x cp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course.language_model import IGNORE_INDEX
+from course.topology import Topology
+from phase3_multi_node.clip_placement import GradShard
+from phase4_production.lm_functions import CompositionFunctions
+from phase4_production.lm_runtime import LanguageModelRuntime
+from phase4_production.lm_support import HeldGradient, all_reduce_flat
+from solutions.phase2_advanced.context_parallel import ring_attention
+from solutions.phase2_advanced.context_parallel_layout import shard_sequence
+from solutions.phase2_advanced.pipeline_executor import PipelineExecutor
+from solutions.phase2_advanced.pipeline_schedules import make_schedule, placement_of
+from solutions.phase2_advanced.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
+from solutions.phase3_multi_node.expert_parallel import MoELayer
+from solutions.phase3_multi_node.grad_clipping import clip_grad_norm_
+from solutions.phase3_multi_node.zero import full_state_dict, zero_wrap
+from solutions.phase3_multi_node.zero_fsdp import fsdp_wrap
+from solutions.phase4_production.lm_sequence_parallel import (
+    enter_tensor_parallel,
+    leave_tensor_parallel,
+)
+
+
+def token_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """The position in the whole sequence of each token this rank holds, in its local order
+    (2.7's zig-zag layout over ``cp`` ranks): int64, ``seq_len / cp`` of them."""
+    # TODO 4.7: the true positions of this rank's tokens, for the rotary angles.
+    # Invariant: result[i] is the place in the whole sequence of the i-th token this rank holds;
+    #   over the cp ranks every position 0..seq_len-1 appears once; with cp = 1 it is
+    #   0, 1, ..., seq_len-1. A rotary angle at a local index instead would make q·k depend on
+    #   distances that are not the tokens' distances.
+    # Hint 1: the positions are data laid out exactly like the tokens they belong to.
+    # Hint 2: the positions of the whole sequence, 0 to seq_len-1, sharded along their only
+    #   dimension with your 2.7 layout function, zig-zag, as the tokens were.
+    # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
+    # >>> solution
+    return shard_sequence(torch.arange(seq_len), cp_rank, cp, zigzag=True, dim=0)
+    # <<< solution
+
+
+def count_valid_tokens(targets: torch.Tensor, topology: Topology) -> int:
+    """How many targets of the GLOBAL batch count (are not IGNORE_INDEX), from ``targets``,
+    this rank's own: its replica's sequences, its cp shard of their positions (the same on every
+    tp rank: before any sequence-parallel split). A collective."""
+    # TODO 4.7: the global count of valid targets, from every rank's own.
+    # Invariant: every rank returns the same number: the valid targets of the whole global
+    #   batch, each counted once (tp ranks and pipeline stages hold the same targets as their
+    #   neighbours in the group that differs only in dp and cp).
+    # Hint 1: which ranks hold OTHER targets than this one? The module docstring's first rule.
+    # Hint 2: this rank's count as an int64 tensor, summed over the one group whose ranks hold
+    #   the other samples and the other positions; returned as an int.
+    # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
+    # >>> solution
+    count = (targets != IGNORE_INDEX).sum().to(torch.int64)
+    dist.all_reduce(count, group=topology.group("dp_cp"))
+    return int(count)
+    # <<< solution
+
+
+def loss_share(
+    logits: torch.Tensor, targets: torch.Tensor, global_valid: int, topology: Topology
+) -> torch.Tensor:
+    """This rank's share of the global batch's mean cross-entropy, for its logits
+    [batch, tokens, vocab] and targets [batch, tokens] (IGNORE_INDEX masked), scaled for the
+    AVERAGE over dp x cp that its gradients go through afterwards."""
+    # TODO 4.7: the loss this rank backpropagates.
+    # Invariant: summed over the ranks that hold other tokens (dp x cp, and tp under sequence
+    #   parallelism), the shares divided by the dp x cp size give the mean cross-entropy over
+    #   every valid target of the global batch, whatever the number of valid targets on each
+    #   rank; averaging the shares' gradients over dp x cp then gives that mean's gradient.
+    # Hint 1: a mean of per-rank means weighs a rank with few valid targets as much as one with
+    #   many; a sum over tokens divided by the global count does not.
+    # Hint 2: the cross-entropy summed (not averaged) over this rank's valid targets, divided by
+    #   the global count, multiplied by the number of ranks the gradients are averaged over.
+    # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
+    # >>> solution
+    summed = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return summed * topology.size_of("dp_cp") / global_valid
+    # <<< solution
+
+
+def balance_loss_share(
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    seq_len: int,
+    global_sequences: int,
+    topology: Topology,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """This rank's share of one MoE layer's balance loss (``sequence_balance_loss`` of the whole
+    global batch), in the scale of :func:`loss_share`. ``probs`` [b, t, E] and ``experts``
+    [b, t, k]: the router's probabilities and choices for this rank's t tokens of each of its b
+    sequences (its cp shard; under sequence parallelism its tp share of that)."""
+    # TODO 4.7: the balance loss of sequences whose tokens are spread over several ranks.
+    # Invariant: for each sequence, the shares of the ranks holding its tokens add up to
+    #   E · sum_e f[e] · P[e] of the whole sequence (f: the share of its k·seq_len choices that
+    #   named e; P: e's probability averaged over its seq_len tokens); over the global batch,
+    #   divided by the dp x cp size, the mean over its sequences. A rank never holds, nor adds,
+    #   a whole sequence's loss that other ranks add too.
+    # Hint 1: f needs every token of the sequence (a count: no gradient); P is a sum over tokens
+    #   divided by seq_len, and the loss is linear in P once f is known: each rank can add its
+    #   own tokens' part of P.
+    # Hint 2: per sequence, this rank's choices counted per expert, summed over the ranks that
+    #   hold the sequence's other tokens (cp; and tp under sequence parallelism); f from those
+    #   global counts; this rank's P-part is its probabilities summed over its tokens / seq_len;
+    #   E · sum_e f · P-part per sequence, summed over its b sequences, divided by the global
+    #   number of sequences, times the dp x cp size.
+    # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
+    # >>> solution
+    k = experts.shape[-1]
+    counts = F.one_hot(experts, num_experts).sum(dim=(1, 2))  # [b, E], this rank's tokens
+    dist.all_reduce(counts, group=topology.cp_group)
+    if sequence_parallel:
+        dist.all_reduce(counts, group=topology.tp_group)
+    fraction = counts.to(probs.dtype) / (seq_len * k)
+    my_mean_prob = probs.sum(dim=1) / seq_len  # [b, E]: this rank's part of P
+    per_sequence = num_experts * (fraction * my_mean_prob).sum(dim=-1)
+    return per_sequence.sum() * topology.size_of("dp_cp") / global_sequences
+    # <<< solution
+
+
+def finish_gradients(held: list[HeldGradient], topology: Topology, sequence_parallel: bool) -> None:
+    """After the pipeline's step, make every gradient this rank holds complete, in place:
+    the gradient of the global loss (for its piece of the weight), the same on every rank that
+    holds a copy of that piece."""
+    # TODO 4.7: the reductions after backward, each on its own group.
+    # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
+    #   gradient of the global loss of one process: weights sequence parallelism runs on token
+    #   shares have the parts of every tp rank; the two copies of a tied embedding both hold
+    #   the sum of both uses; every non-expert gradient that ZeRO has not averaged yet is
+    #   averaged over dp x cp; every expert's gradient has every rank's part, divided by the
+    #   dp x cp size (not by the size of the group it was summed over).
+    # Hint 1: the HeldGradient flags say what each tensor is; all_reduce_flat reduces a list in
+    #   one collective per dtype. A tp-replicated weight outside sequence parallelism was
+    #   computed from the same tokens on every tp rank: already complete.
+    # Hint 2: four independent reductions: under sequence parallelism, the tp-replicated ones
+    #   summed over tp; the tied one summed over the embedding group; the non-expert ones
+    #   not yet reduced, summed over dp x cp and divided by its size; the experts', summed over
+    #   edp and divided by the dp x cp size.
+    # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
+    # >>> solution
+    if sequence_parallel:
+        all_reduce_flat([h.grad for h in held if h.tp_replicated], topology.tp_group)
+    all_reduce_flat([h.grad for h in held if h.tied], topology.group("embedding"))
+    dense = [h.grad for h in held if not h.expert and not h.reduced]
+    all_reduce_flat(dense, topology.group("dp_cp"))
+    experts = [h.grad for h in held if h.expert]
+    all_reduce_flat(experts, topology.group("edp"))
+    for grad in dense + experts:
+        grad.div_(topology.size_of("dp_cp"))
+    # <<< solution
+
+
+def gradient_placements(held: list[HeldGradient], topology: Topology) -> list[GradShard]:
+    """3.6's ``GradShard`` for every gradient this rank holds (after :func:`finish_gradients`):
+    which groups of the topology hold identical copies of it, so that the global norm counts
+    every distinct gradient once."""
+    # TODO 4.7: where the copies of each complete gradient live.
+    # Invariant: for every gradient, replicated_on names exactly the groups along which every
+    #   rank holds the same tensor: the ranks of dp x cp (unless it is a ZeRO slice: each of
+    #   them holds another slice), the tp ranks for a tp-replicated weight, the embedding
+    #   group for a tied copy, and for an expert the edp group instead of dp x cp.
+    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; axes missing here count
+    #   a copy several times, axes too many drop pieces that are not copies.
+    # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
+    # >>> solution
+    shards = []
+    for h in held:
+        axes = {"edp"} if h.expert else (set() if h.reduced else {"dp_cp"})
+        if h.tp_replicated:
+            axes.add("tp")
+        if h.tied:
+            axes.add("embedding")
+        shards.append(GradShard(h.name, h.grad, frozenset(axes)))
+    return shards
+    # <<< solution
+
+
+class ParallelLanguageModel(LanguageModelRuntime):
+    """The language model on every axis, with your functions (``lm_runtime.py`` has the rest):
+    ``ParallelLanguageModel(build_language_model(config, seed), topology, settings)``, then
+    ``train_step(tokens, targets)`` on the global batch."""
+
+    functions = CompositionFunctions(
+        enter_tensor_parallel=enter_tensor_parallel,
+        leave_tensor_parallel=leave_tensor_parallel,
+        token_positions=token_positions,
+        count_valid_tokens=count_valid_tokens,
+        loss_share=loss_share,
+        balance_loss_share=balance_loss_share,
+        finish_gradients=finish_gradients,
+        gradient_placements=gradient_placements,
+        column_parallel=ColumnParallelLinear,
+        row_parallel=RowParallelLinear,
+        ring_attention=ring_attention,
+        shard_sequence=shard_sequence,
+        executor=PipelineExecutor,
+        make_schedule=make_schedule,
+        placement_of=placement_of,
+        zero_wrap=zero_wrap,
+        full_state_dict=full_state_dict,
+        fsdp_wrap=fsdp_wrap,
+        clip_grad_norm=clip_grad_norm_,
+        moe_layer=MoELayer,
+    )
