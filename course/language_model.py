@@ -318,6 +318,25 @@ def valid_count(targets: torch.Tensor) -> int:
     return count
 
 
+def uneven_batch(
+    step: int, config: LMConfig, global_batch: int = 8, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of random bytes whose targets are masked unevenly: the second half of the
+    rows loses most of its targets (75% against 15%) and even rows their last quarter, so that
+    data-parallel replicas and context-parallel shards hold different numbers of valid targets;
+    every row keeps its first target. The same for one ``(step, seed)`` on every rank."""
+    g = torch.Generator().manual_seed(10_000 * seed + 1000 + step)
+    shape = (global_batch, config.seq_len)
+    tokens = torch.randint(0, config.vocab, shape, generator=g)
+    targets = torch.randint(0, config.vocab, shape, generator=g)
+    rows = torch.arange(global_batch)[:, None]
+    cols = torch.arange(config.seq_len)[None, :]
+    masked = torch.rand(shape, generator=g) < torch.where(rows >= global_batch // 2, 0.75, 0.15)
+    masked |= (rows % 2 == 0) & (cols >= config.seq_len * 3 // 4)
+    masked[:, 0] = False
+    return tokens, targets.masked_fill(masked, IGNORE_INDEX)
+
+
 def build_language_model(
     config: LMConfig, seed: int = 0, dtype: torch.dtype = torch.float64
 ) -> LanguageModel:

@@ -1,4 +1,4 @@
-"""The weights of a mixture-of-experts layer: its settings, its experts, the whole layer from a seed.
+"""The weights of a mixture-of-experts layer: its settings, its experts, the layer from a seed.
 
 A mixture-of-experts (MoE) layer replaces one feed-forward block by ``num_experts`` of them and a
 router that sends each token to ``k`` of those experts (Shazeer et al., "Outrageously Large Neural

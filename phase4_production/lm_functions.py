@@ -14,6 +14,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+# (phase, module) of every exercise module the composition runs, earliest first: what must be
+# written before a learner's composition can train (tests and tests.bench ask each in turn)
+COMPOSITION_MODULES: tuple[tuple[str, str], ...] = (
+    *(
+        ("phase2_advanced", m)
+        for m in ("activation_checkpointing", "pipeline_schedules", "pipeline_comm",
+                  "pipeline_executor", "tensor_parallel_ops", "tensor_parallel_layers",
+                  "context_parallel_layout", "context_parallel")
+    ),
+    *(
+        ("phase3_multi_node", m)
+        for m in ("zero_partition", "zero_units", "zero", "zero_fsdp_units", "zero_fsdp",
+                  "grad_clipping", "moe_routing", "expert_parallel")
+    ),
+    ("phase4_production", "lm_parallel"),
+    ("phase4_production", "lm_sequence_parallel"),
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class CompositionFunctions:

@@ -30,7 +30,7 @@ from torch import nn
 from course.language_model import LanguageModel
 from course.topology import Topology
 from phase3_multi_node.zero_fsdp_support import MixedPrecision, full_master_state
-from phase4_production.lm_blocks import Piece, StageChunk, StepContext, build_chunks, pieces_of
+from phase4_production.lm_blocks import Piece, StepContext, build_chunks, pieces_of
 from phase4_production.lm_functions import CompositionFunctions
 from phase4_production.lm_layout import ParallelSettings
 from phase4_production.lm_support import HeldGradient, sequence_share
@@ -267,9 +267,6 @@ class LanguageModelRuntime:
 
     def chunk_layers(self) -> list[range]:
         return [chunk.layers for chunk in self.chunks]
-
-    def holds(self, chunk: StageChunk) -> bool:
-        return chunk in self.chunks
 
 
 def assemble_state(everyone: list[Any], tp: int, tied: bool) -> dict[str, torch.Tensor]:

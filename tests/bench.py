@@ -35,6 +35,7 @@ BENCHES: dict[str, str] = {
     "3.4": "bench_3_4_ddp",
     "3.5": "bench_3_5_zero",
     "4.4": "bench_4_4_compression",
+    "4.7": "bench_4_7_traffic",
 }
 
 

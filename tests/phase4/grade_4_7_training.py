@@ -41,6 +41,7 @@ from phase4_helpers import fail
 
 from course.impl import unwritten_todo
 from course.world import WorldHung, world_timeout
+from phase4_production.lm_functions import COMPOSITION_MODULES
 
 CLIP = 0.05
 WORLDS: dict[int, list[Layout]] = {
@@ -70,17 +71,6 @@ WORLDS: dict[int, list[Layout]] = {
     ],
 }
 CASES = [(size, index) for size, layouts in WORLDS.items() for index in range(len(layouts))]
-# what the composition imports from earlier exercises (your modules, under --impl templates)
-NEEDED = [
-    ("phase2_advanced", m)
-    for m in ("tensor_parallel_ops", "tensor_parallel_layers", "context_parallel_layout",
-              "context_parallel", "pipeline_schedules", "pipeline_comm", "pipeline_executor",
-              "activation_checkpointing")
-] + [
-    ("phase3_multi_node", m)
-    for m in ("moe_routing", "expert_parallel", "grad_clipping", "zero_partition", "zero_units",
-              "zero", "zero_fsdp_units", "zero_fsdp")
-] + [("phase4_production", "lm_sequence_parallel"), ("phase4_production", "lm_parallel")]  # fmt: skip
 _RUNS: dict[int, list[list[RankRun]] | BaseException] = {}
 
 HANG_ADVICE = (
@@ -94,7 +84,7 @@ HANG_ADVICE = (
 
 def needs_every_piece() -> None:
     """Stop before any world at the first unwritten TODO the composition would run into."""
-    for phase, module in NEEDED:
+    for phase, module in COMPOSITION_MODULES:
         todo = unwritten_todo(phase, module, impl())
         if todo is not None:
             raise NotImplementedError(f"4.7 needs {todo}" if "4.7" not in todo else todo)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from grading import load
 
-from course.language_model import IGNORE_INDEX, LMConfig, build_language_model
+from course.language_model import IGNORE_INDEX, LMConfig, build_language_model, uneven_batch
 from course.topology import Topology
 from phase4_production.lm_layout import ParallelSettings
 
@@ -44,18 +44,8 @@ def lm_sequence_parallel() -> Any:
 
 def batch(step: int, config: LMConfig = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: tokens, and targets masked unevenly across the batch's rows
-    and positions (at least one valid target in every row)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    shape = (GLOBAL_BATCH, config.seq_len)
-    tokens = torch.randint(0, config.vocab, shape, generator=g)
-    targets = torch.randint(0, config.vocab, shape, generator=g)
-    rows = torch.arange(GLOBAL_BATCH)[:, None]
-    cols = torch.arange(config.seq_len)[None, :]
-    dropped = torch.where(rows >= GLOBAL_BATCH // 2, 0.75, 0.15)
-    masked = torch.rand(shape, generator=g) < dropped
-    masked |= (rows % 2 == 0) & (cols >= config.seq_len * 3 // 4)
-    masked[:, 0] = False  # every sequence keeps a target
-    return tokens, targets.masked_fill(masked, IGNORE_INDEX)
+    and positions (``course.language_model.uneven_batch``)."""
+    return uneven_batch(step, config, GLOBAL_BATCH)
 
 
 @dataclass(frozen=True)
