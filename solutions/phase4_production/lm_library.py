@@ -488,7 +488,7 @@ class LibraryLanguageModel:
         settings.check(topology.world_size, config)
         reason = unsupported(settings, config, "cpu")
         if reason is not None:
-            raise NotImplementedError(reason)
+            raise ValueError(f"the library cannot run this layout here: {reason}")
         self.config, self.settings = config, settings
         self.mesh = topology.as_device_mesh("cpu")
         self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
