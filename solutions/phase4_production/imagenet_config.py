@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from course import config_files
+from course.config_files import ConfigError, Section
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "cpu-smoke"
@@ -37,15 +40,6 @@ UNSUPPORTED_STRATEGIES = {
     "pp": "pipeline parallelism (phase 2.5) is for models deeper than one GPU's memory",
     "3d": "3D parallelism (phase 3.6) is for models that need all three",
 }
-
-
-class ConfigError(ValueError):
-    """A configuration the trainer refuses; the message names the key, the value, the fix."""
-
-
-class Section(BaseModel):
-    # allow_inf_nan=False: optim.base_lr=.inf (YAML's infinity) is refused like any bad number
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -200,87 +194,28 @@ class CapstoneConfig(Section):
 
 def config_path(name_or_path: str) -> Path:
     """``resnet50-8gpu`` -> configs/resnet50-8gpu.yaml; any other value is a path."""
-    candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
-        return candidate
-    return CONFIG_DIR / f"{name_or_path}.yaml"
+    return config_files.config_path(name_or_path, CONFIG_DIR)
 
 
 def available_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    """The capstone's shipped configs (the language model's ``lm-*`` ones are lm_config's)."""
+    return [
+        name for name in config_files.available_configs(CONFIG_DIR) if not name.startswith("lm-")
+    ]
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ConfigError(
-            f"--config {path}: no such file; the shipped configs are "
-            f"{', '.join(available_configs())} (or give a path to a .yaml file)"
-        )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(data)}")
-    return data
+    return config_files.read_yaml(path, available_configs())
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:
-    """Apply ``section.key=value`` to the raw dict; the value is read as YAML (``0.2``, ``true``,
-    ``null``, ``[1, 2]``), so types follow the file's rules."""
-    key, sep, raw = assignment.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(
-            f"override {assignment!r}: expected KEY=VALUE with a dotted key, e.g. "
-            "optim.base_lr=0.2 or data.root=/data/imagenet"
-        )
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    node = data
-    parts = key.split(".")
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            where = ".".join(parts[: depth + 1])
-            raise ConfigError(f"override {assignment!r}: {where} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model that owns the key at ``loc`` (for listing its allowed keys)."""
-    model: type[BaseModel] = CapstoneConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
+    """Apply ``section.key=value`` to the raw dict (``course/config_files.py``)."""
+    config_files.apply_override(data, assignment, "optim.base_lr=0.2 or data.root=/data/imagenet")
 
 
 def describe(err: ValidationError) -> str:
     """One line per problem: the dotted key, the bad value, what is allowed."""
-    lines = []
-    for problem in err.errors():
-        loc = tuple(problem["loc"])
-        key = ".".join(str(p) for p in loc) or "(config)"
-        message = str(problem["msg"]).removeprefix("Value error, ")
-        value = problem.get("input")
-        if problem["type"] == "extra_forbidden":
-            section = _section_at(loc)
-            allowed = ", ".join(section.model_fields) if section else "?"
-            lines.append(f"{key}: unknown key (allowed here: {allowed})")
-        elif problem["type"].startswith("value_error") or not loc:
-            lines.append(f"{key}: {message}" if loc else message)
-        else:
-            lines.append(f"{key}={value!r}: {message}")
-    return "\n  ".join(lines)
+    return config_files.describe(err, CapstoneConfig)
 
 
 def build_config(data: dict[str, Any], source: str = "config") -> CapstoneConfig:
