@@ -262,8 +262,9 @@ def build_chunks(
     config = dense.config
     positions = functions.token_positions(config.seq_len, topology.cp_rank, topology.cp_size)
     dtype = dense.head.weight.dtype
+    device = dense.head.weight.device
     cos, sin = rotary_tables(positions, config.head_dim, config.rope_base, dtype)
-    wiring = Wiring(functions, topology, settings, config, context, cos, sin)
+    wiring = Wiring(functions, topology, settings, config, context, cos.to(device), sin.to(device))
     runs = split_layers(config.layers, settings.virtual_stages)
     last = settings.virtual_stages - 1
     chunks = []

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from course.distributed import current_info
 from course.language_model import LanguageModel
 from course.topology import Topology
 from phase3_multi_node.zero_fsdp_support import MixedPrecision, full_master_state
@@ -63,9 +64,16 @@ class LanguageModelRuntime:
     functions: ClassVar[CompositionFunctions]
 
     def __init__(
-        self, dense: LanguageModel, topology: Topology, settings: ParallelSettings
+        self,
+        dense: LanguageModel,
+        topology: Topology,
+        settings: ParallelSettings,
+        device: torch.device | None = None,
     ) -> None:
         config = dense.config
+        # where this rank computes: its GPU under NCCL, the CPU under gloo (course/distributed.py)
+        self.device = device if device is not None else current_info().device
+        dense = dense.to(self.device)
         settings.check(topology.world_size, config)
         degrees = (topology.dp_size, topology.cp_size, topology.tp_size, topology.pp_size)
         wanted = (settings.dp, settings.cp, settings.tp, settings.pp)
@@ -135,7 +143,7 @@ class LanguageModelRuntime:
                 f"{self.config.seq_len}] (the model's seq_len)"
             )
         rows = batch.shape[0] // topology.dp_size
-        mine = batch[topology.dp_rank * rows : (topology.dp_rank + 1) * rows]
+        mine = batch[topology.dp_rank * rows : (topology.dp_rank + 1) * rows].to(self.device)
         return self.functions.shard_sequence(
             mine, topology.cp_rank, topology.cp_size, zigzag=True, dim=1
         )
@@ -190,7 +198,9 @@ class LanguageModelRuntime:
         over the pipeline stages too."""
         topology = self.topology
         parts = torch.tensor(
-            [loss or 0.0, float(sum(float(b) for b in self.context.balance))], dtype=torch.float64
+            [loss or 0.0, float(sum(float(b) for b in self.context.balance))],
+            dtype=torch.float64,
+            device=self.device,
         ) / topology.size_of("dp_cp")
         dist.all_reduce(parts, group=topology.group("dp_cp"))
         if self.settings.sequence_parallel:
@@ -254,7 +264,8 @@ class LanguageModelRuntime:
         """The one-process model's whole state dict, on every rank, assembled from every rank's
         pieces (a collective over the world): tp shards concatenated, experts from their
         holders. For sampling text, or loading into another layout."""
-        mine = (self.topology.tp_rank, self.local_state(), {
+        state = {name: value.cpu() for name, value in self.local_state().items()}
+        mine = (self.topology.tp_rank, state, {
             name: (p.how, p.fused_parts) for name, p in self.piece_of().items()
         })  # fmt: skip
         everyone: list[Any] = [None] * self.topology.world_size
