@@ -39,6 +39,7 @@ from course.results import Table, write_results
 from course.topology import Topology
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
+from solutions.phase3_multi_node.benchmark_strategies import ActivationMeter
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 from solutions.phase4_production import lm_traffic
 
@@ -145,17 +146,25 @@ def _library_entries(config: BenchConfig) -> list[Entry]:
 
 
 def measure_rank(config: BenchConfig) -> dict[str, Any]:
-    """Every layout on this rank: built, warmed up, timed in interleaved rounds, weighed and
-    counted; returns this rank's rows."""
+    """Every layout of the world on this rank (see :func:`measure_layouts`)."""
+    return measure_layouts(config, layouts_for(config.world), library=config.library)
+
+
+def measure_layouts(
+    config: BenchConfig, layouts: dict[str, tuple[dict[str, Any], bool]], library: bool
+) -> dict[str, Any]:
+    """``layouts`` on this rank: built, warmed up, timed in interleaved rounds, weighed (model
+    states, and the activations autograd saved during one more step) and counted; returns this
+    rank's rows, by layout name."""
     lm = load_impl(PHASE, "lm_parallel", config.impl)
     entries = []
-    for name, (options, moe) in layouts_for(config.world).items():
+    for name, (options, moe) in layouts.items():
         settings = settings_of(options)
         topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp,
                                   ep=settings.ep)  # fmt: skip
         dense = build_language_model(config.model(moe), 0, torch.float32)
         entries.append(Entry(name, lm.ParallelLanguageModel(dense, topology, settings)))
-    entries += _library_entries(config)
+    entries += _library_entries(config) if library else []
     for step in range(config.warmup + config.rounds):
         tokens, targets = batch(step, config)
         for entry in entries:
@@ -171,9 +180,11 @@ def measure_rank(config: BenchConfig) -> dict[str, Any]:
         row: dict[str, Any] = {"seconds": statistics.median(entry.times),
                                "spread": (min(entry.times), max(entry.times))}  # fmt: skip
         if not entry.library:
+            with ActivationMeter(entry.model.model) as meter:
+                got = lm_traffic.measure_step(entry.model, tokens, targets)
             held = held_bytes(entry.model.model, entry.model.optimizer)
             row["held"] = (held.params, held.grads, held.optimizer)
-            got = lm_traffic.measure_step(entry.model, tokens, targets)
+            row["activations"] = meter.peak_bytes
             want = lm_traffic.expected_step(entry.model, config.batch)
             row["traffic"] = {f"{k[0]} {k[1]}": t.nbytes for k, t in got.items()}
             row["off"] = sum(abs(g.nbytes - w.nbytes) + abs(g.calls - w.calls)

@@ -146,6 +146,12 @@ class TrainConfig:
             num_experts=self.num_experts, top_k=self.top_k, expert_ffn=self.ffn // 2 or 1,
         )  # fmt: skip
 
+    def options(self) -> RunOptions:
+        return RunOptions(
+            self.batch, self.epochs, self.steps_per_epoch, self.eval_batches, self.dtype,
+            self.seed, self.sample_bytes, self.impl,
+        )  # fmt: skip
+
     def settings(self, world_size: int) -> ParallelSettings:
         dp = self.dp
         if dp == -1:
@@ -197,13 +203,28 @@ class History:
     parameters: int = 0
 
 
-def evaluate(model: Any, corpus: Corpus, config: TrainConfig) -> float:
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run does besides its model and layout (``TrainConfig.options()``, or the
+    framework's config)."""
+
+    batch: int
+    epochs: int
+    steps_per_epoch: int
+    eval_batches: int
+    dtype: str
+    seed: int
+    sample_bytes: int
+    impl: str = "solutions"
+
+
+def evaluate(model: Any, corpus: Corpus, options: RunOptions, seq_len: int) -> float:
     """Held-out bits per byte: the mean cross-entropy over the first ``eval_batches`` batches of
     consecutive windows (the same windows every epoch and every layout)."""
     total, count = 0.0, 0
-    for tokens, targets in consecutive_windows(corpus.held_out, config.batch, config.seq_len,
-                                               limit=config.eval_batches):  # fmt: skip
-        if tokens.shape[0] != config.batch:
+    for tokens, targets in consecutive_windows(corpus.held_out, options.batch, seq_len,
+                                               limit=options.eval_batches):  # fmt: skip
+        if tokens.shape[0] != options.batch:
             break
         report = model.evaluate(tokens, targets)
         total += report.cross_entropy * report.valid_tokens
@@ -212,50 +233,57 @@ def evaluate(model: Any, corpus: Corpus, config: TrainConfig) -> float:
 
 
 def train(config: TrainConfig, topology: Topology) -> History:
+    """The flags' run on this rank, inside an initialised process group."""
+    return run(config.model(), config.settings(topology.world_size), config.options(), topology)
+
+
+def run(
+    model_config: LMConfig, settings: ParallelSettings, options: RunOptions, topology: Topology
+) -> History:
     """The whole run on this rank, inside an initialised process group."""
-    lm = load_impl(PHASE, "lm_parallel", config.impl)
-    model_config = config.model()
-    settings = config.settings(topology.world_size)
-    dtype = DTYPES[config.dtype]
-    dense = build_language_model(model_config, config.seed, dtype)
+    lm = load_impl(PHASE, "lm_parallel", options.impl)
+    dtype = DTYPES[options.dtype]
+    dense = build_language_model(model_config, options.seed, dtype)
     history = History(parameters=sum(p.numel() for p in dense.parameters()))
     model = lm.ParallelLanguageModel(dense, topology, settings)
     corpus = Corpus.load()
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(options.seed)
+    seq_len = model_config.seq_len
     log0(
-        f"language model ({config.impl}): {history.parameters:,} parameters, width "
+        f"language model ({options.impl}): {history.parameters:,} parameters, width "
         f"{model_config.width}, {model_config.layers} layers, {model_config.heads} heads, "
-        f"seq {model_config.seq_len}, {config.dtype}; {settings.label()}; batch {config.batch} "
-        f"sequences; AdamW lr {config.lr}\n{topology.grid.describe()}"
+        f"seq {seq_len}, {options.dtype}; {settings.label()}; batch {options.batch} "
+        f"sequences; AdamW lr {settings.lr}\n{topology.grid.describe()}"
     )
     log0("\n| epoch | train loss (nats) | held-out bits/byte | tokens/s |\n|---:|---:|---:|---:|")
-    for epoch in range(config.epochs):
+    for epoch in range(options.epochs):
         started, loss = time.perf_counter(), math.nan
-        for _ in range(config.steps_per_epoch):
-            tokens, targets = random_windows(corpus.train, config.batch, config.seq_len, generator)
+        for _ in range(options.steps_per_epoch):
+            tokens, targets = random_windows(corpus.train, options.batch, seq_len, generator)
             loss = model.train_step(tokens.contiguous(), targets.contiguous()).loss
             history.step_losses.append(loss)
         seconds = time.perf_counter() - started
-        tokens_per_second = config.steps_per_epoch * config.batch * config.seq_len / seconds
-        bpb = evaluate(model, corpus, config)
+        tokens_per_second = options.steps_per_epoch * options.batch * seq_len / seconds
+        bpb = evaluate(model, corpus, options, seq_len)
         history.epochs.append({"epoch": epoch + 1, "train_loss": loss, "bits_per_byte": bpb,
                                "tokens_per_second": tokens_per_second})  # fmt: skip
         log0(f"| {epoch + 1} | {loss:.4f} | {bpb:.4f} | {tokens_per_second:,.0f} |")
-    if config.sample_bytes:
+    if options.sample_bytes:
         state = model.full_state()
         if topology.rank == 0:
-            history.sample = sample_text(state, model_config, dtype, config)
+            history.sample = sample_text(state, model_config, dtype, options)
             log0(f"\nsampled after the prompt 'The ' (temperature 0.8):\n{history.sample}")
     return history
 
 
-def sample_text(state: dict[str, torch.Tensor], config: LMConfig, dtype: torch.dtype,
-                train_config: TrainConfig) -> str:  # fmt: skip
+def sample_text(
+    state: dict[str, torch.Tensor], config: LMConfig, dtype: torch.dtype, options: RunOptions
+) -> str:
     """Bytes from the trained model (loaded from the assembled state into one process)."""
     model = LanguageModel(config).to(dtype)
     model.load_state_dict(state)
     model.eval()
-    text = generate(model, b"The ", train_config.sample_bytes, seed=train_config.seed)
+    text = generate(model, b"The ", options.sample_bytes, seed=options.seed)
     return text.decode("utf-8", errors="replace")
 
 

@@ -1,0 +1,171 @@
+"""The language-model framework (issue 27's pieces so far): its config, refused before launch; the
+planner's byte counts against what the composition holds; its candidates and ranking.
+
+Not an exercise (it runs the reference composition): the config is read and refused in this
+process; the bytes are compared in one world of 4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from course.config_files import ConfigError
+from course.language_model import LMConfig, build_language_model, uneven_batch
+from course.topology import Topology
+from course.world import run_world
+from phase4_production.lm_layout import ParallelSettings
+from solutions.phase2_advanced.pipeline_schedules import make_schedule, peak_in_flight
+from solutions.phase3_multi_node.alpha_beta import AlphaBeta
+from solutions.phase4_production import lm_config, lm_memory, lm_planner
+from solutions.phase4_production.lm_planner_check import spearman, spread
+from solutions.phase4_production.lm_rates import Line, Rates
+
+pytestmark = pytest.mark.harness
+
+
+# ----------------------------------------------------------------------------- the config
+
+
+@pytest.mark.parametrize(("name", "world"), [("lm-cpu-smoke", 4), ("lm-8gpu", 8),
+                                             ("lm-2node-16gpu", 16)])  # fmt: skip
+def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> None:
+    config = lm_config.load_config(name)
+    settings = lm_config.check_world(config, world)
+    assert settings.world_size == world
+    assert name in lm_config.available_configs()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["parallel.tp=3"], 6, "tp=3 does not divide heads=4"),
+        (["parallel.dp=2", "parallel.tp=-1", "parallel.pp=-1"], 4, "only one degree can be"),
+        (["zero=4"], 4, r"zero=4: Input should be 0, 1, 2, 3 or 'fsdp'"),
+        (["pipeline.schedul=1f1b"], 4, r"pipeline.schedul: unknown key \(allowed here: sched"),
+        (["train.lr=.inf"], 4, "train.lr"),
+        (["parallel.dp=2", "parallel.tp=4"], 4, r"dp2 x tp4\+sp = 8 ranks, but the world has 4"),
+        (["parallel.tp=3"], 4, "the fixed degrees do not divide the world of 4 ranks"),
+        (["parallel"], 4, "expected KEY=VALUE"),
+        (["model.moe_layers=[9]"], 4, r"moe_layers=\[9\]: layers are 0..3"),
+    ],
+)
+def test_bad_configs_are_refused_by_key_before_launch(
+    overrides: list[str], world: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config = lm_config.load_config("lm-cpu-smoke", overrides)
+        lm_config.check_world(config, world)
+
+
+def test_a_missing_config_names_the_shipped_ones() -> None:
+    with pytest.raises(ConfigError, match="lm-cpu-smoke"):
+        lm_config.load_config("lm-nope")
+
+
+# ----------------------------------------------------------------------------- the bytes
+
+
+MEMORY_LAYOUTS = [
+    {"dp": 2, "tp": 2},
+    {"dp": 2, "pp": 2, "zero": 1, "microbatches": 2},
+    {"dp": 2, "cp": 2, "zero": 2},
+    {"dp": 2, "tp": 2, "zero": 3},
+    {"dp": 2, "pp": 2, "zero": "fsdp", "microbatches": 2},
+]
+TINY = LMConfig(width=16, heads=4, layers=4, ffn=32, seq_len=16, tied=True)
+
+
+def _held(layouts: list[dict[str, Any]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    from solutions.phase3_multi_node.zero_accounting import held_bytes
+    from solutions.phase4_production.lm_parallel import ParallelLanguageModel
+
+    out = []
+    for options in layouts:
+        config = (
+            TINY if options.get("zero") != "fsdp" else LMConfig(**{**vars(TINY), "tied": False})
+        )
+        settings = ParallelSettings(**options)
+        topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
+        model = ParallelLanguageModel(build_language_model(config, 0), topology, settings)
+        model.train_step(*uneven_batch(0, config))
+        held = held_bytes(model.model, model.optimizer)
+        units = lm_memory.rank_units(config, settings, topology.pp_rank)
+        want = lm_memory.state_bytes(units, settings.zero, settings.dp * settings.cp, 8)
+        out.append(((held.params, held.grads, held.optimizer), want))
+    return out
+
+
+def test_the_planners_state_bytes_equal_what_every_rank_holds() -> None:
+    for rank, results in enumerate(run_world(_held, 4, (MEMORY_LAYOUTS,), {})):
+        for options, (got, want) in zip(MEMORY_LAYOUTS, results, strict=True):
+            assert tuple(got) == tuple(want), (
+                f"rank {rank}, {options}: held (params, grads, optimizer) {got} bytes, the "
+                f"planner's formula {want}"
+            )
+
+
+def test_in_flight_is_the_schedules_own_peak() -> None:
+    settings = ParallelSettings(pp=4, microbatches=8)
+    schedule = make_schedule("1f1b", 4, 8)
+    assert lm_memory.in_flight(settings) == max(peak_in_flight(a) for a in schedule) == 4
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+LINK = AlphaBeta(1e-4, 1e-9)
+
+
+def fake_rates(link: AlphaBeta = LINK, head: float = 1e-6) -> Rates:
+    """Round numbers: 1 us per token per layer forward, 2 backward; 0.1 ms per message."""
+    return Rates(Line(0.0, 1e-6), Line(0.0, 2e-6), 0.1, head, 1000.0, 100.0, 1e-9, link, link,
+                 64, "float32")  # fmt: skip
+
+
+def test_every_candidate_is_a_legal_layout_of_the_world() -> None:
+    config = LMConfig()
+    found = list(lm_planner.candidates(config, 8, 16))
+    assert found and all(not s.problems(config, 16) and s.world_size == 8 for s in found)
+    assert {(s.dp, s.tp, s.pp, s.cp) for s in found} >= {(8, 1, 1, 1), (2, 2, 2, 1), (1, 1, 1, 8)}
+
+
+def test_the_plan_puts_what_fits_first_fastest_first() -> None:
+    config = LMConfig()
+    everything = lm_planner.plan(config, fake_rates(), lm_planner.Machine(8, 8, 2**40), 16)
+    median = sorted(p.held.total for p in everything)[len(everything) // 2]
+    machine = lm_planner.Machine(8, 8, median)
+    predictions = lm_planner.plan(config, fake_rates(), machine, 16)
+    fits = [p.fits for p in predictions]
+    assert fits == sorted(fits, reverse=True) and True in fits and False in fits
+    fitting = [p.seconds for p in predictions if p.fits]
+    assert fitting == sorted(fitting)
+    assert all(p.held.total <= machine.memory_per_rank for p in predictions if p.fits)
+
+
+def test_more_data_parallel_ranks_hold_less_under_zero_and_tp_divides_compute() -> None:
+    config, rates = LMConfig(), fake_rates()
+    machine = lm_planner.Machine(4, 4, 2**40)
+
+    def predict(**options: Any) -> lm_planner.Prediction:
+        return lm_planner.predict(config, ParallelSettings(**options), rates, machine, 16)
+
+    plain, zero3 = predict(dp=4), predict(dp=4, zero=3)
+    assert zero3.held.states < plain.held.states and zero3.gradients > plain.gradients
+    # free links, no head: four tp ranks on a sequence compute what four replicas do on theirs
+    free = fake_rates(AlphaBeta(0.0, 0.0), head=0.0)
+    tp4 = lm_planner.predict(config, ParallelSettings(tp=4, sequence_parallel=True), free,
+                             machine, 16)  # fmt: skip
+    dp4 = lm_planner.predict(config, ParallelSettings(dp=4), free, machine, 16)
+    assert tp4.pipeline == pytest.approx(dp4.pipeline)
+
+
+def test_spearman_and_the_spread_of_checked_layouts() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    predictions = lm_planner.plan(LMConfig(), fake_rates(), lm_planner.Machine(4, 4, 2**40), 16)
+    chosen = spread(predictions, 6)
+    assert chosen[:3] == predictions[:3] and chosen[-1] == predictions[-1] and len(chosen) == 6
+    assert torch.tensor([p.seconds for p in chosen[:3]]).diff().ge(0).all()
