@@ -50,6 +50,8 @@ def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> 
         (["parallel.tp=3"], 4, "the fixed degrees do not divide the world of 4 ranks"),
         (["parallel"], 4, "expected KEY=VALUE"),
         (["model.moe_layers=[9]"], 4, r"moe_layers=\[9\]: layers are 0..3"),
+        (["communication=ring"], 4, "communication=ring: the hand-made all-reduces are not wired"),
+        (["checkpoint.every=10"], 4, "checkpoint.every=10: checkpoints .* are not written yet"),
     ],
 )
 def test_bad_configs_are_refused_by_key_before_launch(
