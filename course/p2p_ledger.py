@@ -14,7 +14,12 @@ A rank blocked in a C++ wait cannot run a Python signal handler, so the ledger c
 for at the deadline: it is kept in memory and a small thread of the rank rewrites a JSON file
 whenever it changed, every 0.1 s (``Work.wait`` releases the GIL, so the thread runs while the
 rank is blocked; it also forgets async messages that completed without anyone waiting on them).
-The parent reads the files of the hung ranks and matches sends with receives. Writing the file on
+The parent reads the files of the hung ranks and matches sends with receives. A message can stay
+listed after its peer has it (gloo marks a send complete only when its sender waits on it), so
+the ledger also counts, per peer and tag, every send and receive the rank ever posted: gloo and
+NCCL match one peer's messages of one tag in posting order, so the i-th send from A to B with
+tag t meets B's i-th receive from A with tag t, and a message is reported as unmatched only when
+its peer never posted its counterpart (:func:`unmatched`). Writing the file on
 every message instead cost 0.75 ms a write on a disk-backed /tmp (6 ms per send/recv pair);
 recording in memory costs about 10 us a message (tests/test_harness.py keeps it under 100 us),
 lost in gloo's 2-4 ms per send/recv pair on a busy 2-core machine (``DTFS_P2P_LEDGER=0`` turns
@@ -69,6 +74,7 @@ class PendingP2P:
     lineno: int
     function: str
     waiting: bool  # the rank is blocked waiting for this very message
+    seq: int = -1  # how many messages of the same kind, peer and tag this rank posted before it
 
     @property
     def is_send(self) -> bool:
@@ -100,6 +106,7 @@ class _Ledger:
         self.entries: dict[int, dict[str, Any]] = {}  # id -> entry
         self.works: dict[int, tuple[Any, int]] = {}  # id(work) -> (work, entry id)
         self.next_id = 0
+        self.posted: dict[tuple[str, int | None, int], int] = {}  # (send|recv, peer, tag) -> count
         self.local = threading.local()
         self.write()
 
@@ -122,9 +129,12 @@ class _Ledger:
         filename, lineno, function = self._site()
         shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
         dtype = str(tensor.dtype).removeprefix("torch.") if isinstance(tensor, torch.Tensor) else ""
+        key = ("send" if op in SENDS else "recv", peer, tag)
         with self.lock:
             entry_id = self.next_id
             self.next_id += 1
+            seq = self.posted.get(key, 0)
+            self.posted[key] = seq + 1
             self.entries[entry_id] = dict(
                 rank=self.rank,
                 op=op,
@@ -136,6 +146,7 @@ class _Ledger:
                 lineno=lineno,
                 function=function,
                 waiting=waiting,
+                seq=seq,
             )
             self.dirty = True
         return entry_id
@@ -191,7 +202,12 @@ class _Ledger:
 
     def write(self) -> None:
         with self.lock:
-            snapshot = json.dumps(list(self.entries.values()))
+            snapshot = json.dumps(
+                {
+                    "pending": list(self.entries.values()),
+                    "posted": [[*key, count] for key, count in self.posted.items()],
+                }
+            )
             self.dirty = False
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as out:
@@ -287,26 +303,51 @@ def install(path: str, rank: int, is_project_frame: Callable[[str], bool]) -> No
 # ----------------------------------------------------------------------------- the parent side
 
 
-def read_pending(path: Path) -> list[PendingP2P]:
-    """The messages a rank's ledger file lists as not completed (empty when unreadable)."""
+Posted = dict[tuple[str, int | None, int], int]  # ("send"|"recv", peer, tag) -> messages posted
+
+
+def _read(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
-        return []
+        return {}
+    return raw if isinstance(raw, dict) else {"pending": raw}
+
+
+def read_pending(path: Path) -> list[PendingP2P]:
+    """The messages a rank's ledger file lists as not completed (empty when unreadable)."""
     pending = []
-    for item in raw:
+    for item in _read(path).get("pending", []):
         with contextlib.suppress(KeyError, TypeError):
             item["shape"] = tuple(item["shape"])
             pending.append(PendingP2P(**item))
     return pending
 
 
-def unmatched(pending: Mapping[int, Sequence[PendingP2P]]) -> list[tuple[PendingP2P, str]]:
-    """Pending messages with no counterpart pending on the peer, and what went wrong with each.
+def read_posted(path: Path) -> Posted:
+    """How many sends and receives a rank ever posted, by (kind, peer, tag) (empty when
+    unreadable)."""
+    posted: Posted = {}
+    for item in _read(path).get("posted", []):
+        with contextlib.suppress(TypeError, ValueError):
+            kind, peer, tag, count = item
+            posted[(str(kind), None if peer is None else int(peer), int(tag))] = int(count)
+    return posted
+
+
+def unmatched(
+    pending: Mapping[int, Sequence[PendingP2P]], posted: Mapping[int, Posted] | None = None
+) -> list[tuple[PendingP2P, str]]:
+    """Pending messages whose peer never posted their counterpart, and what went wrong with each.
 
     A send matches a receive on its peer posted from this rank (or from any rank) with the same
-    tag, in the order they were posted, as gloo and NCCL match them.
+    tag, in the order they were posted, as gloo and NCCL match them. With ``posted`` (every
+    rank's counts, :func:`read_posted`) the i-th send from A to B with tag t is matched when B
+    ever posted an i-th receive from A with tag t, finished or not (a send whose receive already
+    completed is not "never received"); without it, only by the receives still pending.
     """
+    if posted is not None:
+        return _unmatched_by_count(pending, posted)
     receives = {
         rank: [p for p in ops if not p.is_send] for rank, ops in pending.items()
     }
@@ -345,3 +386,26 @@ def all_blocked_in_send(
             return False
     return True
 
+
+def _unmatched_by_count(
+    pending: Mapping[int, Sequence[PendingP2P]], posted: Mapping[int, Posted]
+) -> list[tuple[PendingP2P, str]]:
+    lonely: list[tuple[PendingP2P, str]] = []
+    for rank in sorted(pending):
+        for op in pending[rank]:
+            if op.peer is None:  # a receive from any source: any send to this rank and tag
+                sent = sum(
+                    counts.get(("send", rank, op.tag), 0) for counts in posted.values()
+                )
+                if sent <= op.seq:
+                    lonely.append((op, "never sent"))
+                continue
+            peer = posted.get(op.peer, {})
+            if op.is_send:
+                answered = peer.get(("recv", rank, op.tag), 0) > op.seq
+                answered = answered or peer.get(("recv", None, op.tag), 0) > 0
+                if not answered:
+                    lonely.append((op, "never received"))
+            elif peer.get(("send", rank, op.tag), 0) <= op.seq:
+                lonely.append((op, "never sent"))
+    return lonely

@@ -135,12 +135,13 @@ class WorldHung(WorldError):
         hung: dict[int, list[Frame]],
         finished: Sequence[int],
         pending: Mapping[int, Sequence[p2p_ledger.PendingP2P]] | None = None,
+        posted: Mapping[int, p2p_ledger.Posted] | None = None,
     ) -> None:
         self.timeout = timeout
         self.hung = hung
         self.finished = list(finished)
         self.pending = {rank: list(ops) for rank, ops in (pending or {}).items()}
-        self.unmatched = p2p_ledger.unmatched(self.pending)
+        self.unmatched = p2p_ledger.unmatched(self.pending, posted)
         self.blocked_in_send = p2p_ledger.all_blocked_in_send(self.pending, sorted(hung))
         ranks = ", ".join(str(rank) for rank in sorted(hung))
         done = ", ".join(str(rank) for rank in self.finished) or "none"
@@ -266,6 +267,8 @@ def _describe(exc: BaseException) -> tuple[str, str, list[Frame]]:
     message = str(exc)
     if isinstance(exc, AssertionError) and not message:
         message = "assertion failed"
+    notes = [str(note) for note in getattr(exc, "__notes__", ())]  # exc.add_note(): the context
+    message = "\n".join([message, *notes]) if notes else message
     return type(exc).__name__, message, _project_frames(frames)
 
 
@@ -382,6 +385,14 @@ def _read_ledgers(members: list[_Rank]) -> dict[int, list[p2p_ledger.PendingP2P]
     """Every rank's unfinished point-to-point messages, as its ledger file last listed them."""
     return {
         member.rank: p2p_ledger.read_pending(Path(f"{member.stack_file}.p2p.json"))
+        for member in members
+    }
+
+
+def _read_posted(members: list[_Rank]) -> dict[int, p2p_ledger.Posted]:
+    """How many sends and receives each rank ever posted, by peer and tag (its ledger file)."""
+    return {
+        member.rank: p2p_ledger.read_posted(Path(f"{member.stack_file}.p2p.json"))
         for member in members
     }
 
@@ -506,7 +517,8 @@ def _collect(members: list[_Rank], timeout: float) -> None:
         if remaining <= 0:
             finished = [member.rank for member in members if member.done]
             stacks = _read_stacks(pending)
-            raise WorldHung(timeout, stacks, finished, _read_ledgers(members))
+            ledgers, posted = _read_ledgers(members), _read_posted(members)
+            raise WorldHung(timeout, stacks, finished, ledgers, posted)
         waitables: list[Any] = [member.conn for member in pending]
         waitables += [member.process.sentinel for member in pending]
         for ready in wait(waitables, timeout=remaining):

@@ -8,6 +8,9 @@
   tracebacks.
 * After a world of an exercise hangs, the exercise's later worlds are skipped before they start
   ("blocked by the hang above (test_x)"): a hung exercise costs one timeout, not one per test.
+* A later test of an exercise that fails with the very error an earlier one reported (a shared
+  world re-raised in each test that reads it, the same raise reached again) is reported as
+  skipped ("blocked by the failure above (test_x)"): one cause, one message.
 * Tests run in parallel worker processes (tests/parallel_runs.py; ``-n 0`` runs them in this
   one). Every test of one exercise runs in the same worker, in file order, so the two rules above
   hold there; the scoreboard (tests/scoreboard.py) counts where the reports arrive.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ class Walls:
 
     todo: str | None = None  # the first unwritten-TODO message seen for this exercise
     hang: str | None = None  # the first test of this exercise whose world hung
+    failures: dict[tuple[str, ...], str] = field(default_factory=dict)  # error -> first test
 
 
 WALLS: dict[str, Walls] = {}
@@ -119,6 +123,20 @@ def _where(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     return ""
 
 
+def _signature(excinfo: pytest.ExceptionInfo[BaseException]) -> tuple[str, ...]:
+    """What makes two failures the same error: type, message and the line that raised it."""
+    exc = excinfo.value
+    if isinstance(exc, RankFailed):  # the error's own line; notes below it name the case
+        where = exc.frames[-1].location if exc.frames else ""
+        return (exc.exc_type, exc.message.split("\n", 1)[0], where)
+    return (type(exc).__name__, str(exc), _where(excinfo))
+
+
+def _blocked(item: pytest.Item, report: pytest.TestReport, reason: str) -> None:
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
@@ -139,8 +157,7 @@ def pytest_runtest_makereport(
         # the scoreboard (tests/scoreboard.py) may run in another process: tell it in the report
         report.user_properties.append((TODO_PROPERTY, todo))
         if walls.todo is not None:
-            report.outcome = "skipped"
-            report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: blocked by {todo}")
+            _blocked(item, report, f"blocked by {todo}")
             return
         walls.todo = todo
         where = _where(call.excinfo) if isinstance(exc, NotImplementedError) else ""
@@ -149,5 +166,14 @@ def pytest_runtest_makereport(
         report.longrepr = f"[{label}] not written yet: {todo}" + (
             f"\n  at {where}" if where else ""
         )
-    elif isinstance(exc, (WorldError, LoadError)):
+        return
+    if ex is not None and report.failed and not isinstance(exc, WorldHung):
+        walls = WALLS.setdefault(ex.id, Walls())
+        signature = _signature(call.excinfo)
+        first = walls.failures.get(signature)
+        if first is not None:
+            _blocked(item, report, f"blocked by the failure above ({first}): the same error")
+            return
+        walls.failures[signature] = item.name
+    if isinstance(exc, (WorldError, LoadError)):
         report.longrepr = f"[{label}] {exc}"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -91,6 +92,59 @@ def world(
         pytest.skip(_blocked_reason)
     merged = {IMPL_ENV: impl(), **(env or {})}
     return run_world(fn, world_size, args, kwargs, env=merged, timeout=timeout, nodes=nodes)
+
+
+def raised_in(exc: BaseException, files: Collection[str]) -> str | None:
+    """The innermost function of the learner's modules that a rank's error came through:
+    ``files`` are their file names (``"expert_parallel.py"`` stands for the solution and for
+    ``template_expert_parallel.py``); None when no frame is theirs or ``exc`` is no rank's."""
+    from course.world import RankFailed
+
+    if not isinstance(exc, RankFailed):
+        return None
+    for frame in reversed(exc.frames):
+        path = Path(frame.filename)
+        in_phase = path.parent.name.startswith("phase")
+        if in_phase and path.name.removeprefix("template_") in files:
+            return frame.function
+    return None
+
+
+def learner_line(exc: BaseException) -> str:
+    """`` (at phase3_multi_node/template_zero.py:88 in step)``: the innermost line of the course's
+    modules (a template, a solution, or the given code beside them) that ``exc`` came through,
+    for a grader that turns a caught exception into its own message; "" when none."""
+    import traceback
+
+    root = Path(__file__).resolve().parents[1]
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename).resolve()
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            continue
+        if rel.parts[0].startswith("phase") or rel.parts[0] == "solutions":
+            return f" (at {rel}:{frame.lineno} in {frame.name})"
+    return ""
+
+
+def current_test() -> str:
+    """The name of the running test, without its parameters."""
+    running = os.environ.get("PYTEST_CURRENT_TEST", "")
+    return running.split("::")[-1].split("[")[0].split(" ")[0]
+
+
+def step_aside_unless_mine(
+    exc: BaseException, owners: Mapping[str, str], files: Collection[str]
+) -> None:
+    """Skip the running test when ``exc``, a shared world's error that several tests re-raise,
+    came from a function of the learner's that another test grades: ``owners`` maps function
+    names to the name of the test that reports their errors (the others step aside, so the
+    error shows once, under a test named for what broke)."""
+    function = raised_in(exc, files)
+    owner = owners.get(function or "")
+    if owner is not None and owner != current_test():
+        pytest.skip(f"blocked by the error the ranks raised in {function}, reported by {owner}")
 
 
 def ranks_agree(values: Sequence[Any]) -> bool:

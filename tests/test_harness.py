@@ -198,6 +198,18 @@ def recv_that_is_never_sent() -> None:
         dist.recv(torch.empty(3), 1, tag=7)
 
 
+def delivered_send_then_a_receive_nobody_sends() -> None:
+    """Rank 0's isend is received by rank 1 (gloo still lists it as not complete: nobody waited
+    on it); then rank 1 waits for a message rank 0 never sends."""
+    if dist.get_rank() == 0:
+        dist.isend(torch.ones(3), 1, tag=5)  # delivered, never waited on
+        dist.recv(torch.empty(3), 1, tag=6)  # waits for rank 1, which is stuck below
+    else:
+        got = torch.empty(3)
+        dist.recv(got, 0, tag=5)
+        dist.recv(torch.empty(3), 0, tag=8)  # rank 0 never sends tag 8
+
+
 def batched_ring_exchange() -> list[float]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = torch.full((2,), float(rank))
@@ -266,6 +278,16 @@ def test_a_receive_nobody_sends_is_named_and_is_not_called_a_send_deadlock() -> 
     assert "blocked in a send" not in text
 
 
+def test_a_send_whose_receive_completed_is_not_called_never_received() -> None:
+    with pytest.raises(WorldHung) as info:
+        run_world(delivered_send_then_a_receive_nobody_sends, 2, timeout=4)
+    text = str(info.value)
+    assert "rank 1 posted recv from 0 tag 8 float32[3]" in text, text
+    assert "rank 0 posted recv from 1 tag 6 float32[3]" in text, text
+    assert "tag 5" not in text, f"the delivered send (tag 5) is listed as unmatched:\n{text}"
+    assert "never received" not in text, text
+
+
 def test_batched_point_to_point_still_works_under_the_ledger() -> None:
     assert run_world(batched_ring_exchange, 2) == [[1.0, 1.0], [0.0, 0.0]]
 
@@ -314,6 +336,15 @@ def test_after_a_hang_the_exercises_other_worlds_are_skipped_before_they_start()
     assert "blocked by the hang above (test_hangs_first)" in out, out
     assert "test_a_pure_test_still_runs" in out or "1 passed" in out, out
     assert elapsed < 40, f"{elapsed:.0f} s: the blocked worlds ran"
+
+
+def test_the_same_error_again_steps_aside_and_another_one_is_reported() -> None:
+    out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex3_4")
+    assert "2 failed" in out and "1 skipped" in out, out
+    assert (
+        "blocked by the failure above (test_the_shared_cause_fails_first): the same error" in out
+    ), out
+    assert "another mistake" in out, out
 
 
 def test_next_points_at_the_todo_that_blocks_and_selected_runs_say_selected() -> None:

@@ -84,7 +84,7 @@ def _held(layouts: list[dict[str, Any]]) -> list[tuple[tuple[int, ...], tuple[in
     from solutions.phase3_multi_node.zero_accounting import held_bytes
     from solutions.phase4_production.lm_parallel import ParallelLanguageModel
 
-    out = []
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for options in layouts:
         config = (
             TINY if options.get("zero") != "fsdp" else LMConfig(**{**vars(TINY), "tied": False})

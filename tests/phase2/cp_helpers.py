@@ -8,6 +8,7 @@ the solution, so a mistake shared by the solution and the grader cannot hide.
 
 from __future__ import annotations
 
+import itertools
 import math
 import traceback
 from dataclasses import dataclass
@@ -175,6 +176,63 @@ def own_queries_share(
     dk = dscores.transpose(-2, -1) @ q.index_select(2, mine) * scale
     dv = probs.transpose(-2, -1) @ grad.index_select(2, mine)
     return dk, dv
+
+
+def dq_block_shares(
+    ref: Reference, k: torch.Tensor, rank: int, cp: int, zigzag: bool, causal: bool
+) -> list[tuple[int, list[tuple[int, int, torch.Tensor]]]]:
+    """For each query chunk of rank ``rank`` (in its local order): the chunk and the dQ share of
+    every block the ring computes for it, in the order the ring meets them, as
+    ``(step, key chunk, share)``; the shares sum to the chunk's rows of dQ."""
+    seq = k.shape[2]
+    width = seq // (2 * cp if zigzag else cp)
+    scale = 1.0 / math.sqrt(k.shape[-1])
+    found = []
+    for q_chunk in expected_chunks(rank, cp, zigzag):
+        rows = torch.arange(q_chunk * width, (q_chunk + 1) * width)
+        shares = []
+        for step in range(cp):
+            for k_chunk in expected_chunks((rank - step) % cp, cp, zigzag):
+                if block_needed(q_chunk, k_chunk, causal) == "skip":
+                    continue
+                cols = torch.arange(k_chunk * width, (k_chunk + 1) * width)
+                dscores = ref.dscores.index_select(2, rows).index_select(3, cols)
+                shares.append((step, k_chunk, dscores @ k.index_select(2, cols) * scale))
+        found.append((q_chunk, shares))
+    return found
+
+
+def dq_share_problem(
+    got: torch.Tensor, chunks: list[tuple[int, list[tuple[int, int, torch.Tensor]]]], atol: float
+) -> str | None:
+    """What a wrong local dQ holds, named from the blocks' shares (None: no known pattern)."""
+    width = got.shape[2] // len(chunks)
+    for index, (q_chunk, shares) in enumerate(chunks):
+        rows = got[:, :, index * width : (index + 1) * width]
+        parts = [share for _, _, share in shares]
+        if close(rows, sum(parts, torch.zeros_like(parts[0])), atol):
+            continue
+        names = [f"step {step} (key chunk {k_chunk})" for step, k_chunk, _ in shares]
+        where = f"the rows of query chunk {q_chunk}"
+        if len(parts) > 1 and close(rows, parts[-1], atol):
+            return (
+                f"{where} hold the share of the last block computed for them alone, "
+                f"{names[-1]}: each block's dQ share must be added to dQ (accumulate into it), "
+                "not replace what the earlier blocks put there"
+            )
+        for size in range(1, len(parts)):
+            for subset in itertools.combinations(range(len(parts)), size):
+                if close(rows, sum((parts[i] for i in subset), torch.zeros_like(parts[0])), atol):
+                    missing = [names[i] for i in range(len(parts)) if i not in subset]
+                    return (
+                        f"{where} hold the shares of {', '.join(names[i] for i in subset)} but "
+                        f"not of {', '.join(missing)}: every block computed for a query chunk "
+                        "adds its share to that chunk's dQ"
+                    )
+        if close(rows, 2 * sum(parts, torch.zeros_like(parts[0])), atol):
+            return f"{where} are twice the right ones: each block's share is added once"
+        return None
+    return None
 
 
 def close(got: torch.Tensor | None, want: torch.Tensor, atol: float) -> bool:

@@ -116,7 +116,10 @@ def test_more_ranks_than_layers_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
         code = model_parallel_demo.main(["--model", "mlp", "--impl", impl()])
     assert code == 2, f"2.4: the demo with 7 ranks for a 6-layer MLP should exit 2, got {code}"
     assert not dist.is_initialized(), "2.4: the refusal must come before init_process_group"
-    assert "6 layers over 7 ranks" in stderr.getvalue(), stderr.getvalue()
+    assert "6 layers over 7 ranks" in stderr.getvalue(), (
+        "2.4: the demo's refusal for 7 ranks should say '6 layers over 7 ranks'; it printed: "
+        f"{stderr.getvalue()!r}"
+    )
 
 
 # ============================================================================ the messages

@@ -341,15 +341,29 @@ def probe_class(base: type) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.b_changed: list[str] = []  # B's that changed a .grad
+            self.b_wrong: list[tuple[str, str]] = []  # B's that returned a wrong input gradient
             self.w_unchanged: list[str] = []  # W's that left every .grad as it was
+            self.w_wrong: list[tuple[str, str]] = []  # W's that added the wrong amount
             Probed.last = self
 
         def _backward_input(self, state: Any, action: Any, received: Any) -> Any:
             before = grads_of(self.chunks[action.chunk])
+            expected = input_gradient(state, action, received)
             out = super()._backward_input(state, action, received)
             after = grads_of(self.chunks[action.chunk])
+            what = f"{action} (stage {self.stage_of(action.chunk)})"
             if any(not same_grad(a, b) for a, b in zip(before, after, strict=True)):
-                self.b_changed.append(f"{action} (stage {self.stage_of(action.chunk)})")
+                self.b_changed.append(what)
+            if expected is not None and isinstance(out, torch.Tensor):
+                if out.shape != expected.shape:
+                    self.b_wrong.append((what, f"a tensor of shape {tuple(out.shape)}"))
+                elif not torch.allclose(out, expected, rtol=1e-12, atol=1e-12):
+                    how = (
+                        "all zeros"
+                        if not out.any()
+                        else f"a tensor {(out - expected).abs().max().item():.2e} away from it"
+                    )
+                    self.b_wrong.append((what, how))
             return out
 
         def _backward_weight(self, state: Any, action: Any) -> None:
@@ -360,13 +374,89 @@ def probe_class(base: type) -> type:
                     "every B, stage 0's included, must leave there what its W starts from (the "
                     "output and the gradient that came back for it)"
                 )
-            before = grads_of(self.chunks[action.chunk])
+            chunk = self.chunks[action.chunk]
+            before = grads_of(chunk)
+            expected = weight_gradients(
+                chunk, state.weight_stash[(action.microbatch, action.chunk)]
+            )
             super()._backward_weight(state, action)
-            after = grads_of(self.chunks[action.chunk])
+            after = grads_of(chunk)
+            what = f"{action} (stage {self.stage_of(action.chunk)})"
             if before and all(same_grad(a, b) for a, b in zip(before, after, strict=True)):
-                self.w_unchanged.append(f"{action} (stage {self.stage_of(action.chunk)})")
+                self.w_unchanged.append(what)
+            elif expected is not None:
+                how = weight_mistake(before, after, expected)
+                if how:
+                    self.w_wrong.append((what, how))
 
     return Probed
+
+
+def input_gradient(state: Any, action: Any, received: Any) -> torch.Tensor | None:
+    """The gradient of a chunk's input that B must return, computed from the stash before B
+    runs (None on stage 0, whose input needs none, or when the stash holds no such entry)."""
+    held = state.stash.get((action.microbatch, action.chunk))
+    if not isinstance(held, tuple) or len(held) != 2:
+        return None
+    x, output = held
+    if not (isinstance(x, torch.Tensor) and x.requires_grad and output.requires_grad):
+        return None
+    try:
+        (grad,) = torch.autograd.grad(output, x, received, retain_graph=True, allow_unused=True)
+    except RuntimeError:
+        return None  # a graph the forward did not keep: the executor's own checks say so
+    return torch.zeros_like(x) if grad is None else grad
+
+
+def weight_gradients(chunk: torch.nn.Module, entry: Any) -> list[Any] | None:
+    """What one W must add to each parameter's .grad (None for a frozen one), computed from its
+    weight-stash entry before W runs (None when the entry cannot be walked here)."""
+    if not isinstance(entry, tuple) or len(entry) != 2:
+        return None
+    output, grad_output = entry
+    params = list(chunk.parameters())
+    trainable = [q for q in params if q.requires_grad]
+    if not trainable or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        return None
+    try:
+        grads = torch.autograd.grad(
+            output, trainable, grad_output, retain_graph=True, allow_unused=True
+        )
+    except RuntimeError:
+        return None  # a graph B already freed: the executor's own error says so
+    found = iter(grads)
+    shares: list[Any] = []
+    for q in params:
+        grad = next(found) if q.requires_grad else None
+        shares.append(
+            None if not q.requires_grad else torch.zeros_like(q) if grad is None else grad
+        )
+    return shares
+
+
+def weight_mistake(before: list[Any], after: list[Any], expected: list[Any]) -> str:
+    """How a W's change to the parameters' .grad differs from the weights' gradient of its
+    micro-batch ("" when it does not)."""
+    for old, new, share in zip(before, after, expected, strict=True):
+        if share is None:
+            continue
+        if new is None and old is None and not share.any():
+            continue  # a parameter this micro-batch does not reach
+        want = share if old is None else old + share
+        if new is not None and torch.allclose(new, want, rtol=1e-10, atol=1e-12):
+            continue
+        if new is not None and old is not None and old.any() and torch.allclose(new, share):
+            return (
+                "replaced .grad with this micro-batch's share: W must add to .grad (accumulate), "
+                "so that the m micro-batches' shares sum"
+            )
+        return (
+            "added to .grad something other than the gradient of the chunk's output with "
+            "respect to its parameters, from the gradient that came back for that output (the "
+            "one B kept in the weight stash): W starts from the same output and incoming "
+            "gradient as B"
+        )
+    return ""
 
 
 def same_grad(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -386,6 +476,8 @@ def zero_bubble_worker(cases: list[tuple[str, int, int, bool]]) -> dict[str, Any
             results.append(run_case(case, rank, p, None))
             runner = getattr(probed, "last")  # noqa: B009  (set by each instance)
             results[-1]["b_changed"] = runner.b_changed
+            results[-1]["b_wrong"] = runner.b_wrong
+            results[-1]["w_wrong"] = runner.w_wrong
             results[-1]["w_unchanged"] = runner.w_unchanged
     refused = ""
     try:  # a split backward cannot be checkpointed by 2.3's checkpoint: refused at once
@@ -406,6 +498,17 @@ def check_split(label: str, per_rank: Sequence[dict[str, Any]], ref_grads: Any) 
     """The zero-bubble parts, each named: B leaves the weights to W, W adds them, the weight
     stash is emptied; then the rest is the executor's usual check."""
     for rank, got in enumerate(per_rank):
+        # a B that sends back a wrong gradient spoils the W's of the stages before it, on
+        # other ranks: named first
+        if got.get("b_wrong"):
+            what, how = got["b_wrong"][0]
+            fail(
+                f"{label}: rank {rank}'s {what} returned {how} as the gradient of its input, "
+                "not the gradient of the chunk's output with respect to its input (from the "
+                "gradient that came back): B must return the gradient it computed "
+                "(torch.autograd.grad returns it; it does not fill x.grad)"
+            )
+    for rank, got in enumerate(per_rank):
         if "refused" in got:
             fail(f"{label}: rank {rank} refused a schedule it should run: {got['refused']}")
         if got["b_changed"]:
@@ -420,6 +523,9 @@ def check_split(label: str, per_rank: Sequence[dict[str, Any]], ref_grads: Any) 
                 "chunk as it was: W never computed the weights' gradients, so the weights would "
                 "not be updated; _backward_weight must backpropagate into the chunk's parameters"
             )
+        if got["w_wrong"]:
+            what, how = got["w_wrong"][0]
+            fail(f"{label}: rank {rank}'s {what} {how}")
         if got["left_in_weight_stash"]:
             fail(
                 f"{label}: rank {rank} still held {got['left_in_weight_stash']} weight-stash "

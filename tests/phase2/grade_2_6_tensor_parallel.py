@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from grading import exercise, impl
+from grading import exercise, impl, learner_line
 from phase2_group_helpers import (
     SUBGROUP_SIZE,
     SUBGROUP_WORLD,
@@ -188,7 +188,10 @@ def operator_problems(group: dist.ProcessGroup | None, offset: int) -> list[str]
         y.backward(upstream)
     except RuntimeError as err:
         hint = " (is the slice picked by the rank in the group, dist.get_rank(group)?)"
-        return [f"rank {dist.get_rank()}: gather backward raised {err}" + (hint if group else "")]
+        return [
+            f"rank {dist.get_rank()}: gather backward raised {err}{learner_line(err)}"
+            + (hint if group else "")
+        ]
     want = cols(upstream, rank, n)
     if not close(x.grad, want):
         problems.append(

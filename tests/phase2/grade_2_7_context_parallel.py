@@ -25,6 +25,8 @@ from cp_helpers import (
     F64,
     close,
     difference,
+    dq_block_shares,
+    dq_share_problem,
     expected_chunks,
     order_problem,
     own_queries_share,
@@ -34,7 +36,7 @@ from cp_helpers import (
     step_blocks,
     todo_record,
 )
-from grading import exercise, impl
+from grading import exercise, impl, learner_line, step_aside_unless_mine
 from phase2_group_helpers import crossing_message, demo_module, fail, module, small_world
 from subgroups import split_into_groups
 
@@ -191,6 +193,29 @@ def _partials(dtype: torch.dtype, magnitude: float, seed: int) -> list[torch.Ten
     return [t.to(dtype) for t in (out_a, lse_a, out_b, lse_b)] + [out, lse]
 
 
+def merge_variants(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The merged outputs the usual mistakes give (by the mistake), and the lse that misses its
+    shift, in float64."""
+    oa, la, ob, lb = (t.to(F64) for t in (out_a, lse_a, out_b, lse_b))
+    m = torch.maximum(la, lb)
+    wa, wb = torch.exp(la - m).unsqueeze(-1), torch.exp(lb - m).unsqueeze(-1)
+    outs = {
+        "the weighted sum is not divided by the sum of the weights (each side weighs "
+        "exp(lse - m) / (exp(lse_a - m) + exp(lse_b - m)))": wa * oa + wb * ob,
+        "the weights are swapped: out_a weighs by lse_a's share, out_b by lse_b's": (
+            wb * oa + wa * ob
+        )
+        / (wa + wb),
+        "a plain average ignores how much of the softmax each side holds: weigh each side's out "
+        "by exp(its lse - the merged lse)": (oa + ob) / 2,
+        "the sides are weighed by their lse; the weights are the exponentials, exp(lse - the "
+        "merged lse)": (la.unsqueeze(-1) * oa + lb.unsqueeze(-1) * ob) / (la + lb).unsqueeze(-1),
+    }
+    return outs, torch.log(torch.exp(la - m) + torch.exp(lb - m))
+
+
 @exercise("2.7")
 def test_merge_of_two_partials_equals_attention_over_both_key_sets() -> None:
     cp = cp_module()
@@ -219,15 +244,30 @@ def test_merge_of_two_partials_equals_attention_over_both_key_sets() -> None:
                 advice = ": yours is the larger of the two lse; add the log of the summed weights"
             elif close(got_lse, (lse_a + lse_b).to(F64), tolerance):
                 advice = ": yours is lse_a + lse_b; the union's lse is the log of the summed exps"
+            elif close(got_lse, merge_variants(out_a, lse_a, out_b, lse_b)[1], tolerance):
+                advice = (
+                    ": yours is the log of the shifted sum, log(exp(lse_a - m) + exp(lse_b - m)), "
+                    "without the shift m added back"
+                )
             fail(
                 f"{where}: the merged lse should be the lse over both key sets "
                 f"({difference(got_lse, lse)}){advice}"
             )
         if not close(got_out, out, atol):
+            named = [
+                why
+                for why, variant in merge_variants(out_a, lse_a, out_b, lse_b)[0].items()
+                if close(got_out, variant, atol)
+            ]
             fail(
                 f"{where}: the merged output should be attention over both key sets "
-                f"({difference(got_out, out)}); the lse is right, so look at the weights: each "
-                "side's out weighs by its share of the summed exponentials"
+                f"({difference(got_out, out)}); the lse is right, so look at the weights: "
+                + (
+                    named[0]
+                    if named
+                    else "each side's out weighs by its share of the summed exponentials, "
+                    "exp(its lse - the merged lse)"
+                )
             )
         swapped_out, swapped_lse = cp.merge_partials(out_b, lse_b, out_a, lse_a)
         if not (close(swapped_out, out, atol) and close(swapped_lse, lse, tolerance)):
@@ -342,7 +382,7 @@ def subgroup_case(cp_mod: ModuleType) -> dict[str, Any]:
         except NotImplementedError as exc:
             return {"todo": todo_record(exc)}
         except Exception as exc:  # reported by the subgroup test, not by every test of cp=4
-            return {"error": f"{type(exc).__name__}: {exc}", "index": info.index}
+            return {"error": f"{type(exc).__name__}: {exc}{learner_line(exc)}", "index": info.index}
     return {
         "index": info.index,
         "group_rank": info.group_rank,
@@ -372,6 +412,10 @@ def ring_worker(cp: int) -> dict[str, Any]:
 
 
 _WORLDS: dict[tuple[str, int], list[dict[str, Any]] | Exception] = {}
+# When the ranks of a world raise in the backward, the gradient test reports it and the tests
+# before it (the output's) step aside; an error elsewhere is reported by the first test.
+WORLD_OWNERS = {"ring_attention_backward": "test_ring_attention_gradients_equal_sdpa"}
+LEARNER_FILES = {"context_parallel.py", "context_parallel_layout.py"}
 
 
 def ring_world(cp: int) -> list[dict[str, Any]]:
@@ -384,6 +428,7 @@ def ring_world(cp: int) -> list[dict[str, Any]]:
             _WORLDS[key] = exc
     found = _WORLDS[key]
     if isinstance(found, Exception):
+        step_aside_unless_mine(found, WORLD_OWNERS, LEARNER_FILES)
         raise found
     return found
 
@@ -424,10 +469,26 @@ def test_ring_attention_output_equals_sdpa_on_the_whole_sequence(cp: int) -> Non
     causal, zigzag, rank, diff = wrong[0]
     silent = results[rank]["cases"][(causal, zigzag)]["forward_bytes"] == 0
     only_causal = all(c for c, _, _, _ in wrong) and not silent
+    bad_lse = [
+        (c, z, r)
+        for c, z in CASES
+        for r, result in enumerate(results)
+        if (c, z, r) not in {(wc, wz, wr) for wc, wz, wr, _ in wrong}
+        and not close(
+            result["cases"][(c, z)]["lse"],
+            shard(case_reference(cp, c, z).lse, r, cp, z),
+            ATOL,
+        )
+    ]
     advice = (
-        "\n  Every non-causal case is right, so the ring and the merge work: look at which blocks "
-        "are skipped or masked (block_kind, and the chunk ids of the visiting block: those of the "
-        "rank it started on)"
+        f"\n  Where the output is right ({case_name(cp, bad_lse[0][0], bad_lse[0][1])}, rank "
+        f"{bad_lse[0][2]}), the lse is already wrong: every merge must return the lse over both "
+        "key sets, or the next merge weighs the blocks wrongly (a query chunk that meets more "
+        "blocks goes wrong first)"
+        if bad_lse
+        else "\n  Every non-causal case is right, so the ring and the merge work: look at which "
+        "blocks are skipped or masked (block_kind, and the chunk ids of the visiting block: those "
+        "of the rank it started on)"
         if only_causal
         else "\n  This rank sent nothing in the forward: every K/V block must travel around the "
         "ring (start_ring_pass), or the queries only ever meet their own keys"
@@ -463,13 +524,15 @@ def _dkdv_advice(
     got: torch.Tensor,
     name: str,
     ref_full: torch.Tensor,
-    home: torch.Tensor,
+    homes: list[torch.Tensor],
     rank: int,
     cp: int,
     zigzag: bool,
 ) -> str:
-    """What a wrong dK or dV of rank ``rank`` looks like."""  # fmt: skip
+    """What a wrong dK or dV of rank ``rank`` looks like (``homes[r]``: rank r's own queries'
+    share of its own block's dK or dV)."""
     want = shard(ref_full, rank, cp, zigzag)
+    home = homes[rank]
     if close(got, home, ATOL):
         return (
             f"{name} holds only this rank's own queries' share: the shares computed on the "
@@ -482,6 +545,12 @@ def _dkdv_advice(
             "to the share computed at step 0, do not replace it"
         )
     for other in range(cp):
+        if other != rank and close(got, want + homes[other], ATOL):
+            return (
+                f"{name} is the right sum plus rank {other}'s own share of its own block: a "
+                f"travelling {name} sum started from a copy of rank {other}'s {name} instead of "
+                "zeros (each block's travelling sum starts at zeros on the rank after its home)"
+            )
         if other != rank and close(got, shard(ref_full, other, cp, zigzag), ATOL):
             return (
                 f"{name} is the gradient of rank {other}'s positions: the sums ended on the wrong "
@@ -493,58 +562,101 @@ def _dkdv_advice(
     )
 
 
+def case_reference(cp: int, causal: bool, zigzag: bool) -> Any:
+    """The one-process reference of a case (see cp_helpers.reference)."""
+    q, k, v, grad = case_tensors(cp, causal, zigzag)
+    return reference(q, k, v, grad, causal)
+
+
+def _pattern_advice(wrong: set[tuple[bool, bool]]) -> str:
+    """What the set of wrong (causal, zigzag) cases points at, when it points at something."""
+    if wrong and all(causal for causal, _ in wrong):
+        return (
+            "every non-causal case is right, so the ring and the sums work: look at the causal "
+            "rule in the backward: the same blocks skipped as in the forward, and the diagonal "
+            "block computed with its mask (causal=True for it), as in the forward"
+        )
+    if wrong and all(zigzag for _, zigzag in wrong):
+        return (
+            "every contiguous case is right, so look at what changes with two chunks per rank: "
+            "the query side of a block (q, out, lse, the incoming gradient, dQ) is sliced by its "
+            "query chunk, the key side (k, v, dK, dV) by its key chunk"
+        )
+    return ""
+
+
 @exercise("2.7")
 @pytest.mark.parametrize("cp", CP_SIZES)
 def test_ring_attention_gradients_equal_sdpa(cp: int) -> None:
     results = ring_world(cp)
-    for causal, zigzag in CASES:
-        q, k, v, grad = case_tensors(cp, causal, zigzag)
-        ref = reference(q, k, v, grad, causal)
-        for rank, result in enumerate(results):
-            case = result["cases"][(causal, zigzag)]
+    for rank, result in enumerate(results):
+        for case in result["cases"].values():
             if "backward_todo" in case:
                 raise_todo(rank, case["backward_todo"])
-            where = f"{case_name(cp, causal, zigzag)}, rank {rank}"
-            dq, dk, dv = case["grads"]
-            forward_right = close(case["out"], shard(ref.out, rank, cp, zigzag), ATOL)
-            lse_right = close(case["lse"], shard(ref.lse, rank, cp, zigzag), ATOL)
-            wrong_forward = [
-                other
-                for other, found in enumerate(results)
-                if not close(
-                    found["cases"][(causal, zigzag)]["out"], shard(ref.out, other, cp, zigzag), ATOL
-                )
-            ]
-            if not close(dq, shard(ref.dq, rank, cp, zigzag), ATOL):
-                if forward_right and lse_right:
-                    cause = (
-                        "the forward's output and lse are right, so the backward computed some "
-                        "block with a K/V other than the one of its step (a stale block kept "
-                        "from an earlier step, or the one already received for the next), or "
-                        "with an out/lse slice other than its query chunk's"
-                    )
-                elif forward_right:
-                    cause = "the forward's lse is wrong: fix it first (the output test says how)"
-                else:
-                    cause = "the forward output is wrong too: fix it first (the output test)"
-                fail(
-                    f"{where}: dQ should equal scaled_dot_product_attention's "
-                    f"({difference(dq, shard(ref.dq, rank, cp, zigzag))}); {cause}"
-                )
-            if wrong_forward and not all(
-                close(g, shard(w, rank, cp, zigzag), ATOL)
-                for g, w in zip(case["grads"], (ref.dq, ref.dk, ref.dv), strict=True)
+    refs = {}
+    for causal, zigzag in CASES:
+        q, k, v, grad = case_tensors(cp, causal, zigzag)
+        refs[(causal, zigzag)] = reference(q, k, v, grad, causal)
+    wrong: dict[str, list[tuple[bool, bool, int]]] = {"dQ": [], "dK": [], "dV": []}
+    for causal, zigzag in CASES:
+        ref = refs[(causal, zigzag)]
+        for rank, result in enumerate(results):
+            grads = result["cases"][(causal, zigzag)]["grads"]
+            for name, got, full in zip(
+                ("dQ", "dK", "dV"), grads, (ref.dq, ref.dk, ref.dv), strict=True
             ):
+                if not close(got, shard(full, rank, cp, zigzag), ATOL):
+                    wrong[name].append((causal, zigzag, rank))
+    if not any(wrong.values()):
+        return
+    # a wrong forward explains wrong gradients: say so first
+    for causal, zigzag in CASES:
+        ref = refs[(causal, zigzag)]
+        for rank, result in enumerate(results):
+            case = result["cases"][(causal, zigzag)]
+            where = f"{case_name(cp, causal, zigzag)}, rank {rank}"
+            if not close(case["out"], shard(ref.out, rank, cp, zigzag), ATOL):
                 fail(
                     f"{where}: the gradients differ from scaled_dot_product_attention's, and the "
-                    f"forward output is already wrong on rank(s) {wrong_forward}: fix the "
-                    "forward first (the output test)"
+                    "forward output is already wrong: fix the forward first (the output test)"
                 )
-            home_dk, home_dv = own_queries_share(ref, q, grad, rank, cp, zigzag)
-            for name, got, full, home in (("dK", dk, ref.dk, home_dk), ("dV", dv, ref.dv, home_dv)):
-                if not close(got, shard(full, rank, cp, zigzag), ATOL):
-                    advice = _dkdv_advice(got, name, full, home, rank, cp, zigzag)
-                    fail(f"{where}: dQ is right, but {advice}")
+            if not close(case["lse"], shard(ref.lse, rank, cp, zigzag), ATOL):
+                fail(
+                    f"{where}: the gradients differ from scaled_dot_product_attention's, and the "
+                    "forward's lse is wrong: the backward needs the lse over every key, fix it "
+                    "first (the output test says how)"
+                )
+    if wrong["dQ"]:
+        causal, zigzag, rank = wrong["dQ"][0]
+        k = case_tensors(cp, causal, zigzag)[1]
+        ref = refs[(causal, zigzag)]
+        dq = results[rank]["cases"][(causal, zigzag)]["grads"][0]
+        cause = (
+            dq_share_problem(dq, dq_block_shares(ref, k, rank, cp, zigzag, causal), ATOL)
+            or _pattern_advice({(c, z) for c, z, _ in wrong["dQ"]})
+            or "the forward's output and lse are right, so the backward computed some block "
+            "with a K/V other than the one of its step (a stale block kept from an earlier "
+            "step, or the one already received for the next), or with an out/lse slice other "
+            "than its query chunk's"
+        )
+        fail(
+            f"{case_name(cp, causal, zigzag)}, rank {rank}: dQ should equal "
+            f"scaled_dot_product_attention's ({difference(dq, shard(ref.dq, rank, cp, zigzag))}); "
+            f"{cause}"
+        )
+    name = "dK" if wrong["dK"] else "dV"
+    causal, zigzag, rank = wrong[name][0]
+    q, _, _, grad = case_tensors(cp, causal, zigzag)
+    ref = refs[(causal, zigzag)]
+    index = 0 if name == "dK" else 1
+    homes = [own_queries_share(ref, q, grad, r, cp, zigzag)[index] for r in range(cp)]
+    got = results[rank]["cases"][(causal, zigzag)]["grads"][1 + index]
+    full = ref.dk if name == "dK" else ref.dv
+    advice = _dkdv_advice(got, name, full, homes, rank, cp, zigzag)
+    pattern = _pattern_advice({(c, z) for c, z, _ in wrong[name]})
+    if pattern and advice.startswith(f"{name} differs"):
+        advice = f"{name} differs ({difference(got, shard(full, rank, cp, zigzag))}); {pattern}"
+    fail(f"{case_name(cp, causal, zigzag)}, rank {rank}: dQ is right, but {advice}")
 
 
 @exercise("2.7")

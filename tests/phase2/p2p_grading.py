@@ -89,7 +89,9 @@ def remarks(label: str, known: Sequence[tuple[str, str]] = ()) -> Callable[[F], 
                 for piece, remark in [*known, *KNOWN_ERRORS]:
                     if piece in text:
                         said = text.strip().splitlines()[0][:200]
-                        raise AssertionError(f"{label}: {remark} (torch said: {said})") from exc
+                        remarked = AssertionError(f"{label}: {remark} (torch said: {said})")
+                        # the learner's frames, down to the line that raised, stay in the report
+                        raise remarked.with_traceback(exc.__traceback__) from exc
                 raise
 
         return wrapped  # type: ignore[return-value]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from grading import load
+from grading import learner_line, load
 from torch import nn
 
 from solutions.phase3_multi_node import zero_accounting as acc
@@ -268,7 +268,10 @@ def window_run(window: int) -> WindowRun:
             except NotImplementedError:
                 raise  # an unwritten TODO: the harness names it
             except RuntimeError as err:
-                run.error = f"step {step + 1} raised RuntimeError: {str(err).splitlines()[0]}"
+                run.error = (
+                    f"step {step + 1} raised RuntimeError: {str(err).splitlines()[0]}"
+                    + learner_line(err)
+                )
                 run.events, run.calls = log.events[first[0] :], log.calls[first[1] :]
                 break
             if step == 1:
@@ -376,7 +379,21 @@ def unit_problems(policy_name: str) -> dict[str, str]:
     ).to(compute)
     log = CollectiveLog([padded], defer=True, compute_buffers=lambda: {unit.flat_param.data_ptr()})
     with log:
-        unit.start_gather()
+        try:
+            unit.start_gather()
+        except RuntimeError as exc:
+            if "invalid tensor type" not in str(exc):
+                raise
+            # gloo refuses an all-gather whose input and output dtypes differ (every rank
+            # does, so every rank returns here)
+            found["start_gather"] = (
+                "FsdpUnit.start_gather() all-gathered this rank's shard in its master dtype "
+                f"(float32) into flat_param, which holds {c_name}: cast the shard to "
+                f"param_dtype BEFORE the all-gather, so each element travels in "
+                f"{compute.itemsize} bytes and lands in flat_param's dtype (the backend said: "
+                f"{str(exc).splitlines()[0][:120]})"
+            )
+            return found
         started = list(log.calls)
         storage = unit.flat_param.untyped_storage().nbytes()
         unit.start_gather()  # a second call must start nothing

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from grading import exercise
+from grading import exercise, learner_line
 from phase3_helpers import (
     P2PTrace,
     any_rank,
@@ -71,8 +71,8 @@ def ring_hang_note(exc: WorldHung) -> str:
 # ----------------------------------------------------------------------------- chunk bounds
 
 
-@exercise("3.1")
-def test_chunk_bounds_are_the_pieces_of_tensor_split() -> None:
+def chunk_bounds_problem() -> str | None:
+    """What is wrong with chunk_bounds, compared with torch.tensor_split (None: nothing)."""
     chunk_bounds = ring().chunk_bounds
     for n in range(1, 6):
         for numel in [*range(0, 13), 64, 1001]:
@@ -86,11 +86,36 @@ def test_chunk_bounds_are_the_pieces_of_tensor_split() -> None:
                 extra = ""
                 if covered is not None and covered != numel:
                     extra = f": the last chunk stops at {covered}, the tensor has {numel} elements"
-                fail(
+                return (
                     f"3.1 chunk_bounds({numel}, {n}) returned {got}; expected {expected} (the "
                     "pieces of torch.tensor_split: sizes differ by at most one, the first "
                     f"numel % n = {numel % n} chunks are the longer ones){extra}"
                 )
+    return None
+
+
+@exercise("3.1")
+def test_chunk_bounds_are_the_pieces_of_tensor_split() -> None:
+    problem = chunk_bounds_problem()
+    if problem:
+        fail(problem)
+
+
+def needs_chunk_bounds() -> None:
+    """Step aside while chunk_bounds is wrong: every chunk the ring moves comes from it, so the
+    tests below would only repeat that failure as other causes (an unwritten chunk_bounds
+    raises its TODO here, reported once as such)."""
+    try:
+        problem = chunk_bounds_problem()
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        problem = f"chunk_bounds raised {type(exc).__name__}: {exc}{learner_line(exc)}"
+    if problem:
+        pytest.skip(
+            "blocked by the failure above (test_chunk_bounds_are_the_pieces_of_tensor_split): "
+            "every chunk the ring moves comes from chunk_bounds, which is wrong"
+        )
 
 
 # ----------------------------------------------------------------------------- values
@@ -168,6 +193,7 @@ def values_worker() -> list[str]:
 @exercise("3.1")
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
 def test_ring_all_reduce_equals_dist_all_reduce(world_size: int) -> None:
+    needs_chunk_bounds()
     try:
         results = small_world(values_worker, world_size, hang_note=ring_hang_note)
     except (RankDied, WorldHung) as exc:  # no values came back: try each half on its own
@@ -291,6 +317,7 @@ def halves_worker() -> list[str]:
 def test_the_halves_equal_reduce_scatter_tensor_and_all_gather_into_tensor(
     world_size: int,
 ) -> None:
+    needs_chunk_bounds()
     results = small_world(halves_worker, world_size, hang_note=ring_hang_note)
     first_problems(
         [p for rank_problems in results for p in rank_problems],
@@ -316,14 +343,16 @@ def large_worker(numel: int) -> dict[str, Any]:
     result: dict[str, Any] = {"ok": ok, "small_ok": torch.equal(small, small_ref), "notes": []}
     if any_rank(not ok):
         result["where"] = differs(mine, ref) if not ok else ""
-        result["notes"] = race_problems(ring().ring_all_reduce, data, "ring_all_reduce") + (
-            halves_diagnosis(data)
+        halves = halves_diagnosis(data)
+        result["notes"] = halves + race_problems(
+            ring().ring_all_reduce, data, "ring_all_reduce", explained=bool(halves)
         )
     return result
 
 
 @exercise("3.1")
 def test_64_mib_on_two_ranks() -> None:
+    needs_chunk_bounds()
     numel = 16 * 2**20  # 64 MiB of float32
     results = small_world(large_worker, 2, numel, hang_note=ring_hang_note)
     if all(r["ok"] for r in results):
@@ -365,6 +394,7 @@ def bytes_worker(numel: int) -> dict[str, Any]:
 @exercise("3.1")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor_to_its_right(world_size: int) -> None:
+    needs_chunk_bounds()
     n = world_size
     for numel in (1000, 1001):  # 1001 does not divide by 4: chunks of 251 and 250
         size = numel * 4
@@ -456,6 +486,7 @@ def subgroup_worker(members: tuple[int, ...]) -> dict[str, Any]:
 
 @exercise("3.1")
 def test_ring_inside_groups_of_three() -> None:
+    needs_chunk_bounds()
     passed: list[tuple[int, ...]] = []
     for members in GROUPS:
         luck = members == GROUPS[1] and passed == [GROUPS[0]]
@@ -538,6 +569,7 @@ def all_gather_trace_worker() -> list[str]:
 
 @exercise("3.1")
 def test_every_send_is_waited_for_but_not_before_the_receives() -> None:
+    needs_chunk_bounds()
     results = small_world(all_gather_trace_worker, 3, hang_note=ring_hang_note)
     first_problems(
         [p for rank_problems in results for p in rank_problems],

@@ -16,34 +16,28 @@ Then stages 2 and 3 inside two groups of 2 in a world of 4; frozen and tied para
 with two frozen parameters, and one whose output layer reuses the embedding's weight) in every
 stage on worlds of 2 and 3: ``unit_parameters`` alone, six steps against one process (frozen
 parameters never move), bytes against the formulas with the frozen ones whole on every rank;
-and (reference, not scored) ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard`` on the same
-model, and the demo.
+the library way, the demo and the benchmark (reference, not scored) come after the FSDP-style
+tests, in grade_3_5_zero_programs.py (they run the FSDP-style units too).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import pytest
-import torch
-from grading import exercise, impl
+from grading import exercise
 from phase3_helpers import fail, first_problems, module, small_world
 from subgroups import split_into_groups
-from torch import nn
 from zero_helpers import (
     ADAM_K,
     ELEMENT,
     FROZEN,
     KINDS,
-    STEPS,
-    TOLERANCE,
     SpecialRun,
     ZeroRun,
     adamw,
-    batch,
-    max_diff,
-    reference,
+    needs_partition,
+    partition_problem,
     small_mlp,
     special_run,
     unit_parameters_problem,
@@ -97,28 +91,9 @@ def label(stage: int, world: int) -> str:
 
 @exercise("3.5")
 def test_partition_pads_to_the_world_and_gives_each_rank_one_slice() -> None:
-    part = module("zero_partition")
-    for world in range(1, 6):
-        for numel in [*range(0, 14), 107]:
-            padded = part.padded_size(numel, world)
-            want = -(-numel // world) * world
-            if padded != want:
-                fail(
-                    f"3.5 padded_size({numel}, {world}) returned {padded}; expected {want}: the "
-                    f"smallest multiple of {world} that holds {numel} elements (every rank must "
-                    "own a slice of the same length for reduce_scatter_tensor/all_gather_into_"
-                    "tensor)"
-                )
-        padded = part.padded_size(107, world)
-        bounds = [tuple(part.shard_bounds(padded, world, r)) for r in range(world)]
-        size = padded // world
-        want_bounds = [(r * size, (r + 1) * size) for r in range(world)]
-        if bounds != want_bounds:
-            fail(
-                f"3.5 shard_bounds({padded}, {world}, rank) for ranks 0..{world - 1} returned "
-                f"{bounds}; expected {want_bounds}: equal contiguous slices in rank order, the "
-                "layout all_gather_into_tensor produces"
-            )
+    problem = partition_problem()
+    if problem:
+        fail(problem)
 
 
 @exercise("3.5")
@@ -151,6 +126,7 @@ def test_unit_parameters_give_each_trainable_parameter_one_unit_and_frozen_ones_
 @exercise("3.5")
 @pytest.mark.parametrize(("stage", "world"), CASES)
 def test_ten_steps_equal_adamw_on_one_process(stage: int, world: int) -> None:
+    needs_partition()
     report(
         [
             f"rank {r}: {run.value_problem}"
@@ -216,6 +192,7 @@ def bytes_problems(stage: int, world: int, rank: int, run: ZeroRun) -> list[str]
 @exercise("3.5")
 @pytest.mark.parametrize(("stage", "world"), CASES)
 def test_bytes_held_equal_the_papers_formulas(stage: int, world: int) -> None:
+    needs_partition()
     results = runs(stage, world)
     psi = results[0].psi
     formula = {1: "2pΨ + KΨ/N", 2: "pΨ + (p+K)Ψ/N", 3: "(2p+K)Ψ/N"}[stage]
@@ -272,6 +249,7 @@ def calls_explained(stage: int, run: ZeroRun, want: dict[str, int], world: int) 
 def test_one_step_moves_2_psi_or_3_psi_with_reduce_scatter_and_all_gather(
     stage: int, world: int
 ) -> None:
+    needs_partition()
     results = runs(stage, world)
     run = results[0]
     units = run.units
@@ -300,6 +278,7 @@ def test_one_step_moves_2_psi_or_3_psi_with_reduce_scatter_and_all_gather(
 @exercise("3.5")
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_stage3_holds_the_shards_plus_one_layer_at_most(world: int) -> None:
+    needs_partition()
     results = runs(3, world)
     problems = []
     for rank, run in enumerate(results):
@@ -341,6 +320,7 @@ def subgroup_worker(stage: int) -> tuple[str | None, list[str]]:
 @exercise("3.5")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_groups_of_two_train_independently(stage: int) -> None:
+    needs_partition()
     results = small_world(subgroup_worker, 4, stage)
     problems = []
     for rank, (value, crossing) in enumerate(results):
@@ -390,6 +370,7 @@ def special_label(kind: str, world: int) -> str:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_frozen_and_tied_parameters_train_like_one_process(kind: str, world: int) -> None:
+    needs_partition()
     problems = []
     for rank, runs_ in enumerate(special_runs(world, kind)):
         stages: dict[str, list[str]] = {}  # the same remark in several stages: said once
@@ -411,6 +392,7 @@ def test_frozen_and_tied_parameters_train_like_one_process(kind: str, world: int
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("world", [2, 3])
 def test_frozen_and_tied_bytes_equal_the_formulas(kind: str, world: int) -> None:
+    needs_partition()
     problems = []
     for rank, runs_ in enumerate(special_runs(world, kind)):
         for run in runs_:
@@ -449,73 +431,3 @@ def test_frozen_and_tied_bytes_equal_the_formulas(kind: str, world: int) -> None
                     + (": frozen parameters are never communicated" if frozen else "")
                 )
     report(problems, f"{special_label(kind, world)}: bytes after one step and per step:")
-
-
-# ----------------------------------------------------------------------------- the library way
-
-
-def library_worker(kind: str) -> float:
-    import torch.distributed as dist
-
-    from solutions.phase3_multi_node import zero_library as lib
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    kwargs: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1, "eps": 1e-6}
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    if kind == "ZeroRedundancyOptimizer":
-        model, optimizer = lib.zero_redundancy_adamw(small_mlp(), **kwargs)
-    else:
-        model, optimizer = lib.fsdp2_adamw(small_mlp(), **kwargs)
-    shard = len(batch(0)[0]) // world
-    for step in range(STEPS):
-        x, y = batch(step)
-        part = slice(rank * shard, (rank + 1) * shard)
-        nn.functional.cross_entropy(model(x[part]), y[part]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    got = {k.removeprefix("module."): v for k, v in lib.fsdp2_full_state(model).items()}
-    return max_diff(got, reference()[-1])[0]
-
-
-@exercise("3.5")
-@pytest.mark.reference
-@pytest.mark.parametrize("kind", ["ZeroRedundancyOptimizer", "fully_shard"])
-def test_the_library_way_gives_the_same_parameters(kind: str) -> None:
-    diffs = small_world(library_worker, 2, kind)
-    if max(diffs) > TOLERANCE:
-        fail(f"3.5 reference: {kind} ended {max(diffs):.3e} away from one process's AdamW")
-
-
-def demo_worker(impl_name: str) -> int:
-    import importlib
-
-    demo = importlib.import_module("solutions.phase3_multi_node.zero_demo")
-    return int(demo.main(["--stage", "3", "--steps", "3", "--impl", impl_name]))
-
-
-@exercise("3.5")
-@pytest.mark.reference
-def test_the_demo_runs_on_two_ranks() -> None:
-    codes = small_world(demo_worker, 2, impl())
-    assert codes == [0, 0], f"zero_demo exited with {codes}"
-
-
-@exercise("3.5")
-@pytest.mark.reference
-def test_the_benchmark_table_has_every_row_and_zero_rows_equal_their_formula(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    import importlib
-
-    bench = importlib.import_module("solutions.phase3_multi_node.benchmark_zero_memory")
-    assert bench.main(["--worlds", "2", "--hidden", "8", "--steps", "1", "--impl", impl()]) == 0
-    out = capsys.readouterr().out
-    memory, _, rest = out.partition("ZeRO with the first Linear frozen")
-    for name in bench.ROWS:
-        assert f"| 2 | {name} |" in memory, f"no row for {name} in\n{out}"
-    assert memory.count("(equal)") == 4, f"every stage 0-3 row should equal its formula:\n{out}"
-    frozen, _, fsdp = rest.partition("FSDP-style ZeRO-3 (prefetch 1) beside fully_shard")
-    assert frozen.count("| yes |") == 3, f"frozen rows should equal their formula:\n{out}"
-    assert fsdp.count("(equal)") == 8, f"FSDP-style bytes per dtype should be the formula's:\n{out}"
-    assert bench.main(["--worlds", "two"]) == 2

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 import torch
-from grading import exercise
+from grading import exercise, learner_line
 from ps_helpers import (
     TOLERANCE,
     closed_by_server,
@@ -188,7 +188,8 @@ def test_check_header_refuses_from_the_header() -> None:
             raise
         except Exception as exc:
             problem = (
-                f"3.7 check_header raised {type(exc).__name__} ({exc}) on {name}, not "
+                f"3.7 check_header raised {type(exc).__name__} ({exc}){learner_line(exc)} on "
+                f"{name}, not "
                 "ProtocolError: a field a stranger wrote must be checked before it is used "
                 "(an index into WIRE_DTYPES, a size), and every refusal is a ProtocolError"
             )
@@ -196,6 +197,50 @@ def test_check_header_refuses_from_the_header() -> None:
 
 
 # ----------------------------------------------------------------------------- training
+
+
+def gate_lead(mode: str, staleness: int, applied: int = 2, workers: int = 3) -> int | None:
+    """How many clocks past the applied ones ``ready_to_serve`` lets a pull run ahead, asked
+    directly of a server (no socket) whose ``applied`` clocks every worker completed: 0 for
+    sync, s for ssp; None when it serves no pull at all, or refuses one it served a smaller
+    clock (not a threshold)."""
+    server = ps_module().ParameterServer(
+        0, {0: torch.zeros(2)}, ServerConfig(mode=mode, staleness=staleness, num_workers=workers)
+    )
+    with server.lock:
+        server.clock = applied
+        server.completed = dict.fromkeys(range(workers), applied)
+        server.live = server.members = set(range(workers))
+        served = [server.ready_to_serve(0, clock) for clock in range(applied + 6)]
+    lead = sum(served) - applied - 1
+    if not served[0] or served != sorted(served, reverse=True):
+        return None
+    return lead
+
+
+def gate_mistake(mode: str, staleness: int) -> str:
+    """The mistake ``ready_to_serve`` makes in ``mode``, asked directly (see :func:`gate_lead`);
+    "" when its answers are right."""
+    want = staleness if mode == "ssp" else 0
+    try:
+        lead = gate_lead(mode, staleness)
+    except Exception as exc:
+        return f"ready_to_serve raised {type(exc).__name__}: {exc}{learner_line(exc)}"
+    if lead == want:
+        return ""
+    if lead is None:
+        return "ready_to_serve's answers for clocks 0, 1, 2, ... are not one threshold"
+    told = (
+        f"with 2 clocks applied, ready_to_serve(worker, c) is True up to c = {2 + lead}, a lead "
+        f"of {lead} clock(s); {mode} allows {want}"
+    )
+    if mode == "sync" and lead == staleness:
+        return f"{told}: sync honoured the staleness setting, which only ssp may use"
+    if lead == want + 1:
+        return f"{told}: the comparison is off by one"
+    if lead == want - 1:
+        return f"{told}: the gate is one clock too strict (off by one)"
+    return told
 
 
 @exercise("3.7")
@@ -226,9 +271,12 @@ def test_sync_equals_data_parallel_sgd() -> None:
         if early:
             g = early[0]
             lead = max(e.clock - e.slowest for e in early)
+            asked = gate_mistake("sync", staleness)
             why = (
-                "one clock too early: the comparison in ready_to_serve is off by one (with no "
-                "staleness, a pull for clock c needs clock c-1 applied)"
+                f"early; asked directly, {asked}"
+                if asked
+                else "one clock too early: the comparison in ready_to_serve is off by one (with "
+                "no staleness, a pull for clock c needs clock c-1 applied)"
                 if lead == 1
                 else f"as if the staleness setting counted (this run sets staleness={staleness}, "
                 "as the launcher does in every mode; only ssp may use it)"
@@ -269,6 +317,7 @@ def test_ssp_with_zero_staleness_equals_sync() -> None:
                 f"3.7 ssp, s=0: server {report.server_id} served pulls at clock gaps {gaps} "
                 "ahead of the slowest live worker: with s=0 every pull of clock c must wait "
                 "until every live worker completed c clocks, like sync"
+                + (f"; asked directly, {asked}" if (asked := gate_mistake("ssp", 0)) else "")
             )
     for report in result.servers:
         if report.optimizer_steps != steps:
@@ -310,12 +359,18 @@ def test_ssp_bounds_the_fastest_worker() -> None:
                     f"{grant.worker} pull for clock {grant.clock} while the slowest live worker "
                     f"had completed only {grant.slowest} clocks: a lead of {gap} > s. A pull for "
                     "clock c waits until every live worker completed at least c - s clocks"
+                    + (
+                        f"; asked directly, {asked}"
+                        if (asked := gate_mistake("ssp", staleness))
+                        else ""
+                    )
                 )
     if widest < staleness:
         fail(
             f"3.7 ssp, s={staleness}, one worker 3x slower: no pull was served more than "
             f"{widest} clock(s) ahead of the slowest worker: the gate is stricter than ssp "
             f"(a lead of exactly s={staleness} is allowed)"
+            + (f"; asked directly, {asked}" if (asked := gate_mistake("ssp", staleness)) else "")
         )
     for worker in range(3):
         clocks = [c for run in result.workers.get(worker, []) for c in run.clocks]
@@ -763,7 +818,12 @@ def test_shared_secret() -> None:
         # wrong secret
         with raw_client(server) as sock:
             header, nonce = read_answer(sock)
-            assert header.type == ps_wire.MsgType.CHALLENGE, header
+            if header.type != ps_wire.MsgType.CHALLENGE:
+                fail(
+                    "3.7: a server with a shared secret must open every connection with a "
+                    f"CHALLENGE frame (the nonce the client signs); it sent {header.type!r} "
+                    "first (the given server code does this: was it changed?)"
+                )
             sock.sendall(
                 ps_wire.encode_control(
                     ps_wire.MsgType.AUTH, payload=ps_wire.auth_digest(b"x", nonce)

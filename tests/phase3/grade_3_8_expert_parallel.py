@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from grading import exercise, impl, world
+from grading import exercise, impl, step_aside_unless_mine, world
 from moe_helpers import (
     CASE_2D,
     CASES,
@@ -67,8 +67,25 @@ HANG_ADVICE = (
 )
 
 
-def cached(key: Any, start: Any) -> Any:
-    """One world per key, shared by the tests below (a failure is re-raised in each)."""
+# The test that grades each function of the learner's: when the ranks of a shared world raise
+# in one of them, that test reports the error and the other tests of the world step aside.
+ROUTING = "test_routing_and_kept_choices_match_one_process"
+OUTPUTS = "test_outputs_and_load_balancing_loss_match_one_process"
+AVERAGED = "test_2d_layout_gradients_are_averaged_on_the_right_groups"
+EP_OWNERS = {
+    "route": ROUTING,
+    "keep_within_capacity": ROUTING,
+    "load_balancing_loss": OUTPUTS,
+    "dispatch": OUTPUTS,
+    "combine": OUTPUTS,
+}
+LAYOUT_OWNERS = {"sync_moe_gradients": AVERAGED}
+LEARNER_FILES = {"moe_routing.py", "expert_parallel.py"}  # solutions/ or template_<name>
+
+
+def cached(key: Any, start: Any, owners: dict[str, str] | None = None) -> Any:
+    """One world per key, shared by the tests below. A failure is re-raised by the test that
+    grades the function it came from (``owners``); the world's other tests step aside."""
     if key not in _RUNS:
         try:
             _RUNS[key] = start()
@@ -79,13 +96,14 @@ def cached(key: Any, start: Any) -> Any:
             _RUNS[key] = exc
     result = _RUNS[key]
     if isinstance(result, BaseException):
+        step_aside_unless_mine(result, owners or {}, LEARNER_FILES)
         raise result
     return result
 
 
 def ep_runs(ep: int) -> list[list[CaseRun]]:
     """runs[rank][case]."""
-    return cached(("ep", ep), lambda: world(run_cases, ep, ep))
+    return cached(("ep", ep), lambda: world(run_cases, ep, ep), EP_OWNERS)
 
 
 def references(ep: int) -> list[Reference]:
@@ -195,6 +213,18 @@ def keep_variants(
         "ahead of it (place < capacity, counting places from 0)": expected_keep(
             choices, num_experts, capacity + 1
         )[rank],
+        "the queue ran choice by choice (every token's first choice before any token's second): "
+        "it runs token by token, each token's k choices together, as the (T, k) choices read "
+        "row by row": expected_keep([c.t() for c in choices], num_experts, capacity)[rank].t(),
+        "the queue ran choice by choice (the (T, k) choices read column by column, every "
+        "token's first choice before any second), and its verdicts were put back row by row: "
+        "the queue runs token by token, each token's k choices together, as the (T, k) "
+        "choices read row by row (flatten them as they are)": expected_keep(
+            [c.t() for c in choices], num_experts, capacity
+        )[rank].reshape(choices[rank].shape),
+        "this rank's own choices were counted among those ahead of it: the queue in front of "
+        "this rank holds the census rows of the ranks before it (rows 0 .. rank-1), not its own "
+        "row": expected_keep([*choices[: rank + 1], choices[rank]], num_experts, capacity)[-1],
     }
 
 
@@ -437,6 +467,58 @@ def output_variants(case: Case, ref: Reference, rank: int) -> dict[str, torch.Te
     }
 
 
+def delivered_problem(case: Case, ref: Reference, runs: list[CaseRun], rank: int) -> str | None:
+    """What is wrong with the rows dispatch delivered to ``rank``'s experts (None: nothing):
+    grouped by sender, rank 0 first, and within a sender by expert, each expert's rows in token
+    order; one row per kept choice, the row of its token."""
+    per_rank = case.num_experts // case.ep
+    mine = range(rank * per_rank, (rank + 1) * per_rank)
+    tokens = [case_tokens(case, s) for s in range(case.ep)]
+    want_ids = [
+        (s, t)
+        for s in range(case.ep)
+        for e in mine
+        for t, (row, keep) in enumerate(zip(ref.ranks[s].experts, ref.ranks[s].keep, strict=True))
+        if any(chosen == e and kept for chosen, kept in zip(row, keep, strict=True))
+    ]
+    got = runs[rank].received
+    if got is None:
+        return None
+    want = (
+        torch.stack([tokens[s][t] for s, t in want_ids])
+        if want_ids
+        else torch.zeros(0, HIDDEN, dtype=torch.float64)
+    )
+    if got.shape == want.shape and max_diff(got, want) <= TOLERANCE:
+        return None
+
+    def whose(row: torch.Tensor) -> str:
+        for s in range(case.ep):
+            for t in range(tokens[s].shape[0]):
+                if max_diff(row, tokens[s][t]) <= TOLERANCE:
+                    return f"{s}:{t}"
+        return "?"
+
+    got_ids = [whose(row) for row in got]
+    want_names = [f"{s}:{t}" for s, t in want_ids]
+    if len(got_ids) != len(want_names):
+        return (
+            f"rank {rank}'s experts were handed {len(got_ids)} rows; expected {len(want_names)}, "
+            "one per kept choice of any rank that names one of its experts"
+        )
+    if sorted(got_ids) == sorted(want_names):
+        return (
+            f"rank {rank}'s experts were handed the right rows in the wrong order (rank:token "
+            f"{got_ids}; expected {want_names}): rows go out sorted by expert, each expert's "
+            "in token order (a stable sort), so each sender's block arrives grouped by expert"
+        )
+    return (
+        f"dispatch handed rank {rank}'s experts the rows of (rank:token) {got_ids}; expected "
+        f"{want_names}: each kept choice sends its token's row (choice i of the (T, k) "
+        "choices read row by row belongs to token i // k), to the rank of its expert"
+    )
+
+
 def output_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
     problems = []
     for rank, (run, want) in enumerate(zip(runs, ref.ranks, strict=True)):
@@ -456,6 +538,16 @@ def output_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str
                 if max_diff(run.output, variant) <= TOLERANCE
             ]
             bad = (run.output - expected).abs().amax(-1).gt(TOLERANCE).nonzero().flatten().tolist()
+            if not named:
+                wrong_rows = next(
+                    (
+                        found
+                        for other in sorted(range(case.ep), key=lambda r: r != rank)
+                        if (found := delivered_problem(case, ref, runs, other))
+                    ),
+                    None,
+                )
+                named = [wrong_rows] if wrong_rows else []
             problems.append(
                 f"rank {rank}: tokens {bad} differ from one process by up to {diff:.3e}; "
                 + (
@@ -674,7 +766,7 @@ def test_bytes_each_rank_sends_match_the_formula(ep: int) -> None:
 
 
 def runs_2d() -> list[Run2D]:
-    return cached("ep2 x dp2", lambda: world(run_2d, LAYOUT_EP * LAYOUT_DP))
+    return cached("ep2 x dp2", lambda: world(run_2d, LAYOUT_EP * LAYOUT_DP), LAYOUT_OWNERS)
 
 
 def _group_name(ranks: tuple[int, ...] | None, run: Run2D) -> str:
@@ -838,8 +930,26 @@ def test_bad_settings_are_refused_with_their_fix() -> None:
         with pytest.raises(ValueError) as caught:
             check_moe_config(config, ep)
         for part in parts:
-            assert part in str(caught.value), (config, ep, str(caught.value))
+            if part not in str(caught.value):
+                fail(
+                    f"3.8 check_moe_config({config}, ep={ep}) refused with {str(caught.value)!r}, "
+                    f"which does not name {part!r}: a refusal names the bad value and its fix"
+                )
     check_moe_config(MoEConfig(), 4)
+
+
+def after_the_graded_worlds() -> None:
+    """The demo and the benchmark run the same layer as the graded worlds above: when one of
+    those raised, they step aside instead of repeating it as a raw backend error."""
+    failed = [key for key, run in _RUNS.items() if isinstance(run, BaseException)]
+    for key in failed:
+        if getattr(_RUNS[key], "exc_type", "") == "NotImplementedError":
+            raise _RUNS[key]  # an unwritten TODO: reported (as blocked) by the harness
+    if failed:
+        pytest.skip(
+            f"blocked by the failure above: the graded worlds {failed} raised, and this program "
+            "runs the same expert_parallel.py"
+        )
 
 
 def demo_worker(impl_name: str) -> dict[str, Any]:
@@ -851,9 +961,21 @@ def demo_worker(impl_name: str) -> dict[str, Any]:
 @exercise("3.8")
 @pytest.mark.reference
 def test_the_demo_matches_one_process_on_an_ep_x_dp_layout() -> None:
+    after_the_graded_worlds()
     summary = world(demo_worker, 4, impl())[0]
-    assert summary["max_diff"] <= 1e-5, summary  # float32
-    assert len(summary["rows"]) == 4 and len(summary["steps"]) == 2, summary
+    if summary["max_diff"] > 1e-5:  # float32
+        fail(
+            f"3.8 the instructor demo (ep=2 x dp=2, float32, your expert_parallel.py): its output "
+            f"differs from one process running every expert by {summary['max_diff']:.3g} (allowed "
+            "1e-5); the graded tests above compare in float64 and name the part that is wrong: "
+            "make them pass first"
+        )
+    if len(summary["rows"]) != 4 or len(summary["steps"]) != 2:
+        fail(
+            f"3.8 the instructor demo (ep=2 x dp=2, 2 steps) reported {len(summary['rows'])} rows "
+            f"of its rows-per-rank table and {len(summary['steps'])} steps; expected one row per "
+            "rank (4) and one line per step (2)"
+        )
 
 
 @exercise("3.8")
@@ -873,12 +995,18 @@ def test_the_programs_refuse_bad_settings_before_starting(
     bench = program("moe_benchmark")
     assert bench.main(["--aux-coefs", "x", "--ep", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--aux-coefs 'x'" in err and "ep=3 does not divide num_experts=8" in err, err
+    for part in ("--aux-coefs 'x'", "ep=3 does not divide num_experts=8"):
+        if part not in err:
+            fail(
+                "3.8 moe_benchmark --aux-coefs x --ep 3 must refuse both settings before "
+                f"starting, naming each; its message does not name {part!r}:\n{err}"
+            )
 
 
 @exercise("3.8")
 @pytest.mark.reference
 def test_the_benchmark_reports_balance_and_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    after_the_graded_worlds()
     bench = program("moe_benchmark")
     args = ["--ep", "2", "--tokens", "16", "--steps", "2", "--aux-coefs", "0,0.1"]
     args += ["--capacity-factors", "1.0", "--a2a-worlds", "2", "--a2a-kib", "4", "--reps", "1"]
@@ -887,7 +1015,15 @@ def test_the_benchmark_reports_balance_and_cost(capsys: pytest.CaptureFixture[st
     todo = re.search(r"NotImplementedError: (TODO \d+\.\d+: [^\n]*)", err)
     if code == 1 and todo:  # an unwritten TODO in the ranks: reported as such, once
         raise NotImplementedError(todo[1])
-    assert code == 0, err
-    for title in ("balance:", "final:", "cost:"):
-        assert title in out, out
-    assert out.count("| 0.1 | 1 |") == 3, out  # two balance rows (steps 0 and 1), one final
+    if code != 0:
+        fail(
+            f"3.8 moe_benchmark (ep=2, your expert_parallel.py) exited with {code}; its ranks "
+            f"reported:\n{err.strip()[-2000:]}"
+        )
+    missing = [title for title in ("balance:", "final:", "cost:") if title not in out]
+    rows = out.count("| 0.1 | 1 |")  # two balance rows (steps 0 and 1), one final
+    if missing or rows != 3:
+        fail(
+            f"3.8 moe_benchmark printed {rows} rows for aux coefficient 0.1 (expected 3: two "
+            f"balance rows, one final) and lacks the tables {missing}; what it printed:\n{out}"
+        )

@@ -15,8 +15,10 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,6 +127,25 @@ class SplitsMismatch(ValueError):
     """Raised on every rank of an all-to-all whose senders and receivers disagree on the rows."""
 
 
+LEARNER_FILES = ("expert_parallel.py", "moe_routing.py")  # solutions/ or template_<name>
+
+
+def learner_site() -> str:
+    """`` (called at <file>:<line> in <function>)``: the innermost line of the learner's modules
+    on this stack, which a check deep inside a wrapper names (the report shows the wrapper's
+    frames last)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.parent.name == PHASE and path.name.removeprefix("template_") in LEARNER_FILES:
+            where = f"{path.parent.name}/{path.name}"
+            if path.parent.parent.name == "solutions":
+                where = f"solutions/{where}"
+            return f" (called at {where}:{frame.f_lineno} in {frame.f_code.co_name})"
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
 @dataclass
 class A2ACall:
     """One ``all_to_all_single`` as this rank made it (rows, not bytes, per peer)."""
@@ -155,6 +176,9 @@ class SplitsLedger:
     def __init__(self) -> None:
         self.calls: list[A2ACall] = []
         self._saved: list[tuple[Any, Any]] = []
+        # this rank's kept rows per destination rank, from the last exchange of per-expert
+        # counts (an int64 all-to-all of equal splits): what the row splits must follow
+        self.rows_per_peer: list[int] | None = None
 
     def __enter__(self) -> SplitsLedger:
         original = c10d.all_to_all_single
@@ -180,7 +204,12 @@ class SplitsLedger:
                 A2ACall(ranks, me, send or [], recv or [], row_bytes, str(inp.dtype),
                         bool(recv_given))
             )
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            if inp.dtype == torch.long and inp.dim() == 1 and inp.numel() % n == 0 and not (
+                bound.get("async_op")
+            ):
+                self.rows_per_peer = inp.detach().view(n, -1).sum(dim=1).tolist()
+            return result
 
         for module in (dist, c10d):
             self._saved.append((module, module.all_to_all_single))
@@ -197,14 +226,29 @@ class SplitsLedger:
         explicit: bool,
         inp: torch.Tensor,
     ) -> None:
-        mine = torch.tensor([*send, *recv, int(explicit)], dtype=torch.long, device=inp.device)
+        counted = self.rows_per_peer if self.rows_per_peer and len(self.rows_per_peer) == n else []
+        mine = torch.tensor(
+            [*send, *recv, int(explicit), *(counted or [-1] * n)],
+            dtype=torch.long,
+            device=inp.device,
+        )
         table = torch.empty(n * mine.numel(), dtype=torch.long, device=inp.device)
         gather(table, mine, group=group)
         rows = table.view(n, -1).cpu()
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+        counts = rows[:, 2 * n + 1 :]  # counts[i, j]: rows rank i keeps for rank j's experts
         for j in range(n):
             sent_to_j = rows[:, j].tolist()
             expected_by_j = rows[j, n : 2 * n].tolist()
+            if sent_to_j != expected_by_j and inp.dtype != torch.long and bool((counts >= 0).all()):
+                blame = _blame(rows, counts, n, j, ranks)
+                if blame:
+                    raise SplitsMismatch(
+                        f"all_to_all_single #{len(self.calls) + 1} (the token rows, {inp.dtype}) "
+                        f"on group {tuple(ranks)}: rank {ranks[j]} expects {expected_by_j} rows "
+                        f"from ranks {tuple(ranks)}, but they send it {sent_to_j}. {blame}"
+                        + learner_site()
+                    )
             if sent_to_j != expected_by_j:
                 what = "the counts" if inp.dtype == torch.long else "the token rows"
                 even = max(expected_by_j) - min(expected_by_j) <= 1
@@ -222,13 +266,50 @@ class SplitsLedger:
                     f"{tuple(ranks)}: rank {ranks[j]} expects {expected_by_j} rows from ranks "
                     f"{tuple(ranks)}, but they send it {sent_to_j}{assumed}. A receiver cannot "
                     "guess: exchange the per-expert counts first and pass the received "
-                    "counts, summed per rank, as output_split_sizes"
+                    "counts, summed per rank, as output_split_sizes" + learner_site()
                 )
 
     def __exit__(self, *exc: object) -> None:
         for module, function in reversed(self._saved):
             setattr(module, "all_to_all_single", function)  # noqa: B010
         self._saved.clear()
+
+
+def _blame(rows: torch.Tensor, counts: torch.Tensor, n: int, j: int, ranks: list[int]) -> str:
+    """Which side of a row all-to-all disagrees with the counts every rank exchanged before it
+    (``counts[i, j]``: the rows rank i keeps for rank j's experts), or "" when neither fits. The
+    rows go out along ``counts`` in dispatch and come back along its transpose in combine."""
+    sent_to_j = rows[:, j].tolist()
+    expected_by_j = rows[j, n : 2 * n].tolist()
+    for table, phase in ((counts, "dispatch"), (counts.t(), "combine")):
+        want = table[:, j].tolist()
+        if expected_by_j == want and sent_to_j != want:
+            wrong = [ranks[i] for i in range(n) if sent_to_j[i] != want[i]]
+            return (
+                f"The receiver is right: the counts exchanged before say ranks {tuple(ranks)} "
+                f"hold {want} rows for it. The senders {wrong} are not ({phase}): "
+                + (
+                    "a rank's input_split_sizes are its kept rows per destination rank, its "
+                    "per-expert counts summed over the experts of each destination (experts "
+                    "are laid out rank by rank: rank r holds experts r*E/ep .. (r+1)*E/ep - 1)"
+                    if phase == "dispatch"
+                    else "combine sends each rank back exactly the rows it received from it: "
+                    "its split sizes are dispatch's, swapped (input = dispatch's output splits)"
+                )
+            )
+        if sent_to_j == want and expected_by_j != want:
+            return (
+                f"The senders are right (the counts exchanged before say {want} rows); rank "
+                f"{ranks[j]}, the receiver, is not ({phase}): "
+                + (
+                    "its output_split_sizes are the rows each rank keeps for its experts, the "
+                    "received counts summed per source rank"
+                    if phase == "dispatch"
+                    else "combine receives back exactly the rows it sent in dispatch: its "
+                    "output split sizes are dispatch's input splits"
+                )
+            )
+    return ""
 
 
 # ----------------------------------------------------------------------------- inside the ranks
@@ -245,6 +326,7 @@ class CaseRun:
     output: torch.Tensor | None = None
     aux: torch.Tensor | None = None
     x_grad: torch.Tensor | None = None
+    received: torch.Tensor | None = None  # the rows dispatch delivered to this rank's experts
     router_grad: torch.Tensor | None = None
     expert_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)
     forward_a2a: list[A2ACall] = field(default_factory=list)
@@ -277,6 +359,11 @@ def run_case(case: Case, group: Any = None, rank: int | None = None) -> CaseRun:
     layer = ep_mod.MoELayer(case_model(case), group)
     x = case_tokens(case, me).requires_grad_()
     run = CaseRun()
+
+    def delivered(_module: Any, args: tuple[Any, ...]) -> None:
+        run.received = args[0].detach().clone()
+
+    layer.experts.register_forward_pre_hook(delivered)
     with SplitsLedger() as ledger, CommCounter() as counter:
         output, aux = layer(x)
     run.forward_a2a, run.forward_ops = list(ledger.calls), _ops(counter)
@@ -306,7 +393,10 @@ def run_cases(ep: int) -> list[CaseRun]:
         except NotImplementedError:
             raise  # an unwritten TODO: the harness reports it as such
         except Exception as exc:
-            raise RuntimeError(f"[{case.label}] {type(exc).__name__}: {exc}") from exc
+            # the learner's own error, traceback and all (its frames name their file and line);
+            # the case it happened in comes as a note below the message
+            exc.add_note(f"(in the case {case.label})")
+            raise
     dist.barrier()
     return runs
 

@@ -137,9 +137,14 @@ def any_rank(flag: bool) -> bool:
 Diagnose = Callable[[torch.Tensor], list[str]]
 
 
-def race_problems(fn: Callable[..., Any], data: torch.Tensor, label: str) -> list[str]:
+def race_problems(
+    fn: Callable[..., Any], data: torch.Tensor, label: str, explained: bool = False
+) -> list[str]:
     """Run ``fn`` twice more on ``data``: results that change between identical runs mean a race
-    (a collective: every rank calls it, and every rank reports the same verdict)."""
+    (a collective: every rank calls it, and every rank reports the same verdict). ``explained``:
+    a diagnosis above already named a deterministic mistake, which then says it as a consequence
+    of that mistake (a message landing at the wrong place leaves memory that keeps an earlier
+    call's data), not as a second cause."""
     rank = dist.get_rank()
     first, second = data.clone(), data.clone()
     fn(first)
@@ -148,6 +153,12 @@ def race_problems(fn: Callable[..., Any], data: torch.Tensor, label: str) -> lis
     if not any_rank(changed):
         return []
     where = f"rank {rank}" if changed else "another rank"
+    if explained:
+        return [
+            f"(its results also change between two more runs on the same input ({where}): a "
+            "consequence of the mistake above, which leaves part of the result to memory that "
+            "no message of this call wrote, still holding an earlier call's data)"
+        ]
     return [
         f"{label} also gave different results in two more runs on the same input ({where}): "
         "the result depends on more than the input, so something is read that no message of "
@@ -190,9 +201,9 @@ def values_problems(
             if out is None or out.data_ptr() != mine.data_ptr():
                 problems.append(f"{label} must reduce in place and return the input tensor")
             if any_rank(wrong):
-                if diagnose is not None:
-                    problems += diagnose(data)
-                problems += race_problems(fn, data, label)
+                found = diagnose(data) if diagnose is not None else []
+                problems += found
+                problems += race_problems(fn, data, label, explained=bool(found))
                 return problems  # the first case that fails: later ones may crash on it
     for op_name in OPS:
         op = getattr(dist.ReduceOp, op_name)

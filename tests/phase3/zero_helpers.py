@@ -14,9 +14,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
-from grading import load
+from grading import learner_line, load
 from torch import nn
 
 from course.comm_counter import CommCounter
@@ -531,7 +532,9 @@ def special_run(kind: str, stage: int) -> SpecialRun:
     except NotImplementedError:
         raise  # an unwritten TODO: the harness names it
     except (RuntimeError, ValueError) as err:
-        raised = f"zero_wrap raised {type(err).__name__}: {str(err).splitlines()[0]}"
+        raised = (
+            f"zero_wrap raised {type(err).__name__}: {str(err).splitlines()[0]}{learner_line(err)}"
+        )
         seen = unit_parameters_problem(zero, kind)
         run.error = f"{seen} (here {raised})" if seen else raised
         return run
@@ -556,7 +559,9 @@ def special_run(kind: str, stage: int) -> SpecialRun:
     except NotImplementedError:
         raise
     except (RuntimeError, TypeError, AttributeError) as err:
-        run.error = f"training raised {type(err).__name__}: {str(err).splitlines()[0]}"
+        run.error = (
+            f"training raised {type(err).__name__}: {str(err).splitlines()[0]}{learner_line(err)}"
+        )
     return run
 
 
@@ -592,3 +597,51 @@ def special_values_problem(
                 "both uses are summed by autograd into one .grad; reduce and step it once"
             )
     return where + f" (tolerance {TOLERANCE})"
+
+
+# ----------------------------------------------------------------------------- the partition
+
+
+def partition_problem() -> str | None:
+    """What is wrong with zero_partition's padded_size and shard_bounds (None: nothing)."""
+    part = load(PHASE, "zero_partition")
+    for world in range(1, 6):
+        for numel in [*range(0, 14), 107]:
+            padded = part.padded_size(numel, world)
+            want = -(-numel // world) * world
+            if padded != want:
+                return (
+                    f"3.5 padded_size({numel}, {world}) returned {padded}; expected {want}: the "
+                    f"smallest multiple of {world} that holds {numel} elements (every rank must "
+                    "own a slice of the same length for reduce_scatter_tensor/all_gather_into_"
+                    "tensor)"
+                )
+        padded = part.padded_size(107, world)
+        bounds = [tuple(part.shard_bounds(padded, world, r)) for r in range(world)]
+        size = padded // world
+        want_bounds = [(r * size, (r + 1) * size) for r in range(world)]
+        if bounds != want_bounds:
+            return (
+                f"3.5 shard_bounds({padded}, {world}, rank) for ranks 0..{world - 1} returned "
+                f"{bounds}; expected {want_bounds}: equal contiguous slices in rank order, the "
+                "layout all_gather_into_tensor produces"
+            )
+    return None
+
+
+def needs_partition() -> None:
+    """Step aside while the partition is wrong: every flat buffer, shard, byte count and
+    collective of ZeRO and of the FSDP-style units is cut by it, so the tests below would only
+    repeat that failure as other causes (an unwritten one raises its TODO here, once)."""
+    try:
+        problem = partition_problem()
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        problem = f"the partition raised {type(exc).__name__}: {exc}{learner_line(exc)}"
+    if problem:
+        pytest.skip(
+            "blocked by the failure above "
+            "(test_partition_pads_to_the_world_and_gives_each_rank_one_slice): every buffer and "
+            "shard is cut by padded_size and shard_bounds, which are wrong"
+        )

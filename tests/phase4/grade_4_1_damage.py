@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from grading import exercise
+from grading import exercise, learner_line
 from phase4_helpers import fail, module, world
 
 STATE = "state.pt"
@@ -80,7 +80,7 @@ def check_damage(
         chosen = manager.latest_valid()
     except Exception as err:  # the grader's point: anything raised here is the finding
         fail(
-            f"4.1 latest_valid raised {type(err).__name__}: {err} after {change} "
+            f"4.1 latest_valid raised {type(err).__name__}: {err}{learner_line(err)} after {change} "
             f"(step_00000020/manifest.json now reads {damaged[:120]!r}). A damaged manifest "
             "makes its checkpoint invalid, nothing more: verify_checkpoint must return a "
             "reason for it (read_manifest raises ManifestError for any manifest it cannot "
@@ -159,7 +159,8 @@ def test_hand_made_bad_manifests_are_invalid(tmp_path: Path) -> None:
         except Exception as err:  # the finding
             fail(
                 f"4.1 a manifest with {what} ({json.dumps(content)[:100]}) made "
-                f"verify_checkpoint or latest_valid raise {type(err).__name__}: {err}; it must "
+                f"verify_checkpoint or latest_valid raise {type(err).__name__}: {err}"
+                f"{learner_line(err)}; it must "
                 "make that checkpoint invalid, with a reason"
             )
         if reason is None or chosen is None or chosen.name != "step_00000010":
@@ -265,8 +266,17 @@ def test_a_checkpoint_of_other_settings_is_refused_by_name_before_anything_is_lo
     with pytest.raises(SettingsMismatch) as refused:
         other.load(path, STATE)
     message = str(refused.value)
-    assert "--train-samples 512, this run has 480" in message, message
-    assert "--seed" not in message and not loads, (message, loads)
+    what = "4.1 a checkpoint saved with --train-samples 512, loaded by a run with 480"
+    if "--train-samples 512, this run has 480" not in message or "--seed" in message:
+        fail(
+            f"{what}: the refusal should name the one setting that differs, with both values "
+            f"('--train-samples 512, this run has 480') and no other; it says: {message!r}"
+        )
+    if loads:
+        fail(
+            f"{what}: refused, but only after torch.load read {len(loads)} file(s): compare "
+            "the settings from the manifest first, before loading anything"
+        )
 
 
 class Payload:
@@ -318,8 +328,19 @@ def test_a_dcp_folder_that_does_not_match_its_manifest_is_refused_before_dcp_loa
     tmp_path: Path,
 ) -> None:
     outcomes = world(tampered_dcp_worker, 1, str(tmp_path))[0]
-    assert outcomes.pop("intact") == "loaded", outcomes
-    assert outcomes.pop("code ran") == "False", outcomes
+    what = "4.1 the sharded (DCP) checkpoint against its manifest"
+    if outcomes.pop("intact") != "loaded":
+        fail(f"{what}: an intact folder should load; the outcomes were {outcomes}")
+    if outcomes.pop("code ran") != "False":
+        fail(
+            f"{what}: loading a crafted .metadata ran the code pickled in it: check the "
+            "manifest's digests before dcp.load unpickles anything"
+        )
     for name, outcome in outcomes.items():
-        assert outcome.startswith("refused: refusing to dcp.load"), (name, outcome)
-    assert "metadata: .metadata " in outcomes["a crafted .metadata"], outcomes
+        if not outcome.startswith("refused: refusing to dcp.load"):
+            fail(f"{what}: a folder with {name} should be refused before dcp.load; {outcome}")
+    if "metadata: .metadata " not in outcomes["a crafted .metadata"]:
+        fail(
+            f"{what}: the refusal of a crafted .metadata should name the file '.metadata'; it "
+            f"says: {outcomes['a crafted .metadata']!r}"
+        )

@@ -73,3 +73,28 @@ def test_a_failing_reference_check_alone() -> None:
 @pytest.mark.reference
 def test_a_passing_reference_check_alone() -> None:
     assert True
+
+
+_SHARED: dict[str, BaseException] = {}
+
+
+def shared_result() -> None:
+    """Stands for a world that several tests read (run once, its error re-raised in each)."""
+    if "error" not in _SHARED:
+        _SHARED["error"] = ValueError("the learner's combine put rows in the wrong place")
+    raise _SHARED["error"]
+
+
+@exercise("3.4")
+def test_the_shared_cause_fails_first() -> None:
+    shared_result()
+
+
+@exercise("3.4")
+def test_reads_the_same_failed_world() -> None:
+    shared_result()
+
+
+@exercise("3.4")
+def test_fails_for_a_cause_of_its_own() -> None:
+    raise ValueError("another mistake")

@@ -47,6 +47,7 @@ from fsdp_helpers import (
 from grading import exercise
 from phase3_helpers import fail, first_problems, small_world
 from torch import nn
+from zero_helpers import needs_partition
 
 from phase3_multi_node.zero_fsdp_support import POLICIES
 from solutions.phase3_multi_node import zero_accounting as acc
@@ -132,6 +133,7 @@ def label(world: int) -> str:
 @exercise("3.5")
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_unit_casts_before_gathering_and_reduces_in_the_reduce_dtype(world: int) -> None:
+    needs_partition()
     first_problems(
         unit_lines(runs(world)),
         f"{label(world)}: FsdpUnit's methods tried alone on one block, rank-distinct values:",
@@ -183,6 +185,7 @@ def window_value_lines(results: list[dict[str, Any]]) -> list[str]:
 @exercise("3.5")
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_with_prefetch_windows_trains_like_one_process_in_float64(world: int) -> None:
+    needs_partition()
     results = runs(world)
     require_units(results, world)
     first_problems(
@@ -274,6 +277,7 @@ def window_problems(run: WindowRun) -> list[str]:
 @exercise("3.5")
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_gathers_ahead_within_the_prefetch_window(world: int) -> None:
+    needs_partition()
     results = runs(world)
     require_units(results, world)
     problems = []
@@ -311,6 +315,7 @@ def test_fsdp_gathers_ahead_within_the_prefetch_window(world: int) -> None:
 @exercise("3.5")
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_equals_fully_shard_with_the_same_mixed_precision_policy(world: int) -> None:
+    needs_partition()
     results = runs(world)
     require_training(results, world)
     problems = []
@@ -346,6 +351,7 @@ def dtype_bytes(calls: list[Call], op: str) -> dict[str, int]:
 @exercise("3.5")
 @pytest.mark.parametrize("world", WORLDS)
 def test_fsdp_bytes_per_step_per_dtype_equal_the_formula(world: int) -> None:
+    needs_partition()
     results = runs(world)
     require_training(results, world)
     psi = sum(unit_sizes(world))
@@ -463,6 +469,7 @@ def demo_worker(impl_name: str) -> int:
 @exercise("3.5")
 @pytest.mark.reference
 def test_the_demo_runs_fsdp_style_on_two_ranks() -> None:
+    needs_partition()
     from grading import impl
 
     assert small_world(demo_worker, 2, impl()) == [0, 0]
