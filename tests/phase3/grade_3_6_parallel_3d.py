@@ -578,7 +578,10 @@ def demo_worker(impl_name: str) -> dict[str, Any]:
 def test_the_demo_matches_one_process_and_reports_every_rank() -> None:
     results = small_world(demo_worker, 4, impl())
     summary = results[0]
-    assert summary["max_loss_diff"] <= TOLERANCE, summary
+    assert summary["max_loss_diff"] <= TOLERANCE, (
+        f"the demo's losses differ from one process's by up to {summary['max_loss_diff']:.3e} "
+        f"(allowed {TOLERANCE:g}): per step (3D, one process) {summary['losses']}"
+    )
     assert len(summary["ranks"]) == 4 and [r["rank"] for r in summary["ranks"]] == [0, 1, 2, 3]
     assert all(r["comm"] for r in summary["ranks"]), "every rank must report its messages"
     kinds = {row[0] for r in summary["ranks"] for row in r["comm"]}
@@ -627,7 +630,10 @@ def test_the_strategies_benchmark_trains_one_model_every_way(
         for line in summary.splitlines()
         if line.startswith("| ") and line.split("|")[1].strip() in bench.STRATEGIES
     }
-    assert len(rows) == len(bench.STRATEGIES), summary
+    assert len(rows) == len(bench.STRATEGIES), (
+        f"the summary table has rows for {sorted(rows)}; expected one for each of "
+        f"{sorted(bench.STRATEGIES)}:\n{summary}"
+    )
     losses = {name: float(line.rstrip(" |").rsplit("|", 1)[1]) for name, line in rows.items()}
     models = {name: line.split("|")[2].strip() for name, line in rows.items()}
     assert models == {
