@@ -7,6 +7,12 @@ starts after a barrier and counts the slowest rank's time; the table shows the m
 follow nccl-tests (doc/PERFORMANCE.md): algbw = S / t, busbw = algbw · 2(n-1)/n. The hierarchical
 all-reduce runs on ``--nodes`` simulated nodes (run_world lays the ranks out as torchrun would).
 
+The ring's speed goal (busbw >= 0.95x ``dist.all_reduce``'s at 16 and 64 MiB) is judged per cell
+from the ratio of each iteration pair (ring i against ``dist.all_reduce`` i), by
+``course/verdicts.py``'s rule: met when the middle half of those ratios reaches 0.95x, not met
+when it stays below on a machine that is not busy, inconclusive otherwise (a busy machine, or a
+spread that straddles the goal); the 1-minute load around the run is read and recorded with it.
+
 Then, per algorithm and world, alpha and beta are fitted to the medians with the algorithm's own
 counts (solutions/phase3_multi_node/alpha_beta.py, ``--impl`` chooses whose), and the predicted
 crossover sizes are printed: below them the algorithm with fewer messages wins, above them the
@@ -48,6 +54,7 @@ from course.cli import parse_config, run_main
 from course.impl import IMPLS, load_impl, unwritten_todo
 from course.results import Table, write_results
 from course.topology import Topology
+from course.verdicts import Goal, Load, LoadMeter, Verdict, interleave, pair_ratios, tally
 from course.world import WorldError, run_world
 
 PHASE = "phase3_multi_node"
@@ -86,13 +93,15 @@ def missing_for(algorithm: str, impl: str) -> str | None:
 
 @dataclass(frozen=True)
 class Row:
-    """One (world, size, algorithm) median, with nccl-tests' bandwidths."""
+    """One (world, size, algorithm) median, with nccl-tests' bandwidths; ``times`` are the
+    iterations' seconds in order (iteration i of every algorithm ran before i+1 of any)."""
 
     world: int
     nbytes: int
     algorithm: str
     median_s: float
     iterations: int
+    times: tuple[float, ...] = ()
 
     @property
     def algbw(self) -> float:
@@ -168,19 +177,30 @@ def measure_worker(
                     f"elements differ from the sum ({world}) on rank {rank}; timing a wrong "
                     "all-reduce means nothing: check it with its grader first"
                 )
-        times: dict[str, list[float]] = {name: [] for name in algorithms}
-        for _ in range(iterations_for(nbytes, world, scale)):
-            for name in algorithms:
+
+        def timed(
+            function: Callable[..., Any], tensor: torch.Tensor = tensor
+        ) -> Callable[[], float]:
+            def run() -> float:  # one iteration, the slowest rank's seconds
                 tensor.fill_(1.0)  # keep values finite for PRODUCT-free sums
                 dist.barrier()
                 start = time.perf_counter()
-                functions[name](tensor)
+                function(tensor)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times[name].append(float(elapsed.item()))
+                return float(elapsed.item())
+
+            return run
+
+        times = interleave(
+            {name: timed(functions[name]) for name in algorithms},
+            iterations_for(nbytes, world, scale),
+        )
         for name in algorithms:
             median = statistics.median(times[name])
-            rows.append(Row(world, tensor.numel() * 4, name, median, len(times[name])))
+            rows.append(
+                Row(world, tensor.numel() * 4, name, median, len(times[name]), tuple(times[name]))
+            )
     return rows if rank == 0 else []
 
 
@@ -194,9 +214,10 @@ def run_benchmark(
     segment_bytes: int = 2 * MIB,
     scale: float = 1.0,
     timeout: float = 1800,
+    meter: LoadMeter | None = None,
 ) -> list[Row]:
     """Every (world, size, algorithm) median, worlds one after the other (each world within
-    ``timeout`` seconds)."""
+    ``timeout`` seconds); ``meter`` (course/verdicts.py) is told which worlds ran when."""
     known = ALGORITHMS + EXTRA_ALGORITHMS
     unknown = [a for a in algorithms if a not in known]
     if unknown:
@@ -208,15 +229,17 @@ def run_benchmark(
             f"{nodes} simulated nodes of equal size"
         )
     rows: list[Row] = []
+    meter = meter or LoadMeter()
     for world in worlds:
-        rows += run_world(
-            measure_worker,
-            world,
-            (list(sizes), list(algorithms), impl, segment_bytes, scale),
-            nodes=nodes,
-            timeout=timeout,
-            env={"DTFS_P2P_LEDGER": "0"},
-        )[0]
+        with meter.running(processes=world):
+            rows += run_world(
+                measure_worker,
+                world,
+                (list(sizes), list(algorithms), impl, segment_bytes, scale),
+                nodes=nodes,
+                timeout=timeout,
+                env={"DTFS_P2P_LEDGER": "0"},
+            )[0]
     return rows
 
 
@@ -333,20 +356,10 @@ def format_fits(fits: Sequence[Fit]) -> str:
     return fits_table(fits).to_markdown()
 
 
-def speed_goal(rows: Sequence[Row]) -> list[str]:
-    """The ring's busbw at 16 and 64 MiB against dist.all_reduce's (goal: >= 0.95x)."""
-    reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
-    lines = []
-    for r in rows:
-        ref = reference.get((r.world, r.nbytes))
-        if r.algorithm == "ring" and ref and r.nbytes in (16 * MIB, 64 * MIB):
-            ratio = r.busbw / ref.busbw
-            verdict = "meets" if ratio >= 0.95 else "misses"
-            lines.append(
-                f"world {r.world}, {human(r.nbytes)}: ring busbw {ratio:.3f}x dist.all_reduce's "
-                f"({verdict} the 0.95x goal)"
-            )
-    return lines
+def speed_goal(rows: Sequence[Row], load: Load | None = None) -> list[str]:
+    """The ring's busbw at 16 and 64 MiB against dist.all_reduce's (goal: >= 0.95x), one line
+    per cell: its verdict (course/verdicts.py) with the pairs' median and middle half."""
+    return [v.line for v in goal_verdicts(rows, load)]
 
 
 def save_plot(rows: Sequence[Row], fits: Sequence[Fit], path: Path, nodes: int, impl: str) -> None:
@@ -497,29 +510,73 @@ def _range(values: Sequence[float], unit: str, digits: int = 2) -> str:
     return f"{low:.{digits}f}-{high:.{digits}f}{unit}"
 
 
-def goal_table(rows: Sequence[Row]) -> Table:
-    """The ring's speed goal, cell by cell: busbw against dist.all_reduce's in the same run."""
-    table = Table(["world", "size", "ring busbw GB/s", "dist.all_reduce busbw GB/s", "ratio",
-                   f"goal >= {GOAL_RATIO}x"])  # fmt: skip
+GOAL = Goal("ring busbw / dist.all_reduce busbw", GOAL_RATIO)
+
+
+def goal_pairs(rows: Sequence[Row]) -> dict[tuple[int, int], tuple[Row, Row, list[float]]]:
+    """Per goal cell (world, bytes): the ring's row, dist.all_reduce's, and the busbw ratio of
+    every iteration pair (dist.all_reduce's time / the ring's); rows without their iterations'
+    times (an older results file) give the ratio of the medians alone."""
     reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
+    cells = {}
     for r in rows:
         ref = reference.get((r.world, r.nbytes))
         if r.algorithm == "ring" and ref and r.nbytes in GOAL_SIZES:
-            ratio = r.busbw / ref.busbw
-            table.add(r.world, human(r.nbytes), f"{r.busbw / 1e9:.3f}", f"{ref.busbw / 1e9:.3f}",
-                      f"{ratio:.2f}x", "met" if ratio >= GOAL_RATIO else "not met")  # fmt: skip
+            if r.times and len(r.times) == len(ref.times):
+                ratios = pair_ratios(ref.times, r.times)
+            else:
+                ratios = [r.busbw / ref.busbw]
+            cells[(r.world, r.nbytes)] = (r, ref, ratios)
+    return cells
+
+
+def goal_verdicts(rows: Sequence[Row], load: Load | None = None) -> list[Verdict]:
+    """Each goal cell judged (course/verdicts.py); ``load`` None: judged as on a quiet machine."""
+    load = load or Load.quiet()
+    return [
+        GOAL.judge(ratios, load, cell=f"world {world}, {human(nbytes)}",
+                   more="more repeats (--repeat-scale 2)")
+        for (world, nbytes), (_, _, ratios) in goal_pairs(rows).items()
+    ]  # fmt: skip
+
+
+def goal_table(rows: Sequence[Row], load: Load | None = None) -> Table:
+    """The ring's speed goal, cell by cell: busbw against dist.all_reduce's in the same run;
+    the ratio is the median over the iteration pairs, the middle half their interquartile
+    range, and the verdict course/verdicts.py's (``load`` None: as on a quiet machine)."""
+    table = Table(["world", "size", "ring busbw GB/s", "dist.all_reduce busbw GB/s", "ratio",
+                   "middle half", f"goal >= {GOAL_RATIO}x"])  # fmt: skip
+    verdicts = goal_verdicts(rows, load)
+    for ((world, nbytes), (r, ref, _)), verdict in zip(
+        goal_pairs(rows).items(), verdicts, strict=True
+    ):
+        table.add(world, human(nbytes), f"{r.busbw / 1e9:.3f}", f"{ref.busbw / 1e9:.3f}",
+                  f"{verdict.spread.median:.2f}x",
+                  f"{verdict.spread.low:.3f}-{verdict.spread.high:.3f}x",
+                  verdict.short)  # fmt: skip
+    if load is not None:
+        busy = "busy" if load.busy else "not busy"
+        table.note = f"The machine during the run: {load.text()} ({busy})."
     return table
 
 
 def summary_values(
-    rows: Sequence[Row], fits: Sequence[Fit] | None, lines: Sequence[str]
+    rows: Sequence[Row],
+    fits: Sequence[Fit] | None,
+    lines: Sequence[str],
+    load: Load | None = None,
 ) -> dict[str, str]:
-    """The figures a page quotes, computed from the rows (each a string, as printed)."""
+    """The figures a page quotes, computed from the rows (each a string, as printed):
+    ``goal_met`` ("3 of 4": cells met), ``goal_verdicts`` ("3 met, 1 inconclusive (spread) of
+    4"), ``load`` (the machine during the run), the ratios per cell and over sizes."""
     values: dict[str, str] = {}
-    goal = goal_table(rows)
+    goal = goal_table(rows, load)
     if goal.rows:
         met = sum(row[-1] == "met" for row in goal.rows)
         values["goal_met"] = f"{met} of {len(goal.rows)}"
+        values["goal_verdicts"] = tally(goal_verdicts(rows, load))
+        if load is not None:
+            values["load"] = f"{load.text()} ({'busy' if load.busy else 'not busy'})"
         values["goal_worst"] = min(goal.rows, key=lambda row: float(row[4][:-1]))[4]
         for row in goal.rows:
             values[f"goal_w{row[0]}_{row[1].replace(' ', '').lower()}"] = row[4]
@@ -542,17 +599,21 @@ def summary_values(
 
 
 def record(
-    path: str, rows: Sequence[Row], fits: Sequence[Fit] | None, lines: Sequence[str]
+    path: str,
+    rows: Sequence[Row],
+    fits: Sequence[Fit] | None,
+    lines: Sequence[str],
+    load: Load | None = None,
 ) -> Path:
     """Write the tables and values of this run to a results file (course/results.py)."""
-    tables = {"busbw": busbw_table(rows), "goal": goal_table(rows)}
+    tables = {"busbw": busbw_table(rows), "goal": goal_table(rows, load)}
     if fits is not None:
         tables["fits"] = fits_table(fits)
         crossings = Table(["prediction of the fitted models"])
         for line in lines:
             crossings.add(line)
         tables["crossovers"] = crossings
-    return write_results(path, tables=tables, values=summary_values(rows, fits, lines))
+    return write_results(path, tables=tables, values=summary_values(rows, fits, lines, load))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -571,14 +632,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: nothing of yours to measure yet: write 3.1 first", file=sys.stderr)
         return 2
     started = time.perf_counter()
+    meter = LoadMeter()
     try:
         rows = run_benchmark(
             worlds, sizes, algorithms, impl=config.impl, nodes=config.nodes,
-            segment_bytes=config.segment_kib * KIB, scale=config.repeat_scale,
+            segment_bytes=config.segment_kib * KIB, scale=config.repeat_scale, meter=meter,
         )  # fmt: skip
     except WorldError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 1
+    load = meter.read()
     print(format_table(rows))
     fit_missing = next(
         (why for module in FIT_NEEDS if (why := unwritten_todo(PHASE, module, config.impl))), None
@@ -595,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nPredicted crossovers:")
         for line in lines:
             print(f"  {line}")
-    goal = speed_goal(rows)
+    goal = speed_goal(rows, load)
     if goal:
         print(f"\nSpeed goal (ring busbw >= {GOAL_RATIO}x dist.all_reduce at 16 and 64 MiB):")
         for line in goal:
@@ -612,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_plot(rows, fits or [], Path(config.plot), config.nodes, config.impl)
         print(f"\nplot: {config.plot}")
     if config.record:
-        print(f"\nrecorded: {record(config.record, rows, fits, lines)}")
+        print(f"\nrecorded: {record(config.record, rows, fits, lines, load)}")
     print(f"\n({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
     return 0
 

@@ -14,6 +14,11 @@ The share of communication hidden behind backward is ``(local + comm - fwd+bwd) 
 when DDP costs no more than backward alone, 0% when it costs backward plus all the communication
 (clipped to [0, 100]).
 
+The goal (a step with ours at most 1.05x torch's) is judged per cap from the ratio of each
+repetition's pair of steps (ours i against torch's i), by ``course/verdicts.py``'s rule: met
+when the middle half of those ratios is within 1.05x, not met when it is all above on a machine
+that is not busy, inconclusive otherwise; the 1-minute load around the run is read with it.
+
     uv run python -m solutions.phase3_multi_node.benchmark_ddp
     uv run python -m solutions.phase3_multi_node.benchmark_ddp --caps=1,5,25,100  # cost model
     uv run python -m solutions.phase3_multi_node.benchmark_ddp --impl templates
@@ -26,6 +31,7 @@ when DDP costs no more than backward alone, 0% when it costs backward plus all t
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from course.cli import benchmark_main, run_main
 from course.impl import IMPLS, load_impl
 from course.results import Table, write_results
+from course.verdicts import Goal, Load, LoadMeter, Verdict, interleave, pair_ratios, tally
 from course.world import run_world
 
 PHASE = "phase3_multi_node"
@@ -143,7 +150,8 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def measure_worker(config: BenchmarkConfig, cap_mb: float) -> dict[str, Any]:
-    """Runs on every rank; every rank returns the same medians (seconds)."""
+    """Runs on every rank; every rank returns the same medians (seconds), and under
+    ``"samples"`` every repetition's seconds of each quantity, in order."""
     ddp_impl = load_impl(PHASE, "ddp", config.impl)
     cap = None if cap_mb < 0 else cap_mb
     ours = ddp_impl.DistributedDataParallel(make_mlp(config.width, config.layers), cap)
@@ -177,17 +185,18 @@ def measure_worker(config: BenchmarkConfig, cap_mb: float) -> dict[str, Any]:
     for _ in range(2):  # warm-up; torch rebuilds its buckets after the first iteration
         for name in models:
             step(name)
-    samples: dict[str, list[float]] = {
-        key: [] for key in ("step ours", "step torch", "fb ours", "fb torch", "local", "comm")
-    }
-    for _ in range(config.steps):
-        for name in models:
-            samples[f"step {name}"].append(timed(lambda name=name: step(name)))  # type: ignore[misc]
-        for name, model in models.items():
-            samples[f"fb {name}"].append(timed(forward_backward(model)))
-        samples["local"].append(timed(forward_backward(local)))
-        samples["comm"].append(timed(communicate))
+
+    def timing(fn: Callable[[], Any]) -> Callable[[], float]:
+        return lambda: timed(fn)
+
+    # one repetition of each, in this order: step ours, step torch, fb ours, fb torch, local, comm
+    runs = {f"step {name}": timing(functools.partial(step, name)) for name in models}
+    runs |= {f"fb {name}": timing(forward_backward(model)) for name, model in models.items()}
+    runs["local"] = timing(forward_backward(local))
+    runs["comm"] = timing(communicate)
+    samples = interleave(runs, config.steps)
     result: dict[str, Any] = {key: statistics.median(v) for key, v in samples.items()}
+    result["samples"] = samples
     result["buckets"] = [b.nbytes for b in ours.buckets]
     result["grad_bytes"] = sum(p.numel() * p.element_size() for p in local.parameters())
     result["threads"] = torch.get_num_threads()
@@ -215,31 +224,71 @@ def header(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> str:
     )
 
 
+GOAL = Goal("step time, your DDP / torch DDP", GOAL_RATIO, at_least=False)
+
+
+def step_pair_ratios(result: dict[str, Any]) -> list[float]:
+    """Our step time over torch DDP's, one per repetition pair (the ratio of the medians for a
+    result without its samples)."""
+    samples = result.get("samples")
+    if samples:
+        return pair_ratios(samples["step ours"], samples["step torch"])
+    return [result["step ours"] / result["step torch"]]
+
+
+def run_load(results: Sequence[dict[str, Any]]) -> Load | None:
+    """The load around the run (``measure`` keeps it with each result), or None."""
+    return results[0].get("load") if results else None
+
+
+def goal_verdicts(results: Sequence[dict[str, Any]]) -> list[Verdict]:
+    """Each cap judged against the goal (course/verdicts.py); without a load reading, as on a
+    quiet machine."""
+    load = run_load(results) or Load.quiet()
+    return [
+        GOAL.judge(step_pair_ratios(r), load, cell=f"bucket_cap_mb {r['cap']}", per="step pair")
+        for r in results
+    ]
+
+
 def ddp_table(results: Sequence[dict[str, Any]], impl: str) -> Table:
     table = Table(
-        ["bucket_cap_mb", "buckets (MiB)", "DDP", "step ms", "step vs torch", "fwd+bwd ms",
-         "local fwd+bwd ms", "comm alone ms", "comm hidden behind backward"]
+        ["bucket_cap_mb", "buckets (MiB)", "DDP", "step ms", "step vs torch", "middle half",
+         f"goal <= {GOAL_RATIO}x", "fwd+bwd ms", "local fwd+bwd ms", "comm alone ms",
+         "comm hidden behind backward"]
     )  # fmt: skip
-    for r in results:
+    for r, verdict in zip(results, goal_verdicts(results), strict=True):
         buckets = ", ".join(f"{b / 2**20:.1f}" for b in r["buckets"])
+        spread = verdict.spread
         for name, label in (("ours", f"from scratch ({impl})"), ("torch", "torch DDP")):
             hidden = hidden_share(r[f"fb {name}"], r["local"], r["comm"])
+            ours = name == "ours"
             table.add(
                 r["cap"], buckets, label, f"{1e3 * r[f'step {name}']:.1f}",
-                f"{r[f'step {name}'] / r['step torch']:.3f}x", f"{1e3 * r[f'fb {name}']:.1f}",
+                f"{spread.median:.3f}x" if ours else "1.000x",
+                f"{spread.low:.3f}-{spread.high:.3f}x" if ours else "-",
+                verdict.short if ours else "-", f"{1e3 * r[f'fb {name}']:.1f}",
                 f"{1e3 * r['local']:.1f}", f"{1e3 * r['comm']:.1f}", f"{100 * hidden:.0f}%",
             )  # fmt: skip
+    load = run_load(results)
+    if load is not None:
+        table.note = (
+            "step vs torch: the median of the repetitions' pairs; middle half: their "
+            f"interquartile range. The machine during the run: {load.text()} "
+            f"({'busy' if load.busy else 'not busy'})."
+        )
     return table
 
 
 def step_ratios(results: Sequence[dict[str, Any]]) -> list[float]:
-    """Our step time over torch DDP's, one per cap."""
-    return [r["step ours"] / r["step torch"] for r in results]
+    """Our step time over torch DDP's, one per cap: the median over the repetition pairs."""
+    return [statistics.median(step_pair_ratios(r)) for r in results]
 
 
 def summary_values(results: Sequence[dict[str, Any]]) -> dict[str, str]:
     ratios = step_ratios(results)
-    met = sum(ratio <= GOAL_RATIO for ratio in ratios)
+    verdicts = goal_verdicts(results)
+    met = sum(v.outcome == "met" for v in verdicts)
     hidden = {
         name: [hidden_share(r[f"fb {name}"], r["local"], r["comm"]) for r in results]
         for name in ("ours", "torch")
@@ -247,6 +296,7 @@ def summary_values(results: Sequence[dict[str, Any]]) -> dict[str, str]:
     return {
         "step_ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}x",
         "goal_met": f"{met} of {len(ratios)}",
+        "goal_verdicts": tally(verdicts),
         "hidden_ours": f"{100 * min(hidden['ours']):.0f}-{100 * max(hidden['ours']):.0f}%",
         "hidden_torch": f"{100 * min(hidden['torch']):.0f}-{100 * max(hidden['torch']):.0f}%",
     }
@@ -266,10 +316,18 @@ def format_table(results: Sequence[dict[str, Any]], config: BenchmarkConfig) -> 
 
 
 def measure(config: BenchmarkConfig) -> Any:
-    return [
-        run_world(measure_worker, config.world, (config, cap), {}, timeout=900)[0]
-        for cap in parse_caps(config.caps)
-    ]
+    """One world per cap; each result also holds the load around the whole run (``"load"``)."""
+    meter = LoadMeter()
+    results = []
+    for cap in parse_caps(config.caps):
+        with meter.running(processes=config.world):
+            results.append(
+                run_world(measure_worker, config.world, (config, cap), {}, timeout=900)[0]
+            )
+    load = meter.read()
+    for result in results:
+        result["load"] = load
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
