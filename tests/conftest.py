@@ -65,6 +65,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
+        "first_failure: plants a raise in every exercise and re-grades it (CI runs these apart: "
+        "uv run pytest tests/test_first_failure.py -m first_failure)",
+    )
+    config.addinivalue_line(
+        "markers",
         "reference: checks the reference or library way beside an exercise (runs with the "
         "exercise's marker, not counted on the scoreboard: it grades no learner code)",
     )

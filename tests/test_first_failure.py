@@ -6,6 +6,10 @@ The planting and grading are tests/first_failure.py's (a scratch copy of the wor
 every template completed; exercises of a phase that do not use each other's code are planted and
 graded together, each stopping at its first failure). ``uv run python -m tests.first_failure``
 plants every TODO function of the course, not only the one per exercise below.
+
+The planted runs grade the whole course again (about two and a half minutes on 2 cores), so they
+are marked ``first_failure`` and left out of ``uv run pytest`` (pyproject.toml); CI runs them as
+their own step: ``uv run pytest tests/test_first_failure.py -m first_failure --impl solutions``.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     return found
 
 
+@pytest.mark.first_failure
 @pytest.mark.long_running
 @pytest.mark.parametrize("exercise", list(PLANTED))
 def test_a_raise_in_a_template_is_the_first_failure_at_its_line(
