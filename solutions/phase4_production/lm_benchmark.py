@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,7 @@ def measure_layouts(
     """``layouts`` on this rank: built, warmed up, timed in interleaved rounds, weighed (model
     states, and the activations autograd saved during one more step) and counted; returns this
     rank's rows, by layout name."""
+    _quiet_library_warnings()
     lm = load_impl(PHASE, "lm_parallel", config.impl)
     entries = []
     for name, (options, moe) in layouts.items():
@@ -205,9 +207,10 @@ def _mib(nbytes: float) -> str:
 
 def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
     tokens = config.batch * config.seq_len
-    table = Table(["layout", "tokens/s", "step ms (min-max)", "held MiB per rank (max)",
-                   "params / grads / optimizer MiB (max rank)", "bytes off the formulas",
-                   "traffic per step of rank 0 (MiB by group)"])  # fmt: skip
+    columns = ["layout", "tokens/s", "step ms (min-max)", "held MiB per rank (max)",
+               "params / grads / optimizer MiB (max rank)", "activations MiB (peak, max rank)",
+               "bytes off the formulas", "traffic per step of rank 0 (MiB by group)"]  # fmt: skip
+    table = Table(columns)
     for name, row in per_rank[0].items():
         seconds = row["seconds"]
         low, high = row["spread"]
@@ -233,9 +236,12 @@ def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
             off_text = str(off)
         else:
             off_text, traffic = "-", "-"
+        peaks = [r[name].get("activations") for r in per_rank]
+        activations = _mib(max(peaks)) if all(p is not None for p in peaks) else "-"
         table.add(name, f"{tokens / seconds:,.0f}", f"{seconds * 1e3:.1f} ({low * 1e3:.1f}-"
-                  f"{high * 1e3:.1f})", held_text, parts, off_text, traffic or "-")  # fmt: skip
-    total_off = sum(int(cells[5]) for cells in table.rows if cells[5] != "-")
+                  f"{high * 1e3:.1f})", held_text, parts, activations, off_text,
+                  traffic or "-")  # fmt: skip
+    total_off = sum(int(cells[6]) for cells in table.rows if cells[6] != "-")
     values = {"bytes_off": str(total_off), "world": str(config.world),
               "rounds": str(config.rounds)}  # fmt: skip
     if config.record:
@@ -250,6 +256,12 @@ def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
 
 def measure(config: BenchConfig) -> list[dict[str, Any]]:
     return run_world(measure_rank, config.world, (config,), {}, timeout=3600)
+
+
+def _quiet_library_warnings() -> None:
+    """torch's advice that does not apply here: no output of a fully_shard module is changed
+    in place (the views it warns of), as lm_library_compare says too."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
