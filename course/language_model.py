@@ -139,7 +139,7 @@ def rotary_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` of every position's angles, each [len(positions), head_dim / 2]:
     feature pair i of a token at position p turns by ``p * base^(-2i / head_dim)``."""
-    pairs = torch.arange(head_dim // 2, dtype=torch.float64)
+    pairs = torch.arange(head_dim // 2, dtype=torch.float64, device=positions.device)
     frequencies = base ** (-2.0 * pairs / head_dim)
     angles = positions.to(torch.float64)[:, None] * frequencies[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)

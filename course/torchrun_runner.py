@@ -29,6 +29,12 @@ the agent's process group is not enough. While the scenario runs, every descenda
 is found through /proc and remembered (with its start time, so a reused pid is never killed); on
 the way out, whatever is left of them is killed. Processes that had to be killed after their
 agents ended are reported as ``orphans``.
+
+GPUs: scenarios with forked workers or with several agents run on the CPU (``CUDA_VISIBLE_DEVICES``
+is emptied for them). A forked worker cannot use CUDA once its parent has touched it (torch raises
+"Cannot re-initialize CUDA in forked subprocess"; torchrun's agent does touch it), and agents that
+stand for nodes on one host would each give their local rank 0 the same GPU, which NCCL refuses.
+One agent starting fresh interpreters keeps the GPUs it sees.
 """
 
 from __future__ import annotations
@@ -261,7 +267,8 @@ def run_torchrun(
     injection: ``{"DTFS_FAIL": "kill:rank=1:step=2"}``). ``stagger`` seconds pass between agent
     starts. After ``time_limit`` seconds every process of the scenario is killed and the result
     says ``timed_out``; no process outlives this call either way. ``fork_workers`` forks each
-    worker from its agent instead of starting a fresh interpreter (see the module docstring).
+    worker from its agent instead of starting a fresh interpreter; it and ``agents > 1`` run on
+    the CPU (see the module docstring).
     """
     if agents < 1 or nproc_per_node < 1:
         raise ValueError(
@@ -281,6 +288,7 @@ def run_torchrun(
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
+        **({"CUDA_VISIBLE_DEVICES": ""} if fork_workers or agents > 1 else {}),
         **(env or {}),
     }
     start = time.monotonic()

@@ -58,6 +58,9 @@ from course.distributed import DEVICE_INDEX_ENV, choose_backend, device_for
 
 DEFAULT_WORLD_TIMEOUT = 20.0
 WORLD_TIMEOUT_ENV = "DTFS_WORLD_TIMEOUT"
+# When set, every world that runs under NCCL appends one line to this file (the pytest test that
+# started it, the world size): the GPU batch of .ci/gpu-batch lists the tests that took a CUDA path.
+NCCL_LOG_ENV = "DTFS_NCCL_WORLD_LOG"
 PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's deadline by this much
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _HARNESS_FILE = str(Path(__file__).resolve())
@@ -465,6 +468,10 @@ def run_world(
         )
     timeout = world_timeout() if timeout is None else timeout
     backend = backend or choose_backend(world_size)
+    if backend == "nccl" and (log := os.environ.get(NCCL_LOG_ENV)):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "(no test)").split(" ")[0]
+        with open(log, "a") as file:
+            file.write(f"{test}\tworld {world_size}\t{getattr(fn, '__qualname__', fn)}\n")
     ctx = _forkserver()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tmpdir = Path(tempfile.mkdtemp(prefix="dtfs-world-"))

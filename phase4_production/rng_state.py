@@ -73,8 +73,12 @@ def set_python_state(state: RngState) -> None:
 
 
 def cuda_states() -> list[torch.Tensor]:
-    """One byte tensor per visible GPU (empty without CUDA)."""
-    return list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else []
+    """One byte tensor per visible GPU; empty where this process has not used CUDA (a CPU rank on
+    a GPU machine has no CUDA random state worth keeping, and asking for one would initialise
+    CUDA, which a worker forked from a parent that used CUDA cannot do)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return []
+    return list(torch.cuda.get_rng_state_all())
 
 
 def set_cuda_states(states: list[torch.Tensor]) -> None:

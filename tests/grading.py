@@ -178,3 +178,27 @@ def assert_bitwise_equal(
                 f"{what}: {name} differs from the uninterrupted run by up to {diff:.3e}; {advice}",
                 pytrace=False,
             )
+
+
+def without_cuda_on_cpu_ranks(worker: Callable[..., Any]) -> Callable[..., Any]:
+    """A rank's worker that runs torch's ``powerSGD_hook`` on CPU tensors, made to work on a GPU
+    machine too: that hook synchronizes CUDA whenever CUDA is available, even when its tensors are
+    on the CPU (powerSGD_hook.py: ``if torch.cuda.is_available(): torch.cuda.synchronize(device)``)
+    and then raises "Expected a cuda device, but got: cpu". In a world that computes on the CPU
+    (gloo: more ranks than GPUs) CUDA is reported absent while the worker runs; a rank on a GPU and
+    a machine without CUDA are left as they are."""
+    import functools
+    from unittest import mock
+
+    @functools.wraps(worker)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        from course.distributed import current_info
+
+        if not torch.cuda.is_available() or current_info().device.type == "cuda":
+            return worker(*args, **kwargs)
+        with mock.patch.object(torch.cuda, "is_available", lambda: False):
+            return worker(*args, **kwargs)
+
+    return run

@@ -459,7 +459,7 @@ def test_fp16_scaler_clipping_accumulation_compression_hook_and_monitor(
 def test_the_benchmark_prints_its_tables_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     from solutions.phase4_production import benchmark_imagenet as bench
 
-    argv = ["--steps", "1", "--warmup", "0", "--batch", "2", "--jpegs", "2"]
+    argv = ["--steps", "1", "--warmup", "0", "--batch", "2", "--jpegs", "2", "--cpu-smoke"]
     assert bench.main([*argv, "--decode-images", "2", "--workers", "1"]) == 0
     out = capsys.readouterr().out
     header = "| run | images/s | vs reference | step ms | data ms | forward ms | backward ms "

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.harness
 
 
 def rank_and_sum() -> tuple[int, int, float]:
-    t = torch.tensor([float(dist.get_rank() + 1)])
+    from course.distributed import current_info
+
+    t = torch.tensor([float(dist.get_rank() + 1)], device=current_info().device)  # a GPU: NCCL
     dist.all_reduce(t)
     return dist.get_rank(), dist.get_world_size(), t.item()
 

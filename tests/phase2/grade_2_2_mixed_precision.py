@@ -53,16 +53,16 @@ OVERFLOW_STEPS = {2, 3, 9, 16}
 
 
 def run_scaler_stream(
-    scaler: Any, steps: int, overflows: set[int]
+    scaler: Any, steps: int, overflows: set[int], device: str = "cpu"
 ) -> tuple[list[float], list[bool], torch.Tensor]:
     """Feed a scaler a gradient stream with overflows; return scales, step decisions, weights."""
-    param = nn.Parameter(torch.linspace(-1, 1, 5))
+    param = nn.Parameter(torch.linspace(-1, 1, 5, device=device))
     optimizer = torch.optim.SGD([param], lr=0.01, momentum=0.9)
     scales, stepped = [], []
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
         optimizer.zero_grad()
-        direction = torch.randn(5, generator=g)
+        direction = torch.randn(5, generator=g).to(device)
         if step in overflows:
             direction[step % 5] = float("inf") if step % 2 else float("nan")
         scaler.scale((param * direction).sum()).backward()
@@ -74,10 +74,12 @@ def run_scaler_stream(
     return scales, stepped, param.detach()
 
 
-def compare_streams(kwargs: dict[str, Any], steps: int, overflows: set[int], label: str) -> None:
+def compare_streams(
+    kwargs: dict[str, Any], steps: int, overflows: set[int], label: str, device: str = "cpu"
+) -> None:
     precision = precision_module()
-    ours = run_scaler_stream(precision.DynamicLossScaler(**kwargs), steps, overflows)
-    theirs = run_scaler_stream(torch.amp.GradScaler("cpu", **kwargs), steps, overflows)
+    ours = run_scaler_stream(precision.DynamicLossScaler(**kwargs), steps, overflows, device)
+    theirs = run_scaler_stream(torch.amp.GradScaler(device, **kwargs), steps, overflows, device)
     for step, (got, want) in enumerate(zip(ours[0], theirs[0], strict=True)):
         if got != want:
             event = "an overflow" if step in overflows else "a clean step"
@@ -99,7 +101,7 @@ def compare_streams(kwargs: dict[str, Any], steps: int, overflows: set[int], lab
     if not torch.equal(ours[2], theirs[2]):
         fail(
             f"2.2 {label}: the weights after the stream differ from GradScaler's by "
-            f"{(ours[2] - theirs[2]).abs().max():.2e}: multiply each gradient by one float32 "
+            f"{(ours[2] - theirs[2]).abs().max():.2e} on {device}: multiply each gradient by one float32 "
             "inverse scale (1/scale computed in float64), as GradScaler does"
         )
 
@@ -165,6 +167,71 @@ def test_unscaled_gradients_equal_grad_scalers_bitwise() -> None:
         fail(
             "2.2: unscale_ then step: the gradients changed again in step() (unscaled twice?): "
             "unscale_ must remember that it ran (self._unscaled) until update()"
+        )
+
+
+# ----------------------------------------------------------------------------- on a GPU
+# GradScaler takes other code on CUDA (fused kernels that check and unscale in one pass): the same
+# comparisons there, and a real fp16 autocast run. They need a CUDA device and are skipped without.
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a CUDA check: needs a GPU (runs on one, see issue 28)"
+)
+
+
+@exercise("2.2")
+@needs_cuda
+def test_loss_scaler_follows_grad_scaler_on_cuda() -> None:
+    kwargs = {"init_scale": 1000.0, "growth_factor": 1.3, "backoff_factor": 0.7}
+    compare_streams(
+        {**kwargs, "growth_interval": 2},
+        60,
+        {i for i in range(60) if i % 7 in (2, 3)},
+        "scaler on CUDA (growth 1.3, backoff 0.7, interval 2)",
+        device="cuda",
+    )
+
+
+def fp16_autocast_run(scaler: Any, steps: int = 40) -> tuple[list[float], torch.Tensor]:
+    """A small MLP trained with fp16 autocast on CUDA; the scales and the final weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    scales = []
+    for _ in range(steps):
+        x = torch.randn(128, 64, generator=g).cuda()
+        y = torch.randint(8, (128,), generator=g).cuda()
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@exercise("2.2")
+@needs_cuda
+def test_fp16_autocast_training_on_cuda_equals_grad_scaler() -> None:
+    kwargs = {"init_scale": 2.0**24, "growth_interval": 5}  # starts too high: backs off first
+    ours = fp16_autocast_run(precision_module().DynamicLossScaler(**kwargs))
+    theirs = fp16_autocast_run(torch.amp.GradScaler("cuda", **kwargs))
+    if ours[0] != theirs[0]:
+        step = next(i for i, (a, b) in enumerate(zip(*[ours[0], theirs[0]], strict=True)) if a != b)
+        fail(
+            f"2.2 fp16 autocast on CUDA: after step {step} the scale is {ours[0][step]!r}, "
+            f"GradScaler's {theirs[0][step]!r}: an overflow in fp16 gradients on the GPU must be "
+            "found (inf or nan anywhere) and back the scale off, as on the CPU"
+        )
+    if not torch.equal(ours[1], theirs[1]):
+        fail(
+            "2.2 fp16 autocast on CUDA: the weights after 40 steps differ from GradScaler's by "
+            f"{(ours[1] - theirs[1]).abs().max():.2e}: unscale with one float32 inverse scale, "
+            "skip exactly the steps GradScaler skips"
         )
 
 

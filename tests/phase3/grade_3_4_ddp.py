@@ -46,7 +46,7 @@ from ddp_helpers import (
     small_world,
     worst,
 )
-from grading import exercise
+from grading import exercise, without_cuda_on_cpu_ranks
 from subgroups import split_into_groups
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -772,6 +772,7 @@ def test_benchmark_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
 # ----------------------------------------------------------------------------- comm hooks
 
 
+@without_cuda_on_cpu_ranks
 def comm_hook_worker(kind: str, steps: int) -> dict[str, Any]:
     """Ours and torch's DDP, each with the same torch communication hook, side by side."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

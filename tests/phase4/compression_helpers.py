@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from grading import load, world
+from grading import load, without_cuda_on_cpu_ranks, world
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -414,6 +414,7 @@ PSGD_BUCKETS: list[list[tuple[int, ...]]] = [
 ]
 
 
+@without_cuda_on_cpu_ranks
 def powersgd_worker(rank_r: int, steps: int, start: int, group_size: int = 0) -> dict[str, Any]:
     """Our hook and torch's on copies of the same buckets, step by step (float64). With
     ``group_size``, the world is split into groups and each group runs on its own."""
@@ -616,6 +617,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@without_cuda_on_cpu_ranks
 def two_ddps_worker(method: str, cap: float, steps: int) -> dict[str, Any]:
     """The hook ``make_comm_hook(method)`` on torch's DDP and on phase 3's (the reference: 4.4
     does not depend on 3.4), both starting from rank 0's weights, ``steps`` SGD steps."""
@@ -648,6 +650,7 @@ def two_ddps_worker(method: str, cap: float, steps: int) -> dict[str, Any]:
     }
 
 
+@without_cuda_on_cpu_ranks
 def one_bucket_worker(rank_r: int, steps: int) -> dict[str, Any]:
     """torch's powerSGD_hook on torch's DDP beside ours on torch's DDP and on phase 3's: one
     bucket, the same seed, float64."""

@@ -205,8 +205,11 @@ def loop_points_worker(accumulation: int, custom_step: bool) -> list[list[str]]:
         def on_section_end(self, loop: TrainingLoop, section: str) -> None:
             self.steps[-1].append(section)
 
+    from course.distributed import current_info
+
+    device = current_info().device  # a one-rank world on a GPU machine runs NCCL on cuda:0
     torch.manual_seed(0)
-    model = nn.Linear(4, 2)
+    model = nn.Linear(4, 2).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = [(torch.randn(6, 4), torch.randint(2, (6,))) for _ in range(3)]
 
@@ -218,7 +221,7 @@ def loop_points_worker(accumulation: int, custom_step: bool) -> list[list[str]]:
         model,
         optimizer,
         data,
-        device=torch.device("cpu"),
+        device=device,
         accumulation_steps=accumulation,
         step=step if custom_step else None,
         callbacks=[recorder],
