@@ -171,3 +171,23 @@ def test_spearman_and_the_spread_of_checked_layouts() -> None:
     chosen = spread(predictions, 6)
     assert chosen[:3] == predictions[:3] and chosen[-1] == predictions[-1] and len(chosen) == 6
     assert torch.tensor([p.seconds for p in chosen[:3]]).diff().ge(0).all()
+
+
+def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() -> None:
+    from solutions.phase4_production import lm_throughput
+
+    config = lm_throughput.ThroughputConfig(width=32, heads=4, layers=2, ffn=64, seq_len=16,
+                                            batch=2, steps=3, warmup=1)  # fmt: skip
+    model = build_language_model(config.model(), 0, torch.float32)
+    matrices = sum(p.numel() for n, p in model.named_parameters() if n != "embedding.weight")
+    assert lm_throughput.flops_per_token(model) == 6 * matrices + 12 * 2 * 32 * 16
+    result = lm_throughput.measure(config)
+    rows = result["rows"]
+    assert [r.name for r in rows] == [
+        "PyTorch, one process", "4.7 composition, one rank", "PyTorch, one process, bf16 autocast",
+    ]  # fmt: skip
+    assert all(len(r.seconds) == 3 and len(r.losses) == 4 for r in rows)
+    # the composition at one rank is the one-process step: the same losses, step by step
+    assert rows[1].losses == pytest.approx(rows[0].losses, rel=1e-6), (rows[1].losses, rows[0].losses)
+    table = lm_throughput.report(result, config)
+    assert "MFU" in table and "relative difference" in table
