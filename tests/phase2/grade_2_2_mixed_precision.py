@@ -217,7 +217,7 @@ def fp16_autocast_run(scaler: Any, steps: int = 40) -> tuple[list[float], torch.
 @exercise("2.2")
 @needs_cuda
 def test_fp16_autocast_training_on_cuda_equals_grad_scaler() -> None:
-    kwargs = {"init_scale": 2.0**24, "growth_interval": 5}  # starts too high: backs off first
+    kwargs: dict[str, Any] = {"init_scale": 2.0**24, "growth_interval": 5}  # backs off first
     ours = fp16_autocast_run(precision_module().DynamicLossScaler(**kwargs))
     theirs = fp16_autocast_run(torch.amp.GradScaler("cuda", **kwargs))
     if ours[0] != theirs[0]:
