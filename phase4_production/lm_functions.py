@@ -3,9 +3,9 @@
 Not an exercise. The runtime (``lm_runtime.py``) and the blocks (``lm_blocks.py``) are given
 code, and given code never imports an answer: they call the functions named here, which the
 exercise module (``template_lm_parallel.py``) fills with its own imports: your 2.5 executor and
-schedules, 2.6 layers, 2.7 ring attention and layout, 3.5 ZeRO and FSDP-style wrappers, 3.6
-clipping, 3.8 MoE layer, and this exercise's own functions. With ``--impl solutions`` the same
-record holds the reference's.
+schedules, 2.6 layers, 2.7 ring attention and layout, 3.1 and 3.2 all-reduces, 3.5 ZeRO and
+FSDP-style wrappers, 3.6 clipping, 3.8 MoE layer, and this exercise's own functions. With
+``--impl solutions`` the same record holds the reference's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ COMPOSITION_MODULES: tuple[tuple[str, str], ...] = (
     ),
     *(
         ("phase3_multi_node", m)
-        for m in ("zero_partition", "zero_units", "zero", "zero_fsdp_units", "zero_fsdp",
+        for m in ("ring_allreduce", "tree_allreduce", "zero_partition", "zero_units", "zero",
+                  "zero_fsdp_units", "zero_fsdp",
                   "grad_clipping", "moe_routing", "expert_parallel")
     ),
     ("phase4_production", "lm_parallel"),
@@ -59,3 +60,6 @@ class CompositionFunctions:
     fsdp_wrap: Callable[..., Any]  # 3.5
     clip_grad_norm: Callable[..., Any]  # 3.6
     moe_layer: Any  # 3.8 MoELayer
+    # the hand-made all-reduces the settings' ``communication`` may choose
+    ring_all_reduce: Callable[..., Any]  # 3.1
+    halving_doubling_all_reduce: Callable[..., Any]  # 3.2

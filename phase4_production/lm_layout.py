@@ -22,6 +22,8 @@ from course.topology import RankGrid
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 ZERO_BUBBLE = ("zb-h1", "zb-v")
 ZERO_CHOICES = (0, 1, 2, 3, "fsdp")
+# library: torch's all-reduce; ring: 3.1's ring_all_reduce; tree: 3.2's halving_doubling_all_reduce
+COMMUNICATION = ("library", "ring", "tree")
 
 
 def _divisors(n: int) -> list[int]:
@@ -46,6 +48,9 @@ class ParallelSettings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    # the all-reduce of the data-parallel gradient reductions: torch's, 3.1's ring, 3.2's
+    # halving-doubling (COMMUNICATION); ZeRO reduces with its own reduce-scatter instead
+    communication: str = "library"
 
     @property
     def world_size(self) -> int:
@@ -76,6 +81,8 @@ class ParallelSettings:
             text += f" ({self.schedule}, m={self.microbatches})"
         if self.zero:
             text += f", zero={self.zero}"
+        if self.communication != "library":
+            text += f", {self.communication} all-reduce"
         return text
 
     def grid(self) -> RankGrid:
@@ -172,6 +179,16 @@ class ParallelSettings:
         out = []
         if self.zero not in ZERO_CHOICES or isinstance(self.zero, bool):
             return [f"zero={self.zero!r}: choose 0 (plain data parallel), 1, 2, 3 or 'fsdp'"]
+        if self.communication not in COMMUNICATION:
+            out.append(
+                f"communication={self.communication!r}: choose one of {', '.join(COMMUNICATION)}"
+            )
+        elif self.communication != "library" and self.zero != 0:
+            out.append(
+                f"communication={self.communication} with zero={self.zero}: ZeRO reduces the "
+                "gradients with its own reduce-scatter (3.5), not an all-reduce; use zero=0 with "
+                "a hand-made all-reduce, or communication=library"
+            )
         if self.max_norm is not None and not (math.isfinite(self.max_norm) and self.max_norm > 0):
             out.append(f"max_norm={self.max_norm}: a finite bound > 0, or None for no clipping")
         if not (math.isfinite(self.lr) and self.lr > 0):

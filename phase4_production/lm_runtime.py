@@ -12,7 +12,9 @@ on every rank, from the GLOBAL batch (the same ``tokens`` and ``targets`` everyw
    into your ``loss_share``, the executor divides every micro-batch's loss by m, so the runtime
    hands it ``m x`` the share. MoE layers attach their balance-loss shares to the backward.
 3. **The gradients** this rank holds (:class:`~phase4_production.lm_support.HeldGradient`,
-   whole or ZeRO slices) go through your ``finish_gradients``, then, with ``max_norm``, through
+   whole or ZeRO slices) go through your ``finish_gradients`` (its data-parallel all-reduces with
+   the settings' ``communication``: torch's, your 3.1 ring or 3.2 halving-doubling), then, with
+   ``max_norm``, through
    3.6's ``clip_grad_norm_`` with your ``gradient_placements``.
 4. **The optimizer** steps (AdamW, or the ZeRO/FSDP-style optimizer of 3.5 over the dp x cp
    group), and the step's losses are reported on every rank (:class:`StepReport`).
@@ -20,6 +22,7 @@ on every rank, from the GLOBAL batch (the same ``tokens`` and ``targets`` everyw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -104,6 +107,12 @@ class LanguageModelRuntime:
             placement=self.placement,
         )
         self.global_valid = 0
+        # settings.communication: the data-parallel reductions' all-reduce (None: torch's)
+        self.all_reduce_fn: Callable[..., Any] | None = {
+            "library": None,
+            "ring": fns.ring_all_reduce,
+            "tree": fns.halving_doubling_all_reduce,
+        }[settings.communication]
 
     # ------------------------------------------------------------------ building
 
@@ -166,7 +175,7 @@ class LanguageModelRuntime:
             y if executor.links.holds(executor.last_stage) else None,
         )
         held = self.held_gradients()
-        fns.finish_gradients(held, topology, settings.sequence_parallel)
+        fns.finish_gradients(held, topology, settings.sequence_parallel, self.all_reduce_fn)
         grad_norm = None
         if settings.max_norm is not None:
             shards = fns.gradient_placements(held, topology)

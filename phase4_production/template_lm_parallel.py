@@ -38,7 +38,7 @@ from course.topology import Topology
 from phase3_multi_node.clip_placement import GradShard
 from phase4_production.lm_functions import CompositionFunctions
 from phase4_production.lm_runtime import LanguageModelRuntime
-from phase4_production.lm_support import HeldGradient, all_reduce_flat
+from phase4_production.lm_support import AllReduceFn, HeldGradient, all_reduce_flat
 from phase2_advanced.template_context_parallel import ring_attention
 from phase2_advanced.template_context_parallel_layout import shard_sequence
 from phase2_advanced.template_pipeline_executor import PipelineExecutor
@@ -46,6 +46,8 @@ from phase2_advanced.template_pipeline_schedules import make_schedule, placement
 from phase2_advanced.template_tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
 from phase3_multi_node.template_expert_parallel import MoELayer
 from phase3_multi_node.template_grad_clipping import clip_grad_norm_
+from phase3_multi_node.template_ring_allreduce import ring_all_reduce
+from phase3_multi_node.template_tree_allreduce import halving_doubling_all_reduce
 from phase3_multi_node.template_zero import full_state_dict, zero_wrap
 from phase3_multi_node.template_zero_fsdp import fsdp_wrap
 from phase4_production.template_lm_sequence_parallel import (
@@ -139,10 +141,17 @@ def balance_loss_share(
     )
 
 
-def finish_gradients(held: list[HeldGradient], topology: Topology, sequence_parallel: bool) -> None:
+def finish_gradients(
+    held: list[HeldGradient],
+    topology: Topology,
+    sequence_parallel: bool,
+    all_reduce_fn: AllReduceFn | None = None,
+) -> None:
     """After the pipeline's step, make every gradient this rank holds complete, in place:
     the gradient of the global loss (for its piece of the weight), the same on every rank that
-    holds a copy of that piece."""
+    holds a copy of that piece. ``all_reduce_fn`` (None: torch's) is the all-reduce of the
+    data-parallel reductions, the config's ``communication`` (3.1's ring, 3.2's halving-doubling),
+    as a DDP communication hook would be (3.4): the other reductions keep torch's."""
     # TODO 4.7: the reductions after backward, each on its own group.
     # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
     #   gradient of the global loss of one process: weights sequence parallelism runs on token
@@ -150,9 +159,11 @@ def finish_gradients(held: list[HeldGradient], topology: Topology, sequence_para
     #   the sum of both uses; every non-expert gradient that ZeRO has not averaged yet is
     #   averaged over dp x cp; every expert's gradient has every rank's part, divided by the
     #   dp x cp size (not by the size of the group it was summed over).
+    #   The data-parallel sums (dp x cp, and edp for experts) go through all_reduce_fn.
     # Hint 1: the HeldGradient flags say what each tensor is; all_reduce_flat reduces a list in
-    #   one collective per dtype. A tp-replicated weight outside sequence parallelism was
-    #   computed from the same tokens on every tp rank: already complete.
+    #   one collective per dtype, with the all-reduce you hand it. A tp-replicated weight
+    #   outside sequence parallelism was computed from the same tokens on every tp rank:
+    #   already complete.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -205,4 +216,6 @@ class ParallelLanguageModel(LanguageModelRuntime):
         fsdp_wrap=fsdp_wrap,
         clip_grad_norm=clip_grad_norm_,
         moe_layer=MoELayer,
+        ring_all_reduce=ring_all_reduce,
+        halving_doubling_all_reduce=halving_doubling_all_reduce,
     )

@@ -137,6 +137,13 @@ def unsupported(
 ) -> str | None:
     """Why this layout cannot run with the library on this device (one sentence naming the API
     and the error), or None when it runs."""
+    if settings.communication != "library":
+        return (
+            f"communication={settings.communication}: the library's data parallelism reduces "
+            "with its own collectives (fully_shard's reduce-scatter); a hand-made all-reduce "
+            "would be a DDP communication hook (register_comm_hook), which fully_shard has no "
+            "place for"
+        )
     if settings.cp > 1 and device_type == "cpu":
         return (
             "cp > 1: torch.distributed.tensor.experimental.context_parallel registers ring "

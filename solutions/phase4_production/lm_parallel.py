@@ -35,7 +35,7 @@ from course.topology import Topology
 from phase3_multi_node.clip_placement import GradShard
 from phase4_production.lm_functions import CompositionFunctions
 from phase4_production.lm_runtime import LanguageModelRuntime
-from phase4_production.lm_support import HeldGradient, all_reduce_flat
+from phase4_production.lm_support import AllReduceFn, HeldGradient, all_reduce_flat
 from solutions.phase2_advanced.context_parallel import ring_attention
 from solutions.phase2_advanced.context_parallel_layout import shard_sequence
 from solutions.phase2_advanced.pipeline_executor import PipelineExecutor
@@ -43,6 +43,8 @@ from solutions.phase2_advanced.pipeline_schedules import make_schedule, placemen
 from solutions.phase2_advanced.tensor_parallel_layers import ColumnParallelLinear, RowParallelLinear
 from solutions.phase3_multi_node.expert_parallel import MoELayer
 from solutions.phase3_multi_node.grad_clipping import clip_grad_norm_
+from solutions.phase3_multi_node.ring_allreduce import ring_all_reduce
+from solutions.phase3_multi_node.tree_allreduce import halving_doubling_all_reduce
 from solutions.phase3_multi_node.zero import full_state_dict, zero_wrap
 from solutions.phase3_multi_node.zero_fsdp import fsdp_wrap
 from solutions.phase4_production.lm_sequence_parallel import (
@@ -155,10 +157,17 @@ def balance_loss_share(
     # <<< solution
 
 
-def finish_gradients(held: list[HeldGradient], topology: Topology, sequence_parallel: bool) -> None:
+def finish_gradients(
+    held: list[HeldGradient],
+    topology: Topology,
+    sequence_parallel: bool,
+    all_reduce_fn: AllReduceFn | None = None,
+) -> None:
     """After the pipeline's step, make every gradient this rank holds complete, in place:
     the gradient of the global loss (for its piece of the weight), the same on every rank that
-    holds a copy of that piece."""
+    holds a copy of that piece. ``all_reduce_fn`` (None: torch's) is the all-reduce of the
+    data-parallel reductions, the config's ``communication`` (3.1's ring, 3.2's halving-doubling),
+    as a DDP communication hook would be (3.4): the other reductions keep torch's."""
     # TODO 4.7: the reductions after backward, each on its own group.
     # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
     #   gradient of the global loss of one process: weights sequence parallelism runs on token
@@ -166,22 +175,25 @@ def finish_gradients(held: list[HeldGradient], topology: Topology, sequence_para
     #   the sum of both uses; every non-expert gradient that ZeRO has not averaged yet is
     #   averaged over dp x cp; every expert's gradient has every rank's part, divided by the
     #   dp x cp size (not by the size of the group it was summed over).
+    #   The data-parallel sums (dp x cp, and edp for experts) go through all_reduce_fn.
     # Hint 1: the HeldGradient flags say what each tensor is; all_reduce_flat reduces a list in
-    #   one collective per dtype. A tp-replicated weight outside sequence parallelism was
-    #   computed from the same tokens on every tp rank: already complete.
+    #   one collective per dtype, with the all-reduce you hand it. A tp-replicated weight
+    #   outside sequence parallelism was computed from the same tokens on every tp rank:
+    #   already complete.
     # Hint 2: four independent reductions: under sequence parallelism, the tp-replicated ones
     #   summed over tp; the tied one summed over the embedding group; the non-expert ones
     #   not yet reduced, summed over dp x cp and divided by its size; the experts', summed over
-    #   edp and divided by the dp x cp size.
+    #   edp and divided by the dp x cp size. Only the last two are data-parallel: they are the
+    #   ones that take all_reduce_fn.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:
         all_reduce_flat([h.grad for h in held if h.tp_replicated], topology.tp_group)
     all_reduce_flat([h.grad for h in held if h.tied], topology.group("embedding"))
     dense = [h.grad for h in held if not h.expert and not h.reduced]
-    all_reduce_flat(dense, topology.group("dp_cp"))
+    all_reduce_flat(dense, topology.group("dp_cp"), all_reduce_fn=all_reduce_fn)
     experts = [h.grad for h in held if h.expert]
-    all_reduce_flat(experts, topology.group("edp"))
+    all_reduce_flat(experts, topology.group("edp"), all_reduce_fn=all_reduce_fn)
     for grad in dense + experts:
         grad.div_(topology.size_of("dp_cp"))
     # <<< solution
@@ -238,4 +250,6 @@ class ParallelLanguageModel(LanguageModelRuntime):
         fsdp_wrap=fsdp_wrap,
         clip_grad_norm=clip_grad_norm_,
         moe_layer=MoELayer,
+        ring_all_reduce=ring_all_reduce,
+        halving_doubling_all_reduce=halving_doubling_all_reduce,
     )

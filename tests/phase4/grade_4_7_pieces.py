@@ -41,6 +41,7 @@ from lm_pieces_helpers import (
     BATCH,
     EXPERTS,
     FINISH_CASES,
+    HAND_MADE,
     NORM_SHARDS,
     SEQ,
     SP_SHAPE,
@@ -474,6 +475,54 @@ def test_finish_gradients_reduces_each_gradient_on_its_groups(case: str) -> None
                     f"4.7 finish_gradients, {case}: rank {rank}'s {name} is not complete: "
                     f"{_finish_mistakes(case, grids, rank, name, got[name])}"
                 )
+
+
+def data_parallel_groups(case: str, place: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The groups whose sums must go through the hand-made all-reduce, in call order: dp x cp
+    when a non-expert gradient is left to average there, edp when experts are held (groups of one
+    rank send nothing)."""
+    held = FINISH_CASES[case]["held"]
+    groups = []
+    if any(not expert and not reduced for *_, expert, reduced in held):
+        groups.append(tuple(place["dp_cp"]))
+    if any(expert for *_, expert, _ in held):
+        groups.append(tuple(place["edp"]))
+    return [g for g in groups if len(g) > 1]
+
+
+@exercise("4.7")
+@pytest.mark.parametrize("case", list(FINISH_CASES))
+def test_finish_gradients_hands_the_data_parallel_sums_to_the_given_all_reduce(case: str) -> None:
+    parts = world_part("finish_gradients")
+    grids = {rank: per_rank[case][0] for rank, per_rank in enumerate(parts)}
+    for rank, per_rank in enumerate(parts):
+        place, got, seen = per_rank[case + HAND_MADE]
+        for name, want in expected_finish(case, grids, rank).items():
+            if not close(got[name], want):
+                fail(
+                    f"4.7 finish_gradients, {case}, given all_reduce_fn: rank {rank}'s {name} is "
+                    "not complete, although it is with torch's all-reduce: hand the buffer to "
+                    "all_reduce_flat(..., all_reduce_fn=...) and let it reduce in place"
+                )
+        want_groups = data_parallel_groups(case, place)
+        if sorted(seen) != sorted(want_groups):
+            others = [g for g in seen if g not in want_groups]
+            missing = [g for g in want_groups if g not in seen]
+            fail(
+                f"4.7 finish_gradients, {case}: rank {rank} handed all_reduce_fn (the config's "
+                f"communication, a ring or a tree) the groups {sorted(seen)}; expected the "
+                f"data-parallel ones {sorted(want_groups)} (dp x cp, and edp for experts). "
+                + (
+                    f"{others} are not data-parallel: like a DDP communication hook (3.4) it "
+                    "replaces the data-parallel all-reduce only; the tp and embedding sums keep "
+                    "torch's"
+                    if others
+                    else f"It never saw {missing}: pass it to all_reduce_flat for every "
+                    "data-parallel sum (the dense gradients on dp x cp, the experts' on edp)"
+                    if missing
+                    else "Each data-parallel sum goes through it once."
+                )
+            )
 
 
 @exercise("4.7")

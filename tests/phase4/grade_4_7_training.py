@@ -10,9 +10,11 @@ other in it:
 
 * 2 ranks, each axis alone: dp2 (clipped), tp2 (tied), tp2 with sequence parallelism (clipped),
   pp2 1F1B (tied across the two stages), cp2 (clipped), ep2 over dp2 (MoE, clipped), pp2 zb-v
-  (tied, the V holds both ends on one rank);
+  (tied, the V holds both ends on one rank), dp2 with 3.2's halving-doubling as its all-reduce
+  (tied);
 * 4 ranks: pp2 x cp2 x ep2 (MoE, tied), dp4 x ep4 (MoE, clipped), pp2 interleaved x tp2 (tied,
-  clipped), pp4 ZB-H1 (clipped), dp2 x cp2 ZeRO-2 (tied, clipped), dp2 x pp2 ZeRO-1 (tied);
+  clipped), pp4 ZB-H1 (clipped), dp2 x cp2 ZeRO-2 (tied, clipped), dp2 x pp2 ZeRO-1 (tied),
+  dp2 x cp2 with 3.1's ring as its all-reduce (clipped);
 * 8 ranks: dp2 x tp2 x pp2 (tied, clipped), cp2 x tp2 x pp2, dp2 x cp2 x tp2 with sequence
   parallelism (tied, clipped), ZeRO-3 x tp2 x pp2 (tied, clipped), FSDP-style x tp2 x pp2
   (clipped).
@@ -53,6 +55,7 @@ WORLDS: dict[int, list[Layout]] = {
         layout(cp=2, max_norm=CLIP),
         layout(dp=2, ep=2, moe=True, max_norm=CLIP),
         layout(pp=2, schedule="zb-v", microbatches=2, tied=True),
+        layout(dp=2, communication="tree", tied=True),
     ],
     4: [
         layout(pp=2, cp=2, ep=2, microbatches=2, moe=True, tied=True),
@@ -61,6 +64,7 @@ WORLDS: dict[int, list[Layout]] = {
         layout(pp=4, schedule="zb-h1", microbatches=4, max_norm=CLIP),
         layout(dp=2, cp=2, zero=2, tied=True, max_norm=CLIP),
         layout(dp=2, pp=2, zero=1, microbatches=2, tied=True),
+        layout(dp=2, cp=2, communication="ring", max_norm=CLIP),
     ],
     8: [
         layout(dp=2, tp=2, pp=2, microbatches=2, tied=True, max_norm=CLIP),

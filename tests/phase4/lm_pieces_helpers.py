@@ -299,7 +299,7 @@ def _balance() -> dict[str, Any]:
 
 def _finish() -> dict[str, Any]:
     lm = lm_parallel()
-    out = {}
+    out: dict[str, Any] = {}
     for case, spec in FINISH_CASES.items():
         d = spec["degrees"]
         topology = Topology.build(
@@ -313,7 +313,26 @@ def _finish() -> dict[str, Any]:
         }
         lm.finish_gradients(held, topology, spec["sp"])
         out[case] = (place, {h.name: h.grad for h in held})
+        # again, with a hand-made all-reduce (the config's communication): which groups it saw
+        seen: list[tuple[int, ...]] = []
+        held = held_for(case, topology)
+        lm.finish_gradients(held, topology, spec["sp"], recording_all_reduce(seen))
+        out[case + HAND_MADE] = (place, {h.name: h.grad for h in held}, seen)
     return out
+
+
+HAND_MADE = ", with a hand-made all-reduce"
+
+
+def recording_all_reduce(seen: list[tuple[int, ...]]) -> Callable[..., torch.Tensor]:
+    """An all-reduce (torch's) that notes the ranks of every group it is handed."""
+
+    def all_reduce(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+        seen.append(tuple(dist.get_process_group_ranks(group)))
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    return all_reduce
 
 
 NORM_SHARDS = [  # (name, shape, replicated_on) as 4.7 places them on cp2 x tp2
