@@ -7,6 +7,9 @@ process; the bytes are compared in one world of 4.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,8 +53,9 @@ def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> 
         (["parallel.tp=3"], 4, "the fixed degrees do not divide the world of 4 ranks"),
         (["parallel"], 4, "expected KEY=VALUE"),
         (["model.moe_layers=[9]"], 4, r"moe_layers=\[9\]: layers are 0..3"),
-        (["communication=ring"], 4, "communication=ring: the hand-made all-reduces are not wired"),
-        (["checkpoint.every=10"], 4, "checkpoint.every=10: checkpoints .* are not written yet"),
+        (["communication=ring", "zero=2"], 4, "communication=ring with zero=2: ZeRO reduces"),
+        (["communication=mesh"], 4, "communication='mesh': Input should be 'library', 'ring' or 'tree'"),
+        (["checkpoint.every=10", "zero=2"], 4, "checkpoint.every=10 with zero=2: checkpoints of ZeRO"),
     ],
 )
 def test_bad_configs_are_refused_by_key_before_launch(
@@ -191,3 +195,110 @@ def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() 
     assert rows[1].losses == pytest.approx(rows[0].losses, rel=1e-6), (rows[1].losses, rows[0].losses)
     table = lm_throughput.report(result, config)
     assert "MFU" in table and "relative difference" in table
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+CKPT_MODEL = LMConfig(width=16, heads=2, layers=2, ffn=32, seq_len=8, tied=True)
+
+
+def checkpointed_run(layout: dict[str, Any], epochs: int, directory: str) -> list[float]:
+    """The trainer's run (2 steps per epoch, float64) at ``layout``, saving every 2 steps into
+    ``directory`` and first resuming from its newest checkpoint; the losses of its steps."""
+    from solutions.phase4_production.lm_checkpoint import CheckpointPlan
+    from solutions.phase4_production.lm_trainer import RunOptions, run
+
+    settings = ParallelSettings(lr=1e-2, max_norm=1.0, **layout)
+    topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
+    options = RunOptions(batch=4, epochs=epochs, steps_per_epoch=2, eval_batches=1,
+                         dtype="float64", seed=3, sample_bytes=0)  # fmt: skip
+    history = run(CKPT_MODEL, settings, options, topology, CheckpointPlan(directory, every=2))
+    return history.step_losses
+
+
+def final_checkpoint(directory: Path) -> Any:
+    from solutions.phase4_production import lm_checkpoint
+
+    folder = lm_checkpoint.latest(directory)
+    assert folder is not None, f"no checkpoint in {directory}"
+    like = {"generator": torch.Generator().get_state(), "global_step": torch.tensor(0)}
+    return lm_checkpoint.load(folder, CKPT_MODEL, torch.float64, like)
+
+
+def test_a_resume_at_another_layout_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """dp2 x pp2 (the tie across stages) saves after 2 steps; dp2 x tp2+sp and, on a world of
+    another size, tp2 resume from it for 2 more: every loss and, in the final checkpoint, every
+    weight and AdamW moment equal dp2 x tp2+sp's uninterrupted 4 steps (float64, 1e-10)."""
+    first, whole = str(tmp_path / "first"), str(tmp_path / "whole")
+    run_world(checkpointed_run, 4, ({"dp": 2, "pp": 2, "microbatches": 2}, 1, first))
+    resumed = {}
+    for name, world, layout in (("dp2 x tp2+sp", 4, {"dp": 2, "tp": 2, "sequence_parallel": True}),
+                                ("tp2", 2, {"tp": 2})):  # fmt: skip
+        copy = tmp_path / name.replace(" ", "")
+        shutil.copytree(first, copy)
+        resumed[name] = (run_world(checkpointed_run, world, (layout, 2, str(copy)))[0], copy)
+    want = run_world(checkpointed_run, 4, ({"dp": 2, "tp": 2, "sequence_parallel": True}, 2,
+                                           whole))[0]  # fmt: skip
+    reference = final_checkpoint(Path(whole))
+    for name, (losses, copy) in resumed.items():
+        assert losses == pytest.approx(want[2:], rel=1e-10), (
+            f"{name}: the losses after resuming, {losses}, are not the uninterrupted run's "
+            f"steps 3-4, {want[2:]}: the weights, AdamW's moments or the data position did not "
+            "come back"
+        )
+        got = final_checkpoint(copy)
+        assert got.optimizer_step == reference.optimizer_step == 4
+        assert int(got.progress["global_step"]) == 4
+        for part, values in (("model", got.model), *got.moments.items()):
+            expected = reference.model if part == "model" else reference.moments[part]
+            for key, value in values.items():
+                assert torch.allclose(value, expected[key], rtol=1e-10, atol=1e-14), (
+                    f"{name}: {part} {key} differs from the uninterrupted run's by "
+                    f"{(value - expected[key]).abs().max():.2e}"
+                )
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> None:
+    from solutions.phase4_production import lm_checkpoint
+
+    folder = tmp_path / "step_00000002"
+    folder.mkdir()
+    record = lm_checkpoint.model_record(CKPT_MODEL)
+    (folder / "manifest.json").write_text(json.dumps({"model": {**record, "width": 32}}))
+    with pytest.raises(lm_checkpoint.CheckpointMismatch,
+                       match=r"model.width=32 in the checkpoint, 16 in this run"):  # fmt: skip
+        lm_checkpoint.check_model(folder, CKPT_MODEL)
+
+
+@pytest.mark.torchrun
+def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    """The framework under torchrun --max-restarts=1 at tp2+sp, rank 1 SIGKILLed after step 3:
+    the restart resumes from step 2 and ends where an uninterrupted run ends."""
+    from course.torchrun_runner import run_torchrun
+
+    directory = tmp_path / "ckpt"
+    overrides = [
+        "model.width=16", "model.heads=2", "model.layers=2", "model.ffn=32", "model.seq_len=8",
+        "model.tied=true", "parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+        "train.batch=4", "train.epochs=2", "train.steps_per_epoch=2", "train.eval_batches=1",
+        "train.lr=0.01", "train.seed=3", "train.sample_bytes=0", "precision=fp64",
+        f"checkpoint.dir={directory}", "checkpoint.every=2",
+    ]  # fmt: skip
+    run = run_torchrun(
+        "solutions.phase4_production.lm_framework", ["--set", *overrides], nproc_per_node=2,
+        max_restarts=1, time_limit=120, env={"DTFS_FAIL": "kill:rank=1:step=3"},
+    )  # fmt: skip
+    what = "lm_framework under torchrun --max-restarts=1, rank 1 SIGKILLed after step 3"
+    assert run.ok and run.attempts() == [0, 1], f"{what}: {run.describe(800)}"
+    text = "\n".join(log.stdout + log.stderr for log in run.ranks if log.attempt == 1)
+    assert "resumed from" in text and "step_00000002" in text, f"{what}: {run.describe(800)}"
+    whole = tmp_path / "whole"
+    run_world(checkpointed_run, 2, ({"tp": 2, "sequence_parallel": True}, 2, str(whole)))
+    got, want = final_checkpoint(directory), final_checkpoint(whole)
+    for key, value in got.model.items():
+        assert torch.allclose(value, want.model[key], rtol=1e-10, atol=1e-14), (what, key)
+    for part, values in got.moments.items():
+        for key, value in values.items():
+            assert torch.allclose(value, want.moments[part][key], rtol=1e-10, atol=1e-14), (
+                what, part, key,
+            )  # fmt: skip

@@ -11,12 +11,14 @@ pydantic model with unknown keys refused, and the whole is checked against the w
                     sequence_parallel
     zero:           0 (plain data parallel), 1, 2, 3, or fsdp (3.5's FSDP-style units)
     pipeline:       schedule (gpipe, 1f1b, interleaved, zb-h1, zb-v), microbatches, chunks
-    communication:  library (torch's all-reduce), ring (3.1), tree (3.2's halving-doubling)
+    communication:  the data-parallel gradients' all-reduce (with zero: 0): library (torch's),
+                    ring (3.1's ring_all_reduce), tree (3.2's halving-doubling)
     sharding:       manual (the parallel section as written) or auto (the planner chooses)
     precision:      fp32 or fp64
     activation_checkpointing: false (the pipeline's chunks recompute their forward in backward)
     train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...
-    checkpoint:     dir, every (steps), keep
+    checkpoint:     dir, every (steps; 0: none), keep; a run resumes from the newest one in
+                    dir, at whatever layout it runs (lm_checkpoint.py)
     planner:        ranks_per_node, memory_per_rank_gib (what ``sharding: auto`` plans for)
 
 ``uv run python -m solutions.phase4_production.lm_config --config lm-8gpu`` prints a config as
@@ -41,7 +43,6 @@ from phase4_production.lm_layout import ParallelSettings
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = "lm-cpu-smoke"
-COMMUNICATION = ("library", "ring", "tree")
 
 
 class ModelSection(Section):
@@ -148,6 +149,7 @@ class FrameworkConfig(Section):
             schedule=self.pipeline.schedule, microbatches=self.pipeline.microbatches,
             chunks=self.pipeline.chunks, zero=self.zero, max_norm=self.train.max_norm,
             lr=self.train.lr, weight_decay=self.train.weight_decay,
+            communication=self.communication,
         )  # fmt: skip
 
 
@@ -207,20 +209,16 @@ def not_yet(config: FrameworkConfig) -> list[str]:
     """Settings the file format has a place for that this framework does not run yet: refused,
     each by key, rather than silently ignored."""
     problems = []
-    if config.communication != "library":
-        problems.append(
-            f"communication={config.communication}: the hand-made all-reduces are not wired "
-            "into the gradient reduction yet; use communication=library"
-        )
     if config.activation_checkpointing:
         problems.append(
             "activation_checkpointing=true: not wired into the language model's chunks yet; "
             "use false"
         )
-    if config.checkpoint.every:
+    if config.checkpoint.every and config.zero != 0:
         problems.append(
-            f"checkpoint.every={config.checkpoint.every}: checkpoints (and resuming at another "
-            "layout) are not written yet; use 0"
+            f"checkpoint.every={config.checkpoint.every} with zero={config.zero}: checkpoints of "
+            "ZeRO or FSDP-style runs are not written yet (their optimizer state lives in flat "
+            "slices per unit); use zero: 0, or checkpoint.every: 0"
         )
     return problems
 

@@ -2,7 +2,8 @@
 
 Trains the language model of exercise 4.7 on the Python documentation (``lm_trainer.run``) with
 the layout and strategies a config names (``lm_config.py``: model, parallel degrees, ZeRO stage,
-pipeline schedule, sharding ``manual`` or ``auto``, precision, training, checkpoints), checked
+pipeline schedule, communication, sharding ``manual`` or ``auto``, precision, training,
+checkpoints that resume at any layout), checked
 against the world size before any process group exists::
 
     uv run torchrun --standalone --nproc_per_node=4 -m solutions.phase4_production.lm_framework
@@ -32,10 +33,13 @@ from course.cli import refuse_before_start, run_main
 from course.config_files import ConfigError
 from course.distributed import distributed_session, env_int
 from course.impl import IMPLS
+from course.language_model import LMConfig
 from course.rank_logging import log0
 from course.topology import Topology
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.alpha_beta import Cost, fit_alpha_beta, ring_cost
+from solutions.phase4_production import lm_checkpoint
+from solutions.phase4_production.lm_checkpoint import CheckpointPlan
 from solutions.phase4_production.lm_config import (
     DEFAULT_CONFIG,
     FrameworkConfig,
@@ -82,11 +86,9 @@ def plan_table(predictions: list[Prediction], rates: Rates, limit: int = 12) -> 
     return "\n".join(lines) + more + f"\n\nwhere the numbers come from:\n{sources}"
 
 
-def rates_in_world(config: FrameworkConfig) -> Rates:
+def rates_in_world(model: LMConfig, dtype: torch.dtype) -> Rates:
     """Rates measured inside the running world: compute on rank 0, the links by every rank;
     rank 0's broadcast, so that every rank plans alike."""
-    model = config.model.lm()
-    dtype = DTYPES[config.precision]
     times = link_times(7)
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -116,6 +118,8 @@ def rates_in_world(config: FrameworkConfig) -> Rates:
 def choose(config: FrameworkConfig, rates: Rates, world: int) -> list[Prediction]:
     predictions = plan(config.model.lm(), rates, machine_of(config, world), config.train.batch,
                        max_norm=config.train.max_norm, lr=config.train.lr)  # fmt: skip
+    if config.checkpoint.every:  # checkpoints need zero: 0 (lm_checkpoint.supported)
+        predictions = [p for p in predictions if lm_checkpoint.supported(p.settings) is None]
     if not predictions or not predictions[0].fits:
         raise ConfigError(
             f"sharding: auto found no layout of {world} ranks that fits "
@@ -161,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = dist.get_world_size()
         settings: ParallelSettings = config.settings(world)
         if config.sharding == "auto" or args.plan_only:
-            rates = rates_in_world(config)
+            rates = rates_in_world(config.model.lm(), DTYPES[config.precision])
             predictions = choose(config, rates, world)
             log0(plan_table(predictions, rates))
             if args.plan_only:
@@ -170,7 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log0(f"\nthe planner's choice: {settings.label()}\n")
         topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp,
                                   ep=settings.ep)  # fmt: skip
-        run(config.model.lm(), settings, options_of(config, args.impl), topology)
+        c = config.checkpoint
+        plan = CheckpointPlan(c.dir, c.every, c.keep) if c.every else None
+        run(config.model.lm(), settings, options_of(config, args.impl), topology, plan)
     return 0
 
 

@@ -32,12 +32,15 @@ import torch
 
 from course.cli import parse_config, refuse_before_start, run_main
 from course.distributed import distributed_session
+from course.failure_injection import maybe_fail
 from course.impl import IMPLS, load_impl
 from course.language_model import LanguageModel, LMConfig, build_language_model, generate
 from course.rank_logging import log0
 from course.text_corpus import Corpus, bits_per_byte, consecutive_windows, random_windows
 from course.topology import Topology
-from phase4_production.lm_layout import SCHEDULES, ParallelSettings
+from phase4_production.lm_layout import COMMUNICATION, SCHEDULES, ParallelSettings
+from solutions.phase4_production import lm_checkpoint
+from solutions.phase4_production.lm_checkpoint import CheckpointPlan
 
 PHASE = "phase4_production"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -92,6 +95,11 @@ class TrainConfig:
         default="0",
         metadata={"choices": ("0", "1", "2", "3", "fsdp"), "help": "data-parallel sharding"},
     )
+    communication: str = field(
+        default="library",
+        metadata={"choices": COMMUNICATION,
+                  "help": "the data-parallel all-reduce: torch's, 3.1's ring or 3.2's tree"},
+    )  # fmt: skip
     max_norm: float = field(
         default=1.0,
         metadata={"help": "gradient clipping; 0: none", "ge": 0, "fix": "a bound > 0, or 0"},
@@ -162,7 +170,7 @@ class TrainConfig:
             sequence_parallel=self.sequence_parallel, schedule=self.schedule,
             microbatches=self.microbatches, chunks=self.chunks,
             zero=self.zero if self.zero == "fsdp" else int(self.zero),
-            max_norm=self.max_norm or None, lr=self.lr,
+            max_norm=self.max_norm or None, lr=self.lr, communication=self.communication,
         )  # fmt: skip
 
 
@@ -238,16 +246,36 @@ def train(config: TrainConfig, topology: Topology) -> History:
 
 
 def run(
-    model_config: LMConfig, settings: ParallelSettings, options: RunOptions, topology: Topology
+    model_config: LMConfig,
+    settings: ParallelSettings,
+    options: RunOptions,
+    topology: Topology,
+    checkpoint: CheckpointPlan | None = None,
 ) -> History:
-    """The whole run on this rank, inside an initialised process group."""
+    """The whole run on this rank, inside an initialised process group. With ``checkpoint``
+    it saves every ``checkpoint.every`` steps and at the end, and first resumes from the newest
+    checkpoint in its folder, whatever layout saved it (lm_checkpoint.py)."""
     lm = load_impl(PHASE, "lm_parallel", options.impl)
     dtype = DTYPES[options.dtype]
+    generator = torch.Generator().manual_seed(options.seed)
     dense = build_language_model(model_config, options.seed, dtype)
     history = History(parameters=sum(p.numel() for p in dense.parameters()))
-    model = lm.ParallelLanguageModel(dense, topology, settings)
+
+    def make_runtime(weights: torch.nn.Module) -> Any:
+        return lm.ParallelLanguageModel(weights, topology, settings)
+
+    folder = lm_checkpoint.latest(checkpoint.directory) if checkpoint else None
+    start = 0
+    if checkpoint and checkpoint.resume and folder is not None:
+        restored = lm_checkpoint.load(folder, model_config, dtype, progress_of(generator, 0))
+        model = lm_checkpoint.resumed_runtime(restored, model_config, dtype, make_runtime)
+        generator.set_state(restored.progress["generator"])
+        start = int(restored.progress["global_step"])
+        log0(f"resumed from {folder} (saved at {restored.layout}, step {start}); running at "
+             f"{settings.label()}")  # fmt: skip
+    else:
+        model = make_runtime(dense)
     corpus = Corpus.load()
-    generator = torch.Generator().manual_seed(options.seed)
     seq_len = model_config.seq_len
     log0(
         f"language model ({options.impl}): {history.parameters:,} parameters, width "
@@ -256,14 +284,21 @@ def run(
         f"sequences; AdamW lr {settings.lr}\n{topology.grid.describe()}"
     )
     log0("\n| epoch | train loss (nats) | held-out bits/byte | tokens/s |\n|---:|---:|---:|---:|")
-    for epoch in range(options.epochs):
+    total = options.epochs * options.steps_per_epoch
+    for epoch in range(start // options.steps_per_epoch, options.epochs):
         started, loss = time.perf_counter(), math.nan
-        for _ in range(options.steps_per_epoch):
+        first = max(0, start - epoch * options.steps_per_epoch)  # resumed mid-epoch
+        for step in range(first, options.steps_per_epoch):
             tokens, targets = random_windows(corpus.train, options.batch, seq_len, generator)
             loss = model.train_step(tokens.contiguous(), targets.contiguous()).loss
             history.step_losses.append(loss)
+            done = epoch * options.steps_per_epoch + step + 1
+            maybe_fail(done)  # DTFS_FAIL=kill:rank=1:step=3 (course/failure_injection.py)
+            if checkpoint and checkpoint.every and (done % checkpoint.every == 0 or done == total):
+                lm_checkpoint.save(checkpoint, model, progress_of(generator, done), model_config,
+                                   settings)  # fmt: skip
         seconds = time.perf_counter() - started
-        tokens_per_second = options.steps_per_epoch * options.batch * seq_len / seconds
+        tokens_per_second = (options.steps_per_epoch - first) * options.batch * seq_len / seconds
         bpb = evaluate(model, corpus, options, seq_len)
         history.epochs.append({"epoch": epoch + 1, "train_loss": loss, "bits_per_byte": bpb,
                                "tokens_per_second": tokens_per_second})  # fmt: skip
@@ -274,6 +309,11 @@ def run(
             history.sample = sample_text(state, model_config, dtype, options)
             log0(f"\nsampled after the prompt 'The ' (temperature 0.8):\n{history.sample}")
     return history
+
+
+def progress_of(generator: torch.Generator, global_step: int) -> dict[str, torch.Tensor]:
+    """The data position a checkpoint keeps: the batches' generator and the steps done."""
+    return {"generator": generator.get_state(), "global_step": torch.tensor(global_step)}
 
 
 def sample_text(
