@@ -25,7 +25,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,15 @@ from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.benchmark_strategies import ActivationMeter
 from solutions.phase3_multi_node.zero_accounting import held_bytes
 from solutions.phase4_production import lm_traffic
+from solutions.phase4_production.lm_framework import rates_in_world
+from solutions.phase4_production.lm_planner import GIB, Machine, plan
 
 RESULTS = Path(__file__).resolve().parents[2] / "phase4_production" / "results" / "lm_layouts.json"
 PHASE = "phase4_production"
 # name -> (settings, MoE model?); every layout fills a world of 4 (8: see layouts_for)
 LAYOUTS_4: dict[str, tuple[dict[str, Any], bool]] = {
     "data parallel": ({"dp": 4}, False),
+    "data parallel, 3.1's ring": ({"dp": 4, "communication": "ring"}, False),
     "pipeline (1F1B)": ({"pp": 4, "microbatches": 4}, False),
     "ZeRO-2": ({"dp": 4, "zero": 2}, False),
     "FSDP-style": ({"dp": 4, "zero": "fsdp"}, False),
@@ -72,6 +75,7 @@ class BenchConfig:
     width: int = field(default=64, metadata={"ge": 8, "le": 8192, "fix": "e.g. 64"})
     layers: int = field(default=4, metadata={"ge": 4, "le": 256, "fix": "e.g. 4"})
     library: bool = field(default=True, metadata={"help": "also the library composition"})
+    planner: bool = field(default=True, metadata={"help": "also the planner's choice"})
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
     record: bool = field(default=False, metadata={"help": f"write {RESULTS.name}"})
 
@@ -146,9 +150,26 @@ def _library_entries(config: BenchConfig) -> list[Entry]:
     return entries
 
 
+def planner_choice(config: BenchConfig) -> tuple[str, tuple[dict[str, Any], bool]]:
+    """The layout ``sharding: auto`` would run here: rates measured in this world, the
+    planner's first choice for the dense model (lm_planner.py, lm_framework.py)."""
+    model = config.model(False)
+    rates = rates_in_world(model, torch.float32)
+    machine = Machine(config.world, config.world, 16 * GIB, 4)
+    choice = plan(model, rates, machine, config.batch, max_norm=None, lr=1e-3)[0].settings
+    options = {f.name: getattr(choice, f.name) for f in fields(choice)
+               if f.name not in ("lr", "betas", "weight_decay", "max_norm")}  # fmt: skip
+    return f"planner's choice: {choice.label()}", (options, False)
+
+
 def measure_rank(config: BenchConfig) -> dict[str, Any]:
-    """Every layout of the world on this rank (see :func:`measure_layouts`)."""
-    return measure_layouts(config, layouts_for(config.world), library=config.library)
+    """Every layout of the world on this rank, and the planner's choice (see
+    :func:`measure_layouts`)."""
+    layouts = dict(layouts_for(config.world))
+    if config.planner:
+        name, layout = planner_choice(config)
+        layouts[name] = layout
+    return measure_layouts(config, layouts, library=config.library)
 
 
 def measure_layouts(
@@ -182,13 +203,17 @@ def measure_layouts(
         row: dict[str, Any] = {"seconds": statistics.median(entry.times),
                                "spread": (min(entry.times), max(entry.times))}  # fmt: skip
         if not entry.library:
+            hand_made = entry.model.settings.communication != "library"
             with ActivationMeter(entry.model.model) as meter:
                 got = lm_traffic.measure_step(entry.model, tokens, targets)
             held = held_bytes(entry.model.model, entry.model.optimizer)
             row["held"] = (held.params, held.grads, held.optimizer)
             row["activations"] = meter.peak_bytes
-            want = lm_traffic.expected_step(entry.model, config.batch)
             row["traffic"] = {f"{k[0]} {k[1]}": t.nbytes for k, t in got.items()}
+            if hand_made:  # the ring's sends: 3.1's own tests hold their bytes, not these formulas
+                rows[entry.name] = row
+                continue
+            want = lm_traffic.expected_step(entry.model, config.batch)
             row["off"] = sum(abs(g.nbytes - w.nbytes) + abs(g.calls - w.calls)
                              for _, g, w in lm_traffic.differences(got, want))  # fmt: skip
             row["moe_rows"] = sum(t.nbytes for k, t in got.items() if k[1] == lm_traffic.ROWS)
@@ -220,7 +245,15 @@ def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
             held_text, parts = _mib(sum(worst)), " / ".join(_mib(x) for x in worst)
         else:
             held_text = parts = "-"
-        if "off" in row:
+        if "traffic" in row and "off" not in row:  # a hand-made all-reduce's p2p sends
+            off_text = "- (3.1's tests)"
+            sent: dict[str, int] = {}
+            for key, nbytes in row["traffic"].items():
+                label, op = key.split(" ")[0].split("+")[0], key.split(" ")[1]
+                if op != "irecv":  # what rank 0 sent, as for the collectives' rows
+                    sent[label] = sent.get(label, 0) + nbytes
+            traffic = ", ".join(f"{g} {_mib(b)} (sent)" for g, b in sorted(sent.items()))
+        elif "off" in row:
             off = sum(r[name]["off"] for r in per_rank)
             if row["moe_rows_expected"]:  # the rows' split follows the routing: per ep group
                 groups: dict[tuple[int, ...], int] = {}
@@ -241,7 +274,7 @@ def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
         table.add(name, f"{tokens / seconds:,.0f}", f"{seconds * 1e3:.1f} ({low * 1e3:.1f}-"
                   f"{high * 1e3:.1f})", held_text, parts, activations, off_text,
                   traffic or "-")  # fmt: skip
-    total_off = sum(int(cells[6]) for cells in table.rows if cells[6] != "-")
+    total_off = sum(int(cells[6]) for cells in table.rows if cells[6].isdigit())
     values = {"bytes_off": str(total_off), "world": str(config.world),
               "rounds": str(config.rounds)}  # fmt: skip
     if config.record:

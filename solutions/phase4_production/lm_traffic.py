@@ -84,7 +84,7 @@ def classify(record: CommRecord, topology: Any) -> str:
     """The label of the group ``record`` used ("" for one rank, "world" for the world)."""
     names = labels(topology)
     if record.op in POINT_TO_POINT_OPS:
-        for name in ("pp", "cp"):
+        for name in ("pp", "cp", "dp_cp"):  # dp_cp: a hand-made all-reduce's sends
             if record.peer in topology.group_ranks(name) and record.peer != topology.rank:
                 return names[name]
         return "outside"
