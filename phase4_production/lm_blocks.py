@@ -217,8 +217,9 @@ class StageChunk(nn.Module):
             if sp:
                 x = sequence_share(x, topology.tp_rank, topology.tp_size)
             x = self.embedding(x)
-        for block in self.blocks.values():
-            x = block(x)
+        recompute = self.wiring.settings.activation_checkpointing and torch.is_grad_enabled()
+        for block in self.blocks.values():  # with recompute, your 2.3 checkpoint keeps x only
+            x = self.wiring.functions.checkpoint(block, x) if recompute else block(x)
         if self.final_norm is not None and self.head is not None:
             x = self.head(self.final_norm(x))
         return x

@@ -60,6 +60,7 @@ class CompositionFunctions:
     fsdp_wrap: Callable[..., Any]  # 3.5
     clip_grad_norm: Callable[..., Any]  # 3.6
     moe_layer: Any  # 3.8 MoELayer
+    checkpoint: Callable[..., Any]  # 2.3, for activation_checkpointing
     # the hand-made all-reduces the settings' ``communication`` may choose
     ring_all_reduce: Callable[..., Any]  # 3.1
     halving_doubling_all_reduce: Callable[..., Any]  # 3.2

@@ -51,6 +51,9 @@ class ParallelSettings:
     # the all-reduce of the data-parallel gradient reductions: torch's, 3.1's ring, 3.2's
     # halving-doubling (COMMUNICATION); ZeRO reduces with its own reduce-scatter instead
     communication: str = "library"
+    # each layer keeps only its input and recomputes its forward in backward (your 2.3
+    # checkpoint, Megatron's full recompute): activations traded for a second forward
+    activation_checkpointing: bool = False
 
     @property
     def world_size(self) -> int:
@@ -83,6 +86,8 @@ class ParallelSettings:
             text += f", zero={self.zero}"
         if self.communication != "library":
             text += f", {self.communication} all-reduce"
+        if self.activation_checkpointing:
+            text += ", recompute"
         return text
 
     def grid(self) -> RankGrid:
@@ -158,6 +163,19 @@ class ParallelSettings:
             out.append(
                 f"microbatches={self.microbatches} with the interleaved schedule: it plays "
                 f"micro-batches in rounds of pp={self.pp}; use a multiple of {self.pp}"
+            )
+        if self.activation_checkpointing and self.schedule in ZERO_BUBBLE:
+            out.append(
+                f"activation_checkpointing with schedule={self.schedule}: a zero-bubble schedule "
+                "computes the weights' gradients (W) apart from the input's (B), and 2.3's "
+                "checkpoint computes both in one recomputed backward; use 1f1b, interleaved or "
+                "gpipe"
+            )
+        if self.activation_checkpointing and config.moe_layers:
+            out.append(
+                "activation_checkpointing with MoE layers: the balance loss's shares are attached "
+                "during the forward, and a recomputed forward would attach them again; turn one "
+                "of them off"
             )
         if config.layers < self.virtual_stages:
             out.append(

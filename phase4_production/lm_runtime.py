@@ -8,9 +8,11 @@ on every rank, from the GLOBAL batch (the same ``tokens`` and ``targets`` everyw
    context-parallel shard of every sequence (2.7's zig-zag ``shard_sequence``). The count of
    valid targets of the whole batch comes from yours (``count_valid_tokens``).
 2. **The pipeline** (2.5's executor on the pp group, the schedule of the settings) runs the
-   micro-batches through this rank's chunks (``lm_blocks.py``); the last stage turns its logits
-   into your ``loss_share``, the executor divides every micro-batch's loss by m, so the runtime
-   hands it ``m x`` the share. MoE layers attach their balance-loss shares to the backward.
+   micro-batches through this rank's chunks (``lm_blocks.py``; with ``activation_checkpointing``
+   each layer keeps only its input and is recomputed in backward by your 2.3 ``checkpoint``);
+   the last stage turns its logits into your ``loss_share``, the executor divides every
+   micro-batch's loss by m, so the runtime hands it ``m x`` the share. MoE layers attach their
+   balance-loss shares to the backward.
 3. **The gradients** this rank holds (:class:`~phase4_production.lm_support.HeldGradient`,
    whole or ZeRO slices) go through your ``finish_gradients`` (its data-parallel all-reduces with
    the settings' ``communication``: torch's, your 3.1 ring or 3.2 halving-doubling), then, with

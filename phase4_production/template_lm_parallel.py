@@ -39,6 +39,7 @@ from phase3_multi_node.clip_placement import GradShard
 from phase4_production.lm_functions import CompositionFunctions
 from phase4_production.lm_runtime import LanguageModelRuntime
 from phase4_production.lm_support import AllReduceFn, HeldGradient, all_reduce_flat
+from phase2_advanced.template_activation_checkpointing import checkpoint
 from phase2_advanced.template_context_parallel import ring_attention
 from phase2_advanced.template_context_parallel_layout import shard_sequence
 from phase2_advanced.template_pipeline_executor import PipelineExecutor
@@ -216,6 +217,7 @@ class ParallelLanguageModel(LanguageModelRuntime):
         fsdp_wrap=fsdp_wrap,
         clip_grad_norm=clip_grad_norm_,
         moe_layer=MoELayer,
+        checkpoint=checkpoint,
         ring_all_reduce=ring_all_reduce,
         halving_doubling_all_reduce=halving_doubling_all_reduce,
     )

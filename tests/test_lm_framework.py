@@ -54,6 +54,8 @@ def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> 
         (["parallel"], 4, "expected KEY=VALUE"),
         (["model.moe_layers=[9]"], 4, r"moe_layers=\[9\]: layers are 0..3"),
         (["communication=ring", "zero=2"], 4, "communication=ring with zero=2: ZeRO reduces"),
+        (["activation_checkpointing=true", "parallel.dp=1", "parallel.pp=2",
+          "pipeline.schedule=zb-h1"], 4, "activation_checkpointing with schedule=zb-h1"),
         (["communication=mesh"], 4, "communication='mesh': Input should be 'library', 'ring' or 'tree'"),
         (["checkpoint.every=10", "zero=2"], 4, "checkpoint.every=10 with zero=2: checkpoints of ZeRO"),
     ],
@@ -302,3 +304,40 @@ def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Pat
             assert torch.allclose(value, want.moments[part][key], rtol=1e-10, atol=1e-14), (
                 what, part, key,
             )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- recompute
+
+
+def _saved_peak(layouts: list[dict[str, Any]]) -> list[int]:
+    """The bytes autograd held at its peak during one step, per layout (this rank)."""
+    from solutions.phase3_multi_node.benchmark_strategies import ActivationMeter
+    from solutions.phase4_production.lm_parallel import ParallelLanguageModel
+
+    peaks = []
+    for options in layouts:
+        settings = ParallelSettings(**options)
+        topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
+        model = ParallelLanguageModel(build_language_model(TINY, 0), topology, settings)
+        with ActivationMeter(model.model) as meter:
+            model.train_step(*uneven_batch(0, TINY))
+        peaks.append(meter.peak_bytes)
+    return peaks
+
+
+def test_recompute_keeps_fewer_activations_and_the_planner_offers_it_when_memory_is_short() -> None:
+    layouts = [{"tp": 2, "sequence_parallel": True},
+               {"tp": 2, "sequence_parallel": True, "activation_checkpointing": True}]  # fmt: skip
+    plain, recomputed = run_world(_saved_peak, 2, (layouts,))[0]
+    assert recomputed < plain / 2, (
+        f"with activation checkpointing the step's saved activations peaked at {recomputed} "
+        f"bytes, without {plain}: each chunk should keep only its input"
+    )
+    config, rates = LMConfig(), fake_rates()
+    roomy = lm_planner.plan(config, rates, lm_planner.Machine(4, 4, 2**40), 16)
+    assert not any(p.settings.activation_checkpointing for p in roomy)
+    tight = min(p.held.total for p in roomy)  # not even the smallest layout fits...
+    plan = lm_planner.plan(config, rates, lm_planner.Machine(4, 4, tight - 1), 16)
+    fitting = [p for p in plan if p.fits]
+    assert fitting and all(p.settings.activation_checkpointing for p in fitting)  # ...recomputed
+    assert all(p.settings.schedule not in ("zb-h1", "zb-v") for p in fitting)

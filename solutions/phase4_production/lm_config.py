@@ -15,7 +15,8 @@ pydantic model with unknown keys refused, and the whole is checked against the w
                     ring (3.1's ring_all_reduce), tree (3.2's halving-doubling)
     sharding:       manual (the parallel section as written) or auto (the planner chooses)
     precision:      fp32 or fp64
-    activation_checkpointing: false (the pipeline's chunks recompute their forward in backward)
+    activation_checkpointing: true: each layer keeps only its input and recomputes its forward
+                    in backward (2.3's checkpoint; not with zero-bubble schedules or MoE)
     train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...
     checkpoint:     dir, every (steps; 0: none), keep; a run resumes from the newest one in
                     dir, at whatever layout it runs (lm_checkpoint.py)
@@ -150,6 +151,7 @@ class FrameworkConfig(Section):
             chunks=self.pipeline.chunks, zero=self.zero, max_norm=self.train.max_norm,
             lr=self.train.lr, weight_decay=self.train.weight_decay,
             communication=self.communication,
+            activation_checkpointing=self.activation_checkpointing,
         )  # fmt: skip
 
 
@@ -209,11 +211,6 @@ def not_yet(config: FrameworkConfig) -> list[str]:
     """Settings the file format has a place for that this framework does not run yet: refused,
     each by key, rather than silently ignored."""
     problems = []
-    if config.activation_checkpointing:
-        problems.append(
-            "activation_checkpointing=true: not wired into the language model's chunks yet; "
-            "use false"
-        )
     if config.checkpoint.every and config.zero != 0:
         problems.append(
             f"checkpoint.every={config.checkpoint.every} with zero={config.zero}: checkpoints of "

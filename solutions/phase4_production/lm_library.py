@@ -144,6 +144,11 @@ def unsupported(
             "would be a DDP communication hook (register_comm_hook), which fully_shard has no "
             "place for"
         )
+    if settings.activation_checkpointing:
+        return (
+            "activation_checkpointing: the library's way is torch.distributed.algorithms."
+            "_checkpoint.checkpoint_wrapper around each block; this module does not wire it"
+        )
     if settings.cp > 1 and device_type == "cpu":
         return (
             "cp > 1: torch.distributed.tensor.experimental.context_parallel registers ring "

@@ -21,7 +21,9 @@ on one dense layer by ``lm_rates``): the norms' part whole on every tp rank with
 parallelism, a tp share with it; the rest (inside the tensor-parallel regions) a tp share, times
 the tokens of a micro-batch on a rank, times the layers of a chunk,
 times the (micro-batch, chunk) pairs the schedule holds at once on the busiest rank (2.5's
-``peak_in_flight`` of its actions).
+``peak_in_flight`` of its actions). With activation checkpointing a layer keeps only its input
+(for every layer of a chunk and micro-batch in flight), plus one layer's activations while it is
+recomputed.
 """
 
 from __future__ import annotations
@@ -137,5 +139,10 @@ def held_bytes(
     whole = norm_bytes_per_token_layer / (settings.tp if settings.sequence_parallel else 1)
     per_layer = (inside / settings.tp + whole) * tokens
     layers_per_chunk = math.ceil(config.layers / settings.virtual_stages)
-    activations = int(per_layer * layers_per_chunk * in_flight(settings))
+    if settings.activation_checkpointing:  # layer inputs in flight, one layer recomputed
+        between = tokens // settings.tp if settings.sequence_parallel else tokens
+        kept = between * config.width * element * layers_per_chunk * in_flight(settings)
+        activations = int(kept + per_layer)
+    else:
+        activations = int(per_layer * layers_per_chunk * in_flight(settings))
     return HeldBytes(params, grads, optimizer, activations)

@@ -18,9 +18,12 @@ schedules and micro-batches), predicts for each
   reduce-scatters and all-gathers per unit), the optimizer's step on the elements the rank owns,
   and the step's small all-reduces,
 
-drops the layouts that do not fit the memory, and ranks the rest, fastest first. Every number in
-its table says where it came from (:attr:`Prediction.notes`, ``Rates.sources``). The predictions
-are checked against measured runs by ``lm_planner_check.py``, whatever they turn out to be.
+adds, for each layout that does not fit, the same layout with activation checkpointing (each
+layer keeps its input and recomputes its forward in backward: less memory, one more forward),
+drops the layouts that still do not fit the memory, and ranks the rest, fastest first. Every
+number in its table says where it came from (:attr:`Prediction.notes`, ``Rates.sources``). The
+predictions are checked against measured runs by ``lm_planner_check.py``, whatever they turn
+out to be.
 
 What the model leaves out, on purpose and said here: compute and communication never overlap
 (the course's executor waits for each message; a GPU run would hide some of it), the backward of
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from course.language_model import LMConfig
 from phase4_production.lm_layout import ParallelSettings
@@ -149,6 +152,8 @@ def predict(
         + 2 * (cp - 1) * cp_pass
     )
     head = rates.head_per_token * tokens * m * slowdown  # the last stage's, on the critical path
+    if s.activation_checkpointing:  # backward recomputes the chunk's forward first
+        backward += forward
     if s.pp > 1:
         message = _collective(p2p, Cost(1, between * h * e))
         forward += message
@@ -207,4 +212,9 @@ def plan(
         predict(config, settings, rates, machine, batch)
         for settings in candidates(config, machine.world, batch, **options)  # type: ignore[arg-type]
     ]
+    # recompute only where memory asks for it: a layout that does not fit, with checkpointing
+    for p in list(predictions):
+        recomputed = replace(p.settings, activation_checkpointing=True)
+        if not p.fits and not recomputed.problems(config, batch):
+            predictions.append(predict(config, recomputed, rates, machine, batch))
     return sorted(predictions, key=lambda p: (not p.fits, p.seconds))

@@ -100,6 +100,9 @@ class TrainConfig:
         metadata={"choices": COMMUNICATION,
                   "help": "the data-parallel all-reduce: torch's, 3.1's ring or 3.2's tree"},
     )  # fmt: skip
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "each chunk recomputes its forward in backward (2.3)"}
+    )
     max_norm: float = field(
         default=1.0,
         metadata={"help": "gradient clipping; 0: none", "ge": 0, "fix": "a bound > 0, or 0"},
@@ -171,6 +174,7 @@ class TrainConfig:
             microbatches=self.microbatches, chunks=self.chunks,
             zero=self.zero if self.zero == "fsdp" else int(self.zero),
             max_norm=self.max_norm or None, lr=self.lr, communication=self.communication,
+            activation_checkpointing=self.activation_checkpointing,
         )  # fmt: skip
 
 

@@ -11,10 +11,10 @@ other in it:
 * 2 ranks, each axis alone: dp2 (clipped), tp2 (tied), tp2 with sequence parallelism (clipped),
   pp2 1F1B (tied across the two stages), cp2 (clipped), ep2 over dp2 (MoE, clipped), pp2 zb-v
   (tied, the V holds both ends on one rank), dp2 with 3.2's halving-doubling as its all-reduce
-  (tied);
+  (tied), cp2 with every layer recomputed in backward (2.3's checkpoint; tied);
 * 4 ranks: pp2 x cp2 x ep2 (MoE, tied), dp4 x ep4 (MoE, clipped), pp2 interleaved x tp2 (tied,
   clipped), pp4 ZB-H1 (clipped), dp2 x cp2 ZeRO-2 (tied, clipped), dp2 x pp2 ZeRO-1 (tied),
-  dp2 x cp2 with 3.1's ring as its all-reduce (clipped);
+  dp2 x cp2 with 3.1's ring as its all-reduce (clipped), pp2 x tp2+sp recomputed (clipped);
 * 8 ranks: dp2 x tp2 x pp2 (tied, clipped), cp2 x tp2 x pp2, dp2 x cp2 x tp2 with sequence
   parallelism (tied, clipped), ZeRO-3 x tp2 x pp2 (tied, clipped), FSDP-style x tp2 x pp2
   (clipped).
@@ -56,6 +56,7 @@ WORLDS: dict[int, list[Layout]] = {
         layout(dp=2, ep=2, moe=True, max_norm=CLIP),
         layout(pp=2, schedule="zb-v", microbatches=2, tied=True),
         layout(dp=2, communication="tree", tied=True),
+        layout(cp=2, activation_checkpointing=True, tied=True),
     ],
     4: [
         layout(pp=2, cp=2, ep=2, microbatches=2, moe=True, tied=True),
@@ -65,6 +66,8 @@ WORLDS: dict[int, list[Layout]] = {
         layout(dp=2, cp=2, zero=2, tied=True, max_norm=CLIP),
         layout(dp=2, pp=2, zero=1, microbatches=2, tied=True),
         layout(dp=2, cp=2, communication="ring", max_norm=CLIP),
+        layout(pp=2, tp=2, sequence_parallel=True, microbatches=2, activation_checkpointing=True,
+               max_norm=CLIP),
     ],
     8: [
         layout(dp=2, tp=2, pp=2, microbatches=2, tied=True, max_norm=CLIP),
