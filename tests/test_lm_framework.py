@@ -341,3 +341,13 @@ def test_recompute_keeps_fewer_activations_and_the_planner_offers_it_when_memory
     fitting = [p for p in plan if p.fits]
     assert fitting and all(p.settings.activation_checkpointing for p in fitting)  # ...recomputed
     assert all(p.settings.schedule not in ("zb-h1", "zb-v") for p in fitting)
+
+
+def test_the_worked_example_counts_zero_as_the_zero_paper_does() -> None:
+    """ZeRO's figure 1 (Rajbhandari et al., 2020): 7.5B parameters, K = 12, 64 GPUs -> 120 GB,
+    31.4 GB, 16.6 GB, 1.9 GB per GPU for the baseline, P_os, P_os+g and P_os+g+p."""
+    from solutions.phase4_production import lm_worked_example as ex
+
+    got = [round(ex.state_bytes(7_500_000_000, zero, 64) / 1e9, 1) for zero in (0, 1, 2, 3)]
+    assert got == [120.0, 31.4, 16.6, 1.9], got
+    assert round(ex.parameters(ex.MODEL) / 1e9, 1) == 79.9
