@@ -288,7 +288,7 @@ def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Pat
     ]  # fmt: skip
     run = run_torchrun(
         "solutions.phase4_production.lm_framework", ["--set", *overrides], nproc_per_node=2,
-        max_restarts=1, time_limit=120, env={"DTFS_FAIL": "kill:rank=1:step=3"},
+        max_restarts=1, time_limit=120, env={"DTFS_FAIL": "kill:rank=1:step=3"}, fork_workers=True,
     )  # fmt: skip
     what = "lm_framework under torchrun --max-restarts=1, rank 1 SIGKILLed after step 3"
     assert run.ok and run.attempts() == [0, 1], f"{what}: {run.describe(800)}"
