@@ -61,6 +61,7 @@ WORLD_TIMEOUT_ENV = "DTFS_WORLD_TIMEOUT"
 # When set, every world that runs under NCCL appends one line to this file (the pytest test that
 # started it, the world size): the GPU batch of .ci/gpu-batch lists the tests that took a CUDA path.
 NCCL_LOG_ENV = "DTFS_NCCL_WORLD_LOG"
+PRELOAD_ENV = "DTFS_WORLD_PRELOAD"  # modules the fork server imports (preload_in_worlds)
 PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's deadline by this much
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _HARNESS_FILE = str(Path(__file__).resolve())
@@ -360,15 +361,33 @@ def _rank_main(
 _context: Any = None
 
 
+def preload_in_worlds(modules: Sequence[str]) -> None:
+    """Have the fork server import ``modules`` once, before it forks the first rank.
+
+    Replaces the list an earlier call (or the parent process) set. Takes effect for a fork server
+    not yet started: the first :func:`run_world` of this process starts it. See
+    :mod:`course.world_preload`.
+    """
+    if any("," in name or not name for name in modules):
+        raise ValueError(f"module names must be non-empty and hold no comma: {list(modules)}")
+    os.environ[PRELOAD_ENV] = ",".join(dict.fromkeys(modules))
+
+
+def preload_names() -> list[str]:
+    """The modules :func:`preload_in_worlds` named, in order."""
+    return [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
+
+
 def _forkserver() -> Any:
     """The multiprocessing context all worlds fork from; torch is imported there once."""
     global _context
     if _context is None:
         ctx = multiprocessing.get_context("forkserver")
         # torch._dynamo is what DistributedDataParallel's constructor imports (about 2 s);
-        # paying for it once here keeps every world that builds a DDP model fast.
+        # paying for it once here keeps every world that builds a DDP model fast. Then what the
+        # caller named with preload_in_worlds (course/world_preload.py imports it).
         ctx.set_forkserver_preload(
-            ["torch", "torch.distributed", "torch._dynamo", "course.world"]
+            ["torch", "torch.distributed", "torch._dynamo", "course.world", "course.world_preload"]
         )
         _context = ctx
     return _context

@@ -30,7 +30,7 @@ from grading import IMPL_ENV, LoadError, block_worlds
 from parallel_runs import check_work_units, order_for_workers
 from scoreboard import TODO_PROPERTY
 
-from course.world import RankFailed, WorldError, WorldHung
+from course.world import RankFailed, WorldError, WorldHung, preload_in_worlds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,6 +88,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     check_work_units(items, _exercise_of)
     if hasattr(config, "workerinput"):  # an xdist worker; otherwise tests run in file order
         order_for_workers(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Every rank unpickles its function from a test module, which imports pytest and the graders'
+    # helpers: imported once in the fork server instead (course/world_preload.py). Only the
+    # selected tests' modules, so that one exercise's run pays for nothing else.
+    modules = [m.__name__ for item in session.items if (m := getattr(item, "module", None))]
+    preload_in_worlds(["pytest", "numpy", *modules])
 
 
 # ----------------------------------------------------------------------------- short failures
