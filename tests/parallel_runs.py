@@ -2,7 +2,9 @@
 
 ``uv run pytest`` starts ``-n auto`` workers (pyproject.toml): as many as the CPUs this process
 may use, at most ``MAX_WORKERS``, since one test may itself start a world of 4 ranks or a
-torchrun scenario. ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` or ``-n N`` choose another number; ``-n 0``
+torchrun scenario; none when the run selects one exercise (``-m ex3_1``, or its grader files),
+whose tests would all go to one worker anyway: they run in the pytest process, a few seconds
+sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` or ``-n N`` choose another number; ``-n 0``
 runs every test in the pytest process, as ``print`` debugging needs (``--pdb`` does it by itself).
 
 Two rules of tests/conftest.py live in the process that runs the tests: an exercise reports its
@@ -41,10 +43,26 @@ def work_unit(nodeid: str) -> str:
     return f"exercise {match['major']}.{match['minor']}" if match else path
 
 
+_ONE_EXERCISE_MARK = re.compile(r"^\s*ex(?P<major>\d+)_(?P<minor>\d+)\s*$")
+
+
+def one_exercise(markexpr: str, args: list[str]) -> str | None:
+    """The exercise a run selects alone (``-m ex3_1``, or only grader files of 3.1), else None."""
+    if match := _ONE_EXERCISE_MARK.match(markexpr or ""):
+        return f"{match['major']}.{match['minor']}"
+    units = {work_unit(arg) for arg in args}
+    if args and len(units) == 1 and (unit := units.pop()).startswith("exercise "):
+        return unit.removeprefix("exercise ")
+    return None
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "")
     if chosen.isdigit():
         return int(chosen)
+    # One exercise runs in one worker anyway: starting workers would only delay its first message
+    if one_exercise(config.getoption("markexpr", ""), list(config.args)):
+        return 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(MAX_WORKERS, usable or 1))
 

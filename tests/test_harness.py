@@ -425,12 +425,37 @@ def test_an_exercise_is_one_work_unit_and_a_split_one_is_refused() -> None:
 def test_the_worker_count_follows_the_cpus_up_to_four_unless_chosen(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from types import SimpleNamespace
+
     from parallel_runs import MAX_WORKERS, pytest_xdist_auto_num_workers
 
-    config: Any = None
+    config: Any = SimpleNamespace(getoption=lambda name, default=None: "", args=["tests"])
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
     for cpus, workers in ((1, 1), (2, 2), (16, MAX_WORKERS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert pytest_xdist_auto_num_workers(config) == workers, (cpus, workers)
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
     assert pytest_xdist_auto_num_workers(config) == 3
+
+
+def test_one_exercise_runs_without_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from parallel_runs import one_exercise, pytest_xdist_auto_num_workers
+
+    grader = "tests/phase3/grade_3_1_ring.py"
+    assert one_exercise("ex3_1", []) == "3.1"
+    assert one_exercise(" ex2_5 ", ["tests/test_phase2.py"]) == "2.5"
+    assert one_exercise("not first_failure", [grader, f"{grader}::test_a"]) == "3.1"
+    assert one_exercise("", ["tests/phase2/grade_2_5_pipeline.py",
+                             "tests/phase2/grade_2_5_zero_bubble.py"]) == "2.5"  # fmt: skip
+    for markexpr, args in (("ex3_1 or ex3_2", []), ("not first_failure", []),
+                           ("", [grader, "tests/phase3/grade_3_2_halving_doubling.py"]),
+                           ("", ["tests/test_phase3.py"])):  # fmt: skip
+        assert one_exercise(markexpr, args) is None, (markexpr, args)
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    config: Any = SimpleNamespace(getoption=lambda name, default=None: "ex3_1", args=[])
+    assert pytest_xdist_auto_num_workers(config) == 0
+    config.getoption = lambda name, default=None: "not first_failure"
+    assert pytest_xdist_auto_num_workers(config) == 2
