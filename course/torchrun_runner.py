@@ -17,10 +17,13 @@ How workers start: by default as torchrun starts them for ``torchrun -m module``
 ``python -u -m module`` (which imports torch again: about 2.5 s of CPU per worker, per restart).
 ``fork_workers=True`` asks torchrun for ``--start-method=fork --run-path <module's file>``
 (torch/distributed/run.py, ``run_script_path``): each worker is a fork of its agent, which has
-imported torch already, and runs the module's file as ``__main__``. The agent, the rendezvous,
-restarts, the environment the workers see and their logs are the same; what the worker does not
-do is import torch itself. Scenarios that restart workers many times use it; the plain path stays
-tested (tests/test_torchrun.py, the phase 1 trainer).
+imported torch already, and runs the module's file as ``__main__``. Such agents start as
+``python -m course.forked_workers_agent``: torchrun's own ``main`` after importing
+``torch._dynamo``, which every worker that builds an optimizer would import again (2.8 s of CPU
+per worker and attempt on 2 cores). The agent, the rendezvous, restarts, the environment the
+workers see and their logs are the same; what the worker does not do is import torch itself.
+Scenarios that restart workers many times use it; the plain path stays tested
+(tests/test_torchrun.py, the phase 1 trainer).
 
 No orphans: each agent starts in its own session, but torchrun starts each worker in a session of
 its own too (``start_new_session=True`` in
@@ -201,7 +204,9 @@ def _command(
     torchrun_args: Sequence[str],
     fork_workers: bool = False,
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    # forked workers inherit their agent's imports: that agent imports torch._dynamo first
+    agent = "course.forked_workers_agent" if fork_workers else "torch.distributed.run"
+    cmd = [sys.executable, "-m", agent]
     if agents == 1 and nnodes is None:
         cmd += ["--standalone"]
     else:

@@ -58,6 +58,12 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted() -> No
     assert run.ok, run.describe()
     assert run.attempts() == [0, 1], run.describe()
     first = {log.local_rank: log.stderr for log in run.ranks if log.attempt == 0}
+    starts = [line for log in run.ranks if log.attempt == 0
+              for line in log.stdout.splitlines() if line.startswith("START ")]  # fmt: skip
+    assert len(starts) == 2 and all('"dynamo_from_agent": true' in s for s in starts), (
+        f"forked workers of the first attempt should start with their agent's torch._dynamo "
+        f"(course.forked_workers_agent): {starts}"
+    )
     assert "injected failure: kill at step 2 (attempt 0)" in first[1], run.describe()
     results = _lines(run, "RESULT ")
     assert sorted(r["rank"] for r in results) == [0, 1], run.describe()
@@ -150,5 +156,9 @@ def test_forked_workers_run_the_modules_file_and_a_non_project_module_is_refused
         "--start-method=fork", "--run-path", str(ROOT / "tests/workers/restart_worker.py"), "--x"
     ], cmd  # fmt: skip
     assert "-m" not in cmd[3:], cmd  # the plain path's "-m module" is gone
+    # the agent imports torch._dynamo for its forked workers; the plain path is torchrun itself
+    assert cmd[1:3] == ["-m", "course.forked_workers_agent"], cmd
+    plain = _command("tests.workers.restart_worker", [], 2, 1, None, 1, "id", 0, ROOT, [])
+    assert plain[1:3] == ["-m", "torch.distributed.run"], plain
     with pytest.raises(ValueError, match=r"module 'json'.*fork_workers runs a project module"):
         run_torchrun("json", fork_workers=True)
