@@ -4,8 +4,9 @@
 may use, at most ``MAX_WORKERS``, since one test may itself start a world of 4 ranks or a
 torchrun scenario; none when the run selects one exercise (``-m ex3_1``, or its grader files),
 whose tests would all go to one worker anyway: they run in the pytest process, a few seconds
-sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` or ``-n N`` choose another number; ``-n 0``
-runs every test in the pytest process, as ``print`` debugging needs (``--pdb`` does it by itself).
+sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N``
+or ``-n N`` choose another number; ``-n 0`` runs every test in the pytest process, as ``print``
+debugging needs (``--pdb`` does it by itself).
 
 Two rules of tests/conftest.py live in the process that runs the tests: an exercise reports its
 first unwritten TODO once and its later tests as "blocked", and after one of its worlds hangs its
