@@ -4,8 +4,9 @@ Options must be known before pytest collects anything; a conftest inside tests/ 
 when pytest runs with no path arguments. The grading machinery is in tests/conftest.py; the
 plugin that expands ``tests/test_phaseN.py`` into the phase's per-exercise graders is
 tests/phase_collection.py; the scoreboard is tests/scoreboard.py, and how tests are shared among
-parallel workers is tests/parallel_runs.py. Plugins can only be declared here, at the root, and
-under pytest-xdist this is the only conftest the controlling process reads.
+parallel workers is tests/parallel_runs.py; the message printed before torch loads, naming the
+first TODO of a selected exercise, is tests/preflight.py. Plugins can only be declared here, at
+the root, and under pytest-xdist this is the only conftest the controlling process reads.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 
 import pytest
 
-pytest_plugins = ["phase_collection", "scoreboard", "parallel_runs"]
+# in import order: a plugin imported by another before its own turn is not assert-rewritten
+pytest_plugins = ["parallel_runs", "scoreboard", "phase_collection", "preflight"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

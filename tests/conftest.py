@@ -30,7 +30,8 @@ from grading import IMPL_ENV, LoadError, block_worlds
 from parallel_runs import check_work_units, order_for_workers
 from scoreboard import TODO_PROPERTY
 
-from course.world import RankFailed, WorldError, WorldHung, preload_in_worlds
+# course.world (and so torch) is imported by the hooks that use it, not here: tests/preflight.py
+# prints the first TODO of a selected exercise before torch loads (issue 29, part 1)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +43,7 @@ class Walls:
 
     todo: str | None = None  # the first unwritten-TODO message seen for this exercise
     hang: str | None = None  # the first test of this exercise whose world hung
+    learner_failed: str | None = None  # the first test of the learner's code that failed
     failures: dict[tuple[str, ...], str] = field(default_factory=dict)  # error -> first test
 
 
@@ -86,6 +88,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     check_work_units(items, _exercise_of)
+    references_last(items)
     if hasattr(config, "workerinput"):  # an xdist worker; otherwise tests run in file order
         order_for_workers(items)
 
@@ -94,8 +97,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # Every rank unpickles its function from a test module, which imports pytest and the graders'
     # helpers: imported once in the fork server instead (course/world_preload.py). Only the
     # selected tests' modules, so that one exercise's run pays for nothing else.
+    from course.world import preload_in_worlds
+
     modules = [m.__name__ for item in session.items if (m := getattr(item, "module", None))]
     preload_in_worlds(["pytest", "numpy", *modules])
+
+
+def _is_reference(item: pytest.Item) -> bool:
+    return item.get_closest_marker("reference") is not None
+
+
+def references_last(items: list[pytest.Item]) -> None:
+    """Within each exercise, its reference checks after the tests of the learner's code.
+
+    They grade no learner code (the library way beside the exercise, the instructor's programs),
+    so they must not stand between a learner and their first failure; see also
+    :func:`pytest_runtest_setup`, which skips them while the learner's tests fail.
+    """
+    position = {id(item): index for index, item in enumerate(items)}
+    first_seen: dict[str, int] = {}
+    for item in items:
+        if (ex := _exercise_of(item)) is not None:
+            first_seen.setdefault(ex.id, position[id(item)])
+
+    def key(item: pytest.Item) -> tuple[int, bool, int]:
+        ex = _exercise_of(item)
+        unit = first_seen[ex.id] if ex is not None else position[id(item)]
+        return (unit, _is_reference(item), position[id(item)])
+
+    items.sort(key=key)
 
 
 # ----------------------------------------------------------------------------- short failures
@@ -108,6 +138,8 @@ def _exercise_of(item: pytest.Item) -> Exercise | None:
 
 def _todo_text(exc: BaseException) -> str | None:
     """The TODO message when ``exc`` is an unwritten TODO, here or on a rank."""
+    from course.world import RankFailed
+
     if isinstance(exc, NotImplementedError):
         return str(exc) or "a function still raises NotImplementedError"
     if isinstance(exc, RankFailed) and exc.exc_type == "NotImplementedError":
@@ -119,6 +151,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     ex = _exercise_of(item)
     walls = WALLS.get(ex.id) if ex else None
     hang = walls.hang if walls else None
+    if ex is not None and walls is not None and _is_reference(item) and walls.learner_failed:
+        # a reference check proves the library way or the instructor's programs, not the
+        # learner's code: while the learner's tests fail it would only delay the run
+        pytest.skip(
+            f"reference check of {ex.id}: runs once the exercise's own tests pass (the first "
+            f"failure: {walls.learner_failed})"
+        )
     block_worlds(f"blocked by the hang above ({hang})" if hang else None)
 
 
@@ -138,6 +177,8 @@ def _where(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
 
 def _signature(excinfo: pytest.ExceptionInfo[BaseException]) -> tuple[str, ...]:
     """What makes two failures the same error: type, message and the line that raised it."""
+    from course.world import RankFailed
+
     exc = excinfo.value
     if isinstance(exc, RankFailed):  # the error's own line; notes below it name the case
         where = exc.frames[-1].location if exc.frames else ""
@@ -154,12 +195,17 @@ def _blocked(item: pytest.Item, report: pytest.TestReport, reason: str) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, None]:
+    from course.world import RankFailed, WorldError, WorldHung
+
     outcome = yield
     report = outcome.get_result()
+    ex = _exercise_of(item)
+    if ex is not None and report.failed and not _is_reference(item):
+        walls = WALLS.setdefault(ex.id, Walls())
+        walls.learner_failed = walls.learner_failed or item.name
     if call.excinfo is None or report.when != "call":
         return
     exc = call.excinfo.value
-    ex = _exercise_of(item)
     label = f"{ex.id} {ex.title}" if ex else item.name
     todo = _todo_text(exc)
     if isinstance(exc, WorldHung) and ex is not None:

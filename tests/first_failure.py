@@ -140,8 +140,9 @@ def plant_line(source: str, qualname: str) -> tuple[str, int]:
     return "".join(lines), at + 1
 
 
-def make_scratch(dest: Path) -> Path:
-    """A copy of the working tree in ``dest`` with every template completed; returns ``dest``."""
+def make_scratch(dest: Path, *, complete: bool = True) -> Path:
+    """A copy of the working tree in ``dest`` with every template completed (``complete``) or
+    fresh from the solutions, as a new learner finds it; returns ``dest``."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -161,7 +162,7 @@ def make_scratch(dest: Path) -> Path:
         target.write_bytes(src.read_bytes())
     (dest / ".venv").symlink_to(ROOT / ".venv")
     subprocess.run(
-        [sys.executable, "-m", "course.template_maker", "--complete"],
+        [sys.executable, "-m", "course.template_maker", "--complete" if complete else "--write"],
         cwd=dest,
         check=True,
         capture_output=True,

@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 from exercises import BY_ID
 
-from course.world import run_world
-
 IMPL_ENV = "DTFS_IMPL"
 IMPLS = ("templates", "solutions")
 
@@ -88,6 +86,9 @@ def world(
     out as simulated nodes (see :func:`course.world.run_world`). Skips, before any rank
     starts, when an earlier world of the same exercise hung (see :func:`block_worlds`).
     """
+    from course.world import run_world  # here, not at the top: tests/conftest.py imports this
+    # module, and the first message of tests/preflight.py comes before torch loads
+
     if _blocked_reason is not None:
         pytest.skip(_blocked_reason)
     merged = {IMPL_ENV: impl(), **(env or {})}

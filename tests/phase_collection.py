@@ -5,6 +5,7 @@ Each exercise's tests live in their own file, ``tests/phaseN/grade_<id>_<name>.p
 entry point a learner types: when pytest collects it, this plugin adds every grader of that
 phase under it, in file order (so exercise 2.1 runs before 2.2). A grader file given on the
 command line is collected on its own as usual: ``uv run pytest tests/phase2/grade_2_5_pipeline.py``.
+With ``-m ex2_7`` (one exercise) only that exercise's graders are collected.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from parallel_runs import one_exercise
 
 ENTRY = re.compile(r"test_phase(?P<phase>\d+)\.py")
 
@@ -35,7 +37,11 @@ class PhaseGraders(pytest.File):
             rootpath=config.rootpath,
             consider_namespace_packages=config.getini("consider_namespace_packages"),
         )
-        for grader in sorted(folder.glob("grade_*.py")):
+        # ``-m ex2_7`` selects one exercise: importing the phase's other graders (torch's
+        # pipelining for 2.5, say) would only delay its first test
+        chosen = one_exercise(config.getoption("markexpr", ""), [])
+        pattern = f"grade_{chosen.replace('.', '_')}_*.py" if chosen else "grade_*.py"
+        for grader in sorted(folder.glob(pattern)):
             yield pytest.Module.from_parent(self, path=grader)
 
 

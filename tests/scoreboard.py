@@ -97,15 +97,16 @@ def _status(tally: Tally) -> str:
     return "skipped"
 
 
-def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str, str]]:
-    """(line, Class.function, guide section) of each ``raise NotImplementedError("TODO <id>:
-    ...")`` in a file; the section is the one the message names (a TODO may point below the
-    exercise's own heading, e.g. 2.5's zero-bubble part)."""
+def raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str, str, str]]:
+    """(line, Class.function, guide section, message) of each ``raise NotImplementedError("TODO
+    <id>: ...")`` in a file, read as text (no import, no torch); the section is the one the
+    message names (a TODO may point below the exercise's own heading, e.g. 2.5's zero-bubble
+    part)."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError):
         return []
-    sites: list[tuple[int, str, str]] = []
+    sites: list[tuple[int, str, str, str]] = []
 
     def visit(node: ast.AST, scope: list[str]) -> None:
         for child in ast.iter_child_nodes(node):
@@ -121,9 +122,10 @@ def _raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str, str]]:
                     and isinstance(args[0], ast.Constant)
                     and str(args[0].value).startswith(f"TODO {exercise_id}:")
                 ):
-                    see = re.search(r"\(see (\S+?guidelines\.md#[\w-]+)\)", str(args[0].value))
+                    message = str(args[0].value)
+                    see = re.search(r"\(see (\S+?guidelines\.md#[\w-]+)\)", message)
                     guide = see[1] if see else ""
-                    sites.append((child.lineno, ".".join(scope) or "<module>", guide))
+                    sites.append((child.lineno, ".".join(scope) or "<module>", guide, message))
             visit(child, scope)
 
     visit(tree, [])
@@ -139,9 +141,9 @@ def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
     if impl == "templates":
         for module in target.modules:
             path = ROOT / target.phase / f"template_{module}.py"
-            sites = _raise_sites(path, target.id)
+            sites = raise_sites(path, target.id)
             if sites:
-                line, where, section = sites[0]
+                line, where, section, _ = sites[0]
                 rel = path.relative_to(ROOT)
                 read = section or guide
                 return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {read})"

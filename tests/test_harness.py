@@ -342,11 +342,20 @@ def test_after_a_hang_the_exercises_other_worlds_are_skipped_before_they_start()
 
 def test_the_same_error_again_steps_aside_and_another_one_is_reported() -> None:
     out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex3_4")
-    assert "2 failed" in out and "1 skipped" in out, out
+    assert "2 failed" in out and "2 skipped" in out, out
     assert (
         "blocked by the failure above (test_the_shared_cause_fails_first): the same error" in out
     ), out
     assert "another mistake" in out, out
+    # one exercise selected: its first failure is printed when it happens, before the summary
+    live = "(the first failure, in test_the_shared_cause_fails_first; in full when the run ends)"
+    assert live in out and out.index(live) < out.index("= FAILURES ="), out
+    # the reference check listed first ran last, and not at all while the exercise fails
+    assert (
+        "reference check of 3.4: runs once the exercise's own tests pass (the first failure: "
+        "test_the_shared_cause_fails_first)" in out
+    ), out
+    assert "a reference check ran before" not in out, out
 
 
 def test_next_points_at_the_todo_that_blocks_and_selected_runs_say_selected() -> None:
@@ -370,7 +379,9 @@ def test_the_scoreboard_counts_what_pytest_counts() -> None:
 
 def test_reference_checks_alone_set_the_exercises_status() -> None:
     out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex2_1 or ex2_2")
-    rows = {line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")}
+    rows = {
+        line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")
+    }
     assert "[ FAIL  ] 2.1" in rows["2.1"], f"a failing reference check is a failure:\n{out}"
     assert "[ pass  ] 2.2" in rows["2.2"], f"a passing reference check alone is a pass:\n{out}"
     next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
@@ -393,7 +404,9 @@ def test_the_blocking_rules_and_the_scoreboard_hold_with_parallel_workers() -> N
     assert "3 failed, 2 passed, 4 skipped" in out, out
     assert "blocked by the hang above (test_hangs_first)" in out, out
     assert "blocked by TODO 1.3" in out, out
-    rows = {line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")}
+    rows = {
+        line.split("]")[1].split()[0]: line for line in out.splitlines() if line.startswith("  [")
+    }
     assert "[ TODO  ] 1.4" in rows["1.4"] and "(needs TODO 1.3)" in rows["1.4"], out
     assert "[ FAIL  ] 1.3" in rows["1.3"] and "0/3 tests pass" in rows["1.3"], out
     assert "1/1 tests pass, + 1/1 reference checks" in rows["1.1"], out

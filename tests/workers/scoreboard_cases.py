@@ -86,6 +86,13 @@ def shared_result() -> None:
 
 
 @exercise("3.4")
+@pytest.mark.reference
+def test_a_reference_check_listed_before_the_learners_tests() -> None:
+    """Runs after the learner's tests of 3.4, and only when they pass (here they fail)."""
+    raise AssertionError("a reference check ran before the learner's tests, or while they fail")
+
+
+@exercise("3.4")
 def test_the_shared_cause_fails_first() -> None:
     shared_result()
 

@@ -1,0 +1,184 @@
+"""How long a learner waits: the first message and the whole grading of one exercise, timed.
+
+The loop a learner repeats hundreds of times is ``uv run pytest tests/test_phase3.py -m ex3_1``
+(README, "Start here"). Issue 29 sets its goals on 2 idle cores: the first message within 5 s,
+and one exercise's whole grading within 15 s where its worlds allow. This benchmark times that
+command, as a learner meets it, in two scratch copies of the working tree (``.venv`` linked):
+
+* **untouched**: the templates fresh from the solutions (``course.template_maker --write``), as
+  a new learner finds them; the first message is the first line naming an unwritten TODO (the
+  one tests/preflight.py prints before torch loads);
+* **broken**: every template completed with the solution's code, then a raise planted as the
+  first statement of the exercise's first TODO function (tests/first_failure.py's planting); the
+  first message is the first line naming that raise (printed live by tests/preflight.py when the
+  test that meets it fails).
+
+Each time is from starting the interpreter to the line (or to its exit), with
+``python -m pytest`` run directly (``uv run`` adds the time it takes to check the environment,
+about 0.05 s here). Repeats of the two cases alternate; the table shows medians, the slowest
+repeat beside them, and the machine's load.
+
+    uv run python -m tests.learner_loop_bench                   # 3.1 2.7 3.8 2.5 4.2, 3 repeats
+    uv run python -m tests.learner_loop_bench --exercises 3.1 --repeats 1
+    uv run python -m tests.learner_loop_bench --record tests/results/learner_loop.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as ``python -m tests.learner_loop_bench``
+    sys.path.insert(0, str(ROOT))
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from exercises import BY_ID  # noqa: E402
+from first_failure import PLANTED, Plant, make_scratch, planted, plants  # noqa: E402
+
+from course.results import Table, write_results  # noqa: E402
+from course.verdicts import LoadMeter  # noqa: E402
+
+DEFAULT_EXERCISES = ("3.1", "2.7", "3.8", "2.5", "4.2")
+FIRST_MESSAGE_GOAL = 5.0  # seconds, issue 29 part 1
+WHOLE_GRADING_GOAL = 15.0  # seconds, "where its worlds allow"
+RUN_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    first: float  # seconds to the first line that names the mistake; inf when none came
+    whole: float  # seconds to the command's exit
+
+
+def command(exercise: str) -> list[str]:
+    major = exercise.split(".")[0]
+    marker = BY_ID[exercise].marker
+    return [sys.executable, "-m", "pytest", f"tests/test_phase{major}.py", "-m", marker]
+
+
+def timed_run(scratch: Path, exercise: str, needle: str) -> Timing:
+    """Run the learner's command in ``scratch``; when the first line holding ``needle`` came."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTEST_XDIST_AUTO_NUM_WORKERS", None)
+    start = time.perf_counter()
+    first = float("inf")
+    with subprocess.Popen(
+        [*command(exercise), "-p", "no:cacheprovider"],
+        cwd=scratch,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if first == float("inf") and needle in line:
+                first = time.perf_counter() - start
+            if time.perf_counter() - start > RUN_TIMEOUT:
+                process.kill()
+                break
+        process.wait()
+    return Timing(first, time.perf_counter() - start)
+
+
+def first_plant(exercise: str) -> Plant:
+    found = [plant for plant in plants() if plant.exercise == exercise]
+    if not found:
+        raise SystemExit(f"exercise {exercise} has no template function with a TODO to plant in")
+    return found[0]
+
+
+def seconds(values: Sequence[float]) -> str:
+    if any(v == float("inf") for v in values):
+        return "none"
+    return f"{statistics.median(values):.1f} ({max(values):.1f})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--exercises", nargs="+", default=list(DEFAULT_EXERCISES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--record", metavar="PATH", help="write a results file (course/results)")
+    args = parser.parse_args(argv)
+    unknown = [ex for ex in args.exercises if ex not in BY_ID]
+    if unknown:
+        parser.error(
+            f"--exercises {' '.join(unknown)}: no such exercise; choose from {', '.join(BY_ID)}"
+        )
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: must be >= 1")
+
+    table = Table(
+        [
+            "exercise",
+            "untouched: first message, s",
+            "untouched: whole grading, s",
+            "broken: first message, s",
+            "broken: whole grading, s",
+        ],
+        note=(
+            "median (slowest) of the repeats; `python -m pytest tests/test_phaseN.py -m exN_M` "
+            "in a scratch copy, from starting the interpreter"
+        ),
+    )
+    worst_first = 0.0
+    meter = LoadMeter()
+    with tempfile.TemporaryDirectory() as tmp:
+        untouched = make_scratch(Path(tmp) / "untouched", complete=False)
+        broken = make_scratch(Path(tmp) / "broken", complete=True)
+        with meter.running(processes=2):
+            for exercise in args.exercises:
+                plant = first_plant(exercise)
+                fresh: list[Timing] = []
+                wrong: list[Timing] = []
+                for _ in range(args.repeats):
+                    fresh.append(timed_run(untouched, exercise, "not written yet"))
+                    with planted(broken, plant):
+                        wrong.append(timed_run(broken, exercise, PLANTED))
+                cells = [
+                    seconds([t.first for t in fresh]),
+                    seconds([t.whole for t in fresh]),
+                    seconds([t.first for t in wrong]),
+                    seconds([t.whole for t in wrong]),
+                ]
+                table.add(f"{exercise} {BY_ID[exercise].title}", *cells)
+                worst_first = max(
+                    worst_first,
+                    statistics.median(t.first for t in fresh),
+                    statistics.median(t.first for t in wrong),
+                )
+                print(f"{exercise}: " + " | ".join(cells), flush=True)
+    load = meter.read()
+    print()
+    print(table.to_markdown())
+    met = worst_first <= FIRST_MESSAGE_GOAL
+    verdict = (
+        f"first message within {FIRST_MESSAGE_GOAL:.0f} s: "
+        f"{'met' if met else 'not met'} (slowest median {worst_first:.1f} s); {load.text()}"
+    )
+    print(verdict)
+    if args.record:
+        path = write_results(
+            args.record,
+            tables={"loop": table},
+            values={
+                "slowest_first_message": f"{worst_first:.1f} s",
+                "verdict": verdict,
+            },
+        )
+        print(f"recorded {path.relative_to(ROOT) if ROOT in path.parents else path}")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""The first message of a one-exercise run, printed before torch loads (tests/preflight.py).
+
+The live first failure it also prints is checked with the harness's other rules in
+tests/test_harness.py; the seconds it takes are measured by tests/learner_loop_bench.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from exercises import BY_ID
+from preflight import first_message
+
+ROOT = Path(__file__).resolve().parents[1]
+RING = BY_ID["3.1"]
+GUIDE = "(see phase3_multi_node/guidelines.md#31-the-ring-all-reduce)"
+
+
+def _template(root: Path, text: str) -> Path:
+    path = root / RING.phase / f"template_{RING.modules[0]}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_it_names_the_first_unwritten_todo_its_line_and_function(tmp_path: Path) -> None:
+    _template(
+        tmp_path,
+        "def written() -> int:\n"
+        "    return 1\n"
+        "\n"
+        "\n"
+        "class Ring:\n"
+        "    def step(self) -> None:\n"
+        f'        raise NotImplementedError("TODO 3.1: do the step {GUIDE}")\n'
+        "\n"
+        "\n"
+        "def later() -> None:\n"
+        f'    raise NotImplementedError("TODO 3.1: then this {GUIDE}")\n',
+    )
+    assert first_message(RING, tmp_path) == (
+        f"[3.1 ring all-reduce] not written yet: TODO 3.1: do the step {GUIDE}\n"
+        "  at phase3_multi_node/template_ring_allreduce.py:7 in Ring.step "
+        "(1 more TODO 3.1 raise after it)"
+    )
+
+
+def test_written_todos_and_other_exercises_raises_say_nothing(tmp_path: Path) -> None:
+    _template(
+        tmp_path,
+        "def written() -> int:\n"
+        "    return 1\n"
+        "\n"
+        "\n"
+        "def of_another_exercise() -> None:\n"
+        '    raise NotImplementedError("TODO 3.2: not this exercise\'s")\n',
+    )
+    assert first_message(RING, tmp_path) is None
+
+
+def test_a_template_that_does_not_parse_is_named_at_its_line(tmp_path: Path) -> None:
+    _template(tmp_path, "def fine() -> None:\n    pass\n\n\ndef broken(:\n    pass\n")
+    message = first_message(RING, tmp_path)
+    assert message is not None and "template_ring_allreduce.py does not parse" in message, message
+    assert message.endswith("at phase3_multi_node/template_ring_allreduce.py:5"), message
+
+
+def test_a_missing_template_is_named(tmp_path: Path) -> None:
+    message = first_message(RING, tmp_path)
+    assert message == (
+        "[3.1 ring all-reduce] cannot read phase3_multi_node/template_ring_allreduce.py: "
+        "No such file or directory"
+    )
+
+
+@pytest.mark.harness
+def test_the_conftests_and_plugins_load_without_torch() -> None:
+    # the message is printed at session start: anything imported before it delays it by the
+    # seconds torch takes to import
+    probe = (
+        "import sys; sys.path[:0] = ['.', 'tests']\n"
+        "import conftest, parallel_runs, scoreboard, phase_collection, preflight\n"
+        "import importlib; importlib.import_module('tests.conftest')\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", (
+        f"importing the conftests and plugins imported torch: {done.stdout.strip()[:300]}"
+    )
