@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,10 +98,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # Every rank unpickles its function from a test module, which imports pytest and the graders'
     # helpers: imported once in the fork server instead (course/world_preload.py). Only the
     # selected tests' modules, so that one exercise's run pays for nothing else.
+    if "torch" not in sys.modules:
+        # no selected test imported torch (course.world would import it): a world, if one
+        # starts, preloads the defaults, not the list of a pytest that started this one
+        os.environ.pop("DTFS_WORLD_PRELOAD", None)  # course.world.PRELOAD_ENV
+        return
     from course.world import preload_in_worlds
 
-    modules = [m.__name__ for item in session.items if (m := getattr(item, "module", None))]
-    preload_in_worlds(["pytest", "numpy", *modules])
+    # A test module may name more in WORLD_PRELOAD: what its ranks import but it does not
+    # (2.5's ranks run torch's pipelining, which its grader imports only where it is used).
+    found = {m for item in session.items if (m := getattr(item, "module", None))}
+    extra = [name for module in found for name in getattr(module, "WORLD_PRELOAD", ())]
+    modules = sorted(module.__name__ for module in found)
+    preload_in_worlds(["pytest", "numpy", *sorted(set(extra)), *modules])
 
 
 def _is_reference(item: pytest.Item) -> bool:

@@ -39,6 +39,7 @@ never pays.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -102,6 +103,7 @@ class Row:
     median_s: float
     iterations: int
     times: tuple[float, ...] = ()
+    cpu_s: float = 0.0  # median CPU seconds of one call, all ranks' processes (user + system)
 
     @property
     def algbw(self) -> float:
@@ -178,29 +180,35 @@ def measure_worker(
                     "all-reduce means nothing: check it with its grader first"
                 )
 
+        cpu: dict[str, list[float]] = {name: [] for name in algorithms}
+
         def timed(
-            function: Callable[..., Any], tensor: torch.Tensor = tensor
+            name: str, tensor: torch.Tensor = tensor, cpu: dict[str, list[float]] = cpu
         ) -> Callable[[], float]:
             def run() -> float:  # one iteration, the slowest rank's seconds
                 tensor.fill_(1.0)  # keep values finite for PRODUCT-free sums
                 dist.barrier()
-                start = time.perf_counter()
-                function(tensor)
+                cpu_start, start = time.process_time(), time.perf_counter()
+                functions[name](tensor)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                # every thread of this process (gloo's too), user + system: the machine's work
+                used = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                dist.all_reduce(used)
+                cpu[name].append(float(used.item()))
                 return float(elapsed.item())
 
             return run
 
         times = interleave(
-            {name: timed(functions[name]) for name in algorithms},
-            iterations_for(nbytes, world, scale),
+            {name: timed(name) for name in algorithms}, iterations_for(nbytes, world, scale)
         )
         for name in algorithms:
             median = statistics.median(times[name])
             rows.append(
-                Row(world, tensor.numel() * 4, name, median, len(times[name]), tuple(times[name]))
-            )
+                Row(world, tensor.numel() * 4, name, median, len(times[name]), tuple(times[name]),
+                    statistics.median(cpu[name]))
+            )  # fmt: skip
     return rows if rank == 0 else []
 
 
@@ -336,6 +344,24 @@ def busbw_table(rows: Sequence[Row]) -> Table:
         ratio = f"{r.busbw / ref.busbw:.2f}x" if ref else "-"
         table.add(r.world, human(r.nbytes), r.algorithm, f"{1e3 * r.median_s:.3f}",
                   f"{r.algbw / 1e9:.3f}", f"{r.busbw / 1e9:.3f}", ratio)  # fmt: skip
+    return table
+
+
+def cpu_table(rows: Sequence[Row], min_bytes: int = 4 * MIB) -> Table:
+    """Where the time goes at the large sizes: the CPU one call costs, all ranks together, and
+    how many cores that keeps busy over its wall time. Every byte a rank sends or receives over
+    loopback TCP is copied by a CPU (into the kernel and out of it), so when all cores are busy
+    the wall time is the CPU work over the cores, and an algorithm can only be faster by doing
+    less of it per byte (``CPU ns/byte``: per byte of the 2(n-1)/n·S each rank sends)."""
+    table = Table(["world", "size", "algorithm", "median ms", "CPU ms (all ranks)",
+                   "cores busy", "CPU ns/byte sent"])  # fmt: skip
+    for r in rows:
+        if r.nbytes < min_bytes or r.cpu_s <= 0:
+            continue
+        sent = 2 * (r.world - 1) * r.nbytes  # all ranks together
+        table.add(r.world, human(r.nbytes), r.algorithm, f"{1e3 * r.median_s:.1f}",
+                  f"{1e3 * r.cpu_s:.1f}", f"{r.cpu_s / r.median_s:.2f}",
+                  f"{1e9 * r.cpu_s / sent:.2f}")  # fmt: skip
     return table
 
 
@@ -580,6 +606,10 @@ def summary_values(
         values["goal_worst"] = min(goal.rows, key=lambda row: float(row[4][:-1]))[4]
         for row in goal.rows:
             values[f"goal_w{row[0]}_{row[1].replace(' ', '').lower()}"] = row[4]
+            values[f"goal_w{row[0]}_{row[1].replace(' ', '').lower()}_middle"] = row[5]
+        for world in sorted({row[0] for row in goal.rows}):
+            ratios = [float(row[4][:-1]) for row in goal.rows if row[0] == world]
+            values[f"ratio_goal_w{world}"] = _range(ratios, "x")
     reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
     for world in sorted({r.world for r in rows}):
         large = [r for r in rows if r.world == world and r.nbytes >= 4 * MIB]
@@ -594,6 +624,16 @@ def summary_values(
             ]  # fmt: skip
             if ratios:
                 values[f"ratio_large_w{world}.{algorithm}"] = _range(ratios, "x")
+        measured = [r for r in large if r.cpu_s > 0]
+        if measured:  # the cpu table's figures: how busy the cores were, the work per byte
+            values[f"cores_busy_w{world}"] = _range([r.cpu_s / r.median_s for r in measured], "")
+            for algorithm in sorted({r.algorithm for r in measured}):
+                per_byte = [
+                    1e9 * r.cpu_s / (2 * (world - 1) * r.nbytes)
+                    for r in measured
+                    if r.algorithm == algorithm
+                ]
+                values[f"cpu_ns_per_byte_w{world}.{algorithm}"] = _range(per_byte, " ns")
     del fits, lines  # the fits and crossovers are tables of their own
     return values
 
@@ -606,7 +646,7 @@ def record(
     load: Load | None = None,
 ) -> Path:
     """Write the tables and values of this run to a results file (course/results.py)."""
-    tables = {"busbw": busbw_table(rows), "goal": goal_table(rows, load)}
+    tables = {"busbw": busbw_table(rows), "goal": goal_table(rows, load), "cpu": cpu_table(rows)}
     if fits is not None:
         tables["fits"] = fits_table(fits)
         crossings = Table(["prediction of the fitted models"])
@@ -643,6 +683,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     load = meter.read()
     print(format_table(rows))
+    cpu = cpu_table(rows)
+    if cpu.rows:
+        print(f"\nCPU per call at 4 MiB and above ({os.cpu_count()} cores on this machine):\n")
+        print(cpu.to_markdown())
     fit_missing = next(
         (why for module in FIT_NEEDS if (why := unwritten_todo(PHASE, module, config.impl))), None
     )

@@ -44,6 +44,10 @@ HANG_HINT = (
     "links.tag(kind, RECEIVING stage, micro-batch) that the sender used too."
 )
 
+# The ranks of the library-way checks run torch's pipelining (2 s of CPU to import): the fork
+# server imports it once (tests/conftest.py), though this module does not import it itself
+WORLD_PRELOAD = ("torch.distributed.pipelining",)
+
 
 def schedules_module() -> Any:
     return load(PHASE, "pipeline_schedules")

@@ -50,6 +50,9 @@ from solutions.phase2_advanced.pipeline_simulation import (
     zero_bubble_v_bubble,
 )
 
+# its ranks run torch's pipelining too: imported once in the fork server (tests/conftest.py)
+WORLD_PRELOAD = ("torch.distributed.pipelining",)
+
 ZB_HINT = HANG_HINT + (
     " A W neither receives nor sends: if the ranks hang only under zb-h1 or zb-v, look at what "
     "_backward_input returns (the gradient of the input, for stage - 1)."
