@@ -146,10 +146,22 @@ def _exercise_of(item: pytest.Item) -> Exercise | None:
     return BY_ID.get(marker.args[0]) if marker else None
 
 
+class _NoWorldYet(Exception):
+    """Stands for course.world's errors while nothing has imported it: none can have occurred."""
+
+
+def _world_errors() -> tuple[Any, Any, Any]:
+    """course.world's (RankFailed, WorldError, WorldHung), without importing it (and torch) for a
+    run whose tests never started a world: the report hooks run for every test."""
+    world = sys.modules.get("course.world")
+    if world is None:
+        return _NoWorldYet, _NoWorldYet, _NoWorldYet
+    return world.RankFailed, world.WorldError, world.WorldHung
+
+
 def _todo_text(exc: BaseException) -> str | None:
     """The TODO message when ``exc`` is an unwritten TODO, here or on a rank."""
-    from course.world import RankFailed
-
+    RankFailed, _, _ = _world_errors()
     if isinstance(exc, NotImplementedError):
         return str(exc) or "a function still raises NotImplementedError"
     if isinstance(exc, RankFailed) and exc.exc_type == "NotImplementedError":
@@ -187,8 +199,7 @@ def _where(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
 
 def _signature(excinfo: pytest.ExceptionInfo[BaseException]) -> tuple[str, ...]:
     """What makes two failures the same error: type, message and the line that raised it."""
-    from course.world import RankFailed
-
+    RankFailed, _, _ = _world_errors()
     exc = excinfo.value
     if isinstance(exc, RankFailed):  # the error's own line; notes below it name the case
         where = exc.frames[-1].location if exc.frames else ""
@@ -205,9 +216,8 @@ def _blocked(item: pytest.Item, report: pytest.TestReport, reason: str) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, Any, None]:
-    from course.world import RankFailed, WorldError, WorldHung
-
     outcome = yield
+    RankFailed, WorldError, WorldHung = _world_errors()
     report = outcome.get_result()
     ex = _exercise_of(item)
     if ex is not None and report.failed and not _is_reference(item):

@@ -84,5 +84,24 @@ def test_an_unwritten_exercise_is_skipped_and_the_table_still_printed(
     assert "Fitted alpha-beta model: skipped (TODO 3.2 not written" in out, out
     assert "| 2 | 1 KiB | ring |" in out and "halving_doubling |" not in out, out
     payload = json.loads(record.read_text())
-    assert set(payload["tables"]) == {"busbw", "goal"}, payload["tables"].keys()
+    assert set(payload["tables"]) == {"busbw", "goal", "cpu"}, payload["tables"].keys()
     assert payload["tables"]["busbw"]["rows"], payload
+    assert payload["tables"]["cpu"]["rows"] == [], "the cpu table starts at 4 MiB"
+
+
+def test_the_cpu_table_divides_the_work_by_the_wall_time_and_the_bytes_sent() -> None:
+    mib16 = 16 * 2**20
+    rows = [
+        bench.Row(4, mib16, "ring", 0.050, 3, (0.05,) * 3, cpu_s=0.090),
+        bench.Row(4, mib16, "dist.all_reduce", 0.055, 3, (0.055,) * 3, cpu_s=0.088),
+        bench.Row(4, 2**20, "ring", 0.007, 3, (0.007,) * 3, cpu_s=0.012),  # below 4 MiB: left out
+    ]
+    table = bench.cpu_table(rows)
+    assert table.rows == [
+        # 90 ms of CPU in 50 ms: 1.80 cores; 2·(4-1)·16 MiB sent by all ranks together
+        ["4", "16 MiB", "ring", "50.0", "90.0", "1.80", f"{0.090e9 / (6 * mib16):.2f}"],
+        ["4", "16 MiB", "dist.all_reduce", "55.0", "88.0", "1.60", f"{0.088e9 / (6 * mib16):.2f}"],
+    ], table.rows
+    values = bench.summary_values(rows, None, [])
+    assert values["cores_busy_w4"] == "1.60-1.80", values
+    assert values["cpu_ns_per_byte_w4.ring"] == f"{0.090e9 / (6 * mib16):.2f} ns", values
