@@ -93,3 +93,16 @@ def test_the_conftests_and_plugins_load_without_torch() -> None:
     assert done.stdout.strip() == "[]", (
         f"importing the conftests and plugins imported torch: {done.stdout.strip()[:300]}"
     )
+
+
+def test_the_loop_benchmark_refuses_an_unknown_exercise_before_copying_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from learner_loop_bench import main, span
+
+    with pytest.raises(SystemExit) as info:
+        main(["--exercises", "3.1", "9.9"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--exercises 9.9: no such exercise" in err and "3.8" in err, err
+    assert span([0.84, 1.21, 0.95]) == "0.8-1.2 s" and span([4.0]) == "4.0 s"

@@ -607,9 +607,9 @@ def summary_values(
         for row in goal.rows:
             values[f"goal_w{row[0]}_{row[1].replace(' ', '').lower()}"] = row[4]
             values[f"goal_w{row[0]}_{row[1].replace(' ', '').lower()}_middle"] = row[5]
-        for world in sorted({row[0] for row in goal.rows}):
-            ratios = [float(row[4][:-1]) for row in goal.rows if row[0] == world]
-            values[f"ratio_goal_w{world}"] = _range(ratios, "x")
+        for goal_world in sorted({row[0] for row in goal.rows}):
+            ratios = [float(row[4][:-1]) for row in goal.rows if row[0] == goal_world]
+            values[f"ratio_goal_w{goal_world}"] = _range(ratios, "x")
     reference = {(r.world, r.nbytes): r for r in rows if r.algorithm == "dist.all_reduce"}
     for world in sorted({r.world for r in rows}):
         large = [r for r in rows if r.world == world and r.nbytes >= 4 * MIB]
