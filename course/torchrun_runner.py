@@ -25,6 +25,15 @@ workers see and their logs are the same; what the worker does not do is import t
 Scenarios that restart workers many times use it; the plain path stays tested
 (tests/test_torchrun.py, the phase 1 trainer).
 
+How agents start: forked from the fork server :mod:`course.world` starts its ranks from (it has
+imported torch and torch._dynamo), not as fresh interpreters: a fresh agent imports torch and
+torchrun's modules again (3.5-6.5 s of CPU on 2 cores per agent, several per scenario), and a
+scenario's agents are torchrun's own ``main`` either way (:func:`_agent_main`: the same argv, a
+session of its own, stdin from /dev/null, stdout and stderr into its log, the scenario's
+environment and working directory). ``fresh_agents=True`` starts ``python -m
+torch.distributed.run`` (or ``course.forked_workers_agent``) instead; the phase 1 trainer's test
+runs the ``torchrun`` command itself, as the README gives it.
+
 No orphans: each agent starts in its own session, but torchrun starts each worker in a session of
 its own too (``start_new_session=True`` in
 torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py), so killing
@@ -54,6 +63,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _POLL = 0.2
@@ -231,6 +241,77 @@ def _command(
     return cmd + list(args)
 
 
+def _agent_main(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """One torchrun agent, in a process forked from the warm fork server: what ``python -m
+    torch.distributed.run <argv>`` would do, started the way :func:`run_torchrun` starts it."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    sink = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(null, 0)
+    os.dup2(sink, 1)
+    os.dup2(sink, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["torchrun", *argv]
+    from torch.distributed.run import main
+
+    try:
+        main()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class _ForkedAgent:
+    """The part of ``subprocess.Popen`` the runner uses, for an agent forked by the fork server
+    (its exit status comes back through the server, as a world's ranks' do)."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        code: int | None = self.process.exitcode
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout or 0.0)
+        return int(self.process.exitcode)
+
+
+def _start_agent(
+    cmd: list[str], env: dict[str, str], log: Path, fresh: bool
+) -> subprocess.Popen[bytes] | _ForkedAgent:
+    if fresh:
+        with open(log, "wb") as sink:
+            return subprocess.Popen(
+                cmd,
+                cwd=PROJECT_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    from course.world import warm_context
+
+    argv = cmd[3:]  # cmd is [python, -m, agent module, *torchrun flags]
+    process = warm_context().Process(
+        target=_agent_main, args=(argv, env, str(PROJECT_ROOT), str(log)), daemon=False
+    )
+    process.start()
+    return _ForkedAgent(process)
+
+
 def _read_rank_logs(agent: int, log_dir: Path) -> list[RankLog]:
     logs = []
     for attempt_dir in sorted(log_dir.glob("*/attempt_*")):
@@ -262,6 +343,7 @@ def run_torchrun(
     torchrun_args: Sequence[str] = (),
     stagger: float = 0.0,
     fork_workers: bool = False,
+    fresh_agents: bool = False,
 ) -> TorchrunRun:
     """Run ``python -m module *args`` under ``agents`` torchrun agents on 127.0.0.1.
 
@@ -273,7 +355,8 @@ def run_torchrun(
     starts. After ``time_limit`` seconds every process of the scenario is killed and the result
     says ``timed_out``; no process outlives this call either way. ``fork_workers`` forks each
     worker from its agent instead of starting a fresh interpreter; it and ``agents > 1`` run on
-    the CPU (see the module docstring).
+    the CPU (see the module docstring). ``fresh_agents`` starts each agent as a fresh
+    interpreter instead of forking it from the warm fork server.
     """
     if agents < 1 or nproc_per_node < 1:
         raise ValueError(
@@ -298,7 +381,7 @@ def run_torchrun(
     }
     start = time.monotonic()
     deadline = start + time_limit
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes] | _ForkedAgent] = []
     outputs: list[Path] = []
     known: dict[int, int] = {}
     timed_out = False
@@ -312,18 +395,7 @@ def run_torchrun(
                 log_dir / "logs", torchrun_args, fork_workers,
             )  # fmt: skip
             outputs.append(log_dir / "agent.log")
-            with open(outputs[-1], "wb") as sink:
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        cwd=PROJECT_ROOT,
-                        env=full_env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=sink,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+            procs.append(_start_agent(cmd, full_env, outputs[-1], fresh_agents))
             stat = _stat(procs[-1].pid)
             if stat is not None:
                 known[procs[-1].pid] = stat[1]

@@ -378,6 +378,12 @@ def preload_names() -> list[str]:
     return [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
 
 
+def warm_context() -> Any:
+    """The multiprocessing context worlds fork their ranks from (a fork server that imported
+    torch and torch._dynamo once): :mod:`course.torchrun_runner` forks torchrun agents from it."""
+    return _forkserver()
+
+
 def _forkserver() -> Any:
     """The multiprocessing context all worlds fork from; torch is imported there once."""
     global _context
