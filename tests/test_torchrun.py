@@ -91,15 +91,19 @@ def test_two_agents_on_loopback_are_two_nodes_of_one_world() -> None:
 
 
 @pytest.mark.torchrun
-def test_a_hanging_scenario_is_killed_at_its_bound_and_leaves_no_process() -> None:
-    # long enough for the agent to start both workers (2-3 s here), stretched on a loaded
-    # machine as DTFS_WORLD_TIMEOUT stretches the worlds
+@pytest.mark.parametrize("fresh_agents", [False, True], ids=["forked_agent", "fresh_agent"])
+def test_a_hanging_scenario_is_killed_at_its_bound_and_leaves_no_process(
+    fresh_agents: bool,
+) -> None:
+    # long enough for a fresh agent to start both workers (2-3 s here), stretched on a loaded
+    # machine as DTFS_WORLD_TIMEOUT stretches the worlds; the other scenarios fork their agents
     bound = 6.0 * max(1.0, world_timeout() / DEFAULT_WORLD_TIMEOUT)
     run = run_torchrun(
         "tests.workers.restart_worker",
         nproc_per_node=2,
         env={"DTFS_FAIL": "hang:rank=0:step=1"},
         time_limit=bound,
+        fresh_agents=fresh_agents,
     )
     assert run.timed_out and not run.ok, run.describe()
     assert bound <= run.elapsed < bound + 10, run.describe()
