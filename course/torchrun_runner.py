@@ -288,6 +288,19 @@ class _ForkedAgent:
         return int(self.process.exitcode)
 
 
+def _ready() -> None:
+    """Nothing: forked once before a scenario's clock starts, so that the fork server's own
+    start (it imports torch, once per process) is not counted against the scenario."""
+
+
+def _warm_up() -> None:
+    from course.world import warm_context
+
+    process = warm_context().Process(target=_ready, daemon=False)
+    process.start()
+    process.join()
+
+
 def _start_agent(
     cmd: list[str], env: dict[str, str], log: Path, fresh: bool
 ) -> subprocess.Popen[bytes] | _ForkedAgent:
@@ -379,6 +392,8 @@ def run_torchrun(
         **({"CUDA_VISIBLE_DEVICES": ""} if fork_workers or agents > 1 else {}),
         **(env or {}),
     }
+    if not fresh_agents:
+        _warm_up()
     start = time.monotonic()
     deadline = start + time_limit
     procs: list[subprocess.Popen[bytes] | _ForkedAgent] = []
