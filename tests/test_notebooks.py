@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+if TYPE_CHECKING:  # imported by the test that runs them: nbformat costs about 3 s to import
+    # (jsonschema's format checkers), paid by every test worker and fork server that collects
+    # this module otherwise
+    import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -36,6 +39,10 @@ def test_notebook_runs_small(path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     pythonpath = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + (os.pathsep + pythonpath if pythonpath else ""))
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
         notebook,

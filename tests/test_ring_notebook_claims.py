@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
 import pytest
 
 from solutions.phase3_multi_node import ring_notebook as rn
@@ -26,8 +26,13 @@ UNITS = {"B": 1, "KiB": 1024, "MiB": 2**20}
 
 pytestmark = pytest.mark.harness
 
+if TYPE_CHECKING:  # imported where the notebook is read: about 3 s to import (tests/test_notebooks.py)
+    import nbformat
+
 
 def _cells() -> list[nbformat.NotebookNode]:
+    import nbformat
+
     return list(nbformat.read(NOTEBOOK, as_version=4).cells)
 
 
