@@ -201,7 +201,7 @@ def module_file(module: str) -> Path:
     )
 
 
-def _command(
+def _torchrun_argv(
     module: str,
     args: Sequence[str],
     nproc_per_node: int,
@@ -214,9 +214,8 @@ def _command(
     torchrun_args: Sequence[str],
     fork_workers: bool = False,
 ) -> list[str]:
-    # forked workers inherit their agent's imports: that agent imports torch._dynamo first
-    agent = "course.forked_workers_agent" if fork_workers else "torch.distributed.run"
-    cmd = [sys.executable, "-m", agent]
+    """torchrun's flags and the workers' program: what follows ``torchrun`` on a command line."""
+    cmd: list[str] = []
     if agents == 1 and nnodes is None:
         cmd += ["--standalone"]
     else:
@@ -239,6 +238,13 @@ def _command(
     else:
         cmd += ["-m", module]
     return cmd + list(args)
+
+
+def fresh_agent_command(argv: Sequence[str], fork_workers: bool) -> list[str]:
+    """The command of an agent started as a fresh interpreter (``fresh_agents=True``)."""
+    # forked workers inherit their agent's imports: that agent imports torch._dynamo first
+    agent = "course.forked_workers_agent" if fork_workers else "torch.distributed.run"
+    return [sys.executable, "-m", agent, *argv]
 
 
 def _agent_main(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
@@ -302,12 +308,12 @@ def _warm_up() -> None:
 
 
 def _start_agent(
-    cmd: list[str], env: dict[str, str], log: Path, fresh: bool
+    argv: list[str], env: dict[str, str], log: Path, fresh: bool, fork_workers: bool
 ) -> subprocess.Popen[bytes] | _ForkedAgent:
     if fresh:
         with open(log, "wb") as sink:
             return subprocess.Popen(
-                cmd,
+                fresh_agent_command(argv, fork_workers),
                 cwd=PROJECT_ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -317,7 +323,6 @@ def _start_agent(
             )
     from course.world import warm_context
 
-    argv = cmd[3:]  # cmd is [python, -m, agent module, *torchrun flags]
     process = warm_context().Process(
         target=_agent_main, args=(argv, env, str(PROJECT_ROOT), str(log)), daemon=False
     )
@@ -405,12 +410,12 @@ def run_torchrun(
         for index in range(agents):
             log_dir = root / f"agent{index}"
             log_dir.mkdir()
-            cmd = _command(
+            argv = _torchrun_argv(
                 module, args, nproc_per_node, agents, nnodes, port, run_id, max_restarts,
                 log_dir / "logs", torchrun_args, fork_workers,
             )  # fmt: skip
             outputs.append(log_dir / "agent.log")
-            procs.append(_start_agent(cmd, full_env, outputs[-1], fresh_agents))
+            procs.append(_start_agent(argv, full_env, outputs[-1], fresh_agents, fork_workers))
             stat = _stat(procs[-1].pid)
             if stat is not None:
                 known[procs[-1].pid] = stat[1]

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 from exercises import BY_ID, Exercise
 from parallel_runs import one_exercise
-from scoreboard import raise_sites
+from scoreboard import open_todos
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,6 @@ def first_message(ex: Exercise, root: Path = ROOT) -> str | None:
     first word). The TODO named is the first raise in the file, where the scoreboard's "Next"
     points too."""
     label = f"[{ex.id} {ex.title}]"
-    open_sites: list[tuple[Path, int, str, str]] = []
     for module in ex.modules:
         path = root / ex.phase / f"template_{module}.py"
         rel = path.relative_to(root)
@@ -52,12 +51,11 @@ def first_message(ex: Exercise, root: Path = ROOT) -> str | None:
             return f"{label} cannot read {rel}: {exc.strerror}"
         except SyntaxError as exc:
             return f"{label} {rel} does not parse: {exc.msg}\n  at {rel}:{exc.lineno}"
-        sites = raise_sites(path, ex.id)
-        open_sites += [(path, line, where, text) for line, where, _, text in sites]
-    if not open_sites:
+    sites = open_todos(ex, root)
+    if not sites:
         return None
-    path, line, where, text = open_sites[0]
-    more = len(open_sites) - 1
+    path, line, where, _, text = sites[0]
+    more = len(sites) - 1
     left = f" ({more} more TODO {ex.id} raise{'s' if more != 1 else ''} after it)" if more else ""
     return f"{label} not written yet: {text}\n  at {path.relative_to(root)}:{line} in {where}{left}"
 

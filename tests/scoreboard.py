@@ -132,21 +132,29 @@ def raise_sites(path: Path, exercise_id: str) -> list[tuple[int, str, str, str]]
     return sorted(sites)
 
 
+def open_todos(ex: Exercise, root: Path = ROOT) -> list[tuple[Path, int, str, str, str]]:
+    """(template, line, Class.function, guide section, message) of every unwritten TODO of
+    ``ex``, in the order of its modules and then of the file: the first is where a learner
+    starts (the scoreboard's "Next" and tests/preflight.py's first message both name it)."""
+    found = []
+    for module in ex.modules:
+        path = root / ex.phase / f"template_{module}.py"
+        found += [(path, *site) for site in raise_sites(path, ex.id)]
+    return found
+
+
 def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
     """Where to go next: the TODO the failures stopped at, which may belong to another exercise
     (a 2.5 test that runs 2.3's checkpointing stops at TODO 2.3)."""
     target = BY_ID.get(tally.blocked_by or "", ex)
     needed = f", which {ex.id}'s tests need" if target is not ex else ""
     guide = f"{target.phase}/guidelines.md#{target.anchor}"
-    if impl == "templates":
-        for module in target.modules:
-            path = ROOT / target.phase / f"template_{module}.py"
-            sites = raise_sites(path, target.id)
-            if sites:
-                line, where, section, _ = sites[0]
-                rel = path.relative_to(ROOT)
-                read = section or guide
-                return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {read})"
+    sites = open_todos(target) if impl == "templates" else []
+    if sites:
+        path, line, where, section, _ = sites[0]
+        rel = path.relative_to(ROOT)
+        read = section or guide
+        return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {read})"
     test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
     rerun = f"uv run pytest {test_file} -m {ex.marker}"
     return f"fix {target.id}{needed}: see its first failure above; rerun with `{rerun}`"

@@ -23,7 +23,13 @@ from course.failure_injection import (
     parse_failure,
 )
 from course.torchrun_runner import PROJECT_ROOT as ROOT
-from course.torchrun_runner import TorchrunRun, _command, alive, run_torchrun
+from course.torchrun_runner import (
+    TorchrunRun,
+    _torchrun_argv,
+    alive,
+    fresh_agent_command,
+    run_torchrun,
+)
 from course.world import DEFAULT_WORLD_TIMEOUT, world_timeout
 
 pytestmark = [pytest.mark.harness]
@@ -152,17 +158,19 @@ def test_raise_fails_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_forked_workers_run_the_modules_file_and_a_non_project_module_is_refused() -> None:
-    cmd = _command(
+    argv = _torchrun_argv(
         "tests.workers.restart_worker", ["--x"], 2, 1, None, 1234, "id", 0, ROOT / "logs", [],
         fork_workers=True,
     )  # fmt: skip
+    cmd = fresh_agent_command(argv, fork_workers=True)
     assert cmd[-4:] == [
         "--start-method=fork", "--run-path", str(ROOT / "tests/workers/restart_worker.py"), "--x"
     ], cmd  # fmt: skip
     assert "-m" not in cmd[3:], cmd  # the plain path's "-m module" is gone
     # the agent imports torch._dynamo for its forked workers; the plain path is torchrun itself
     assert cmd[1:3] == ["-m", "course.forked_workers_agent"], cmd
-    plain = _command("tests.workers.restart_worker", [], 2, 1, None, 1, "id", 0, ROOT, [])
+    plain_argv = _torchrun_argv("tests.workers.restart_worker", [], 2, 1, None, 1, "id", 0, ROOT, [])
+    plain = fresh_agent_command(plain_argv, fork_workers=False)
     assert plain[1:3] == ["-m", "torch.distributed.run"], plain
     with pytest.raises(ValueError, match=r"module 'json'.*fork_workers runs a project module"):
         run_torchrun("json", fork_workers=True)
