@@ -183,15 +183,21 @@ class FsdpOptimizer(ShardedOptimizer):
                 unit.shard.grad.zero_()
 
 
-def full_master_state(model: nn.Module, units: Sequence[Any]) -> dict[str, torch.Tensor]:
+def full_master_state(
+    model: nn.Module, units: Sequence[Any], shards: Sequence[torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Every parameter in full, in the master dtype, on every rank (a collective: all-gathers
-    each unit's fp32 shard), named as ``model.named_parameters()``."""
+    each unit's fp32 shard), named as ``model.named_parameters()``.
+
+    ``shards``, one per unit, are gathered in place of the units' shards: any tensor laid out
+    like a shard (an optimizer moment of it, for a checkpoint) comes back as whole parameters."""
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
-    for unit in units:
+    pieces = [unit.shard for unit in units] if shards is None else list(shards)
+    for unit, shard in zip(units, pieces, strict=True):
         layout = unit.layout
-        full = torch.empty(layout.padded_numel, dtype=unit.shard.dtype, device=unit.shard.device)
-        dist.all_gather_into_tensor(full, unit.shard.detach(), group=unit.group)
+        full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(full, shard.detach(), group=unit.group)
         for p, offset in zip(layout.params, layout.offsets, strict=True):
             out[names[id(p)]] = full[offset : offset + p.numel()].view(p.shape).clone()
     return {name: out[name] for name in names.values()}

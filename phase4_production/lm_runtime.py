@@ -271,11 +271,31 @@ class LanguageModelRuntime:
         params = dict(self.model.named_parameters())
         return {self.pieces[id(params[name])].dense_name: value for name, value in full.items()}
 
-    def full_state(self) -> dict[str, torch.Tensor]:
+    def local_optimizer_state(self, key: str) -> dict[str, torch.Tensor]:
+        """This rank's piece of one optimizer state tensor per parameter (AdamW's ``exp_avg``
+        or ``exp_avg_sq``; zeros before the first step), named and shaped as :meth:`local_state`:
+        under ZeRO and FSDP-style sharding each unit's slices are all-gathered over dp x cp (a
+        collective) and cut back into the unit's parameters."""
+        state = self.optimizer.state
+
+        def of(stepped: torch.Tensor) -> torch.Tensor:
+            held = state[stepped].get(key) if stepped in state else None
+            return torch.zeros_like(stepped) if held is None else held
+
+        if self.settings.zero == 0:
+            full = {name: of(p).detach().clone() for name, p in self.model.named_parameters()}
+        else:
+            full = full_master_state(self.model, self.units, [of(u.shard) for u in self.units])
+        params = dict(self.model.named_parameters())
+        return {self.pieces[id(params[name])].dense_name: value for name, value in full.items()}
+
+    def full_state(self, local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The one-process model's whole state dict, on every rank, assembled from every rank's
         pieces (a collective over the world): tp shards concatenated, experts from their
-        holders. For sampling text, or loading into another layout."""
-        state = {name: value.cpu() for name, value in self.local_state().items()}
+        holders. For sampling text, or loading into another layout. ``local`` assembles other
+        per-piece values instead of the weights (e.g. :meth:`local_optimizer_state`'s)."""
+        local = self.local_state() if local is None else local
+        state = {name: value.cpu() for name, value in local.items()}
         mine = (self.topology.tp_rank, state, {
             name: (p.how, p.fused_parts) for name, p in self.piece_of().items()
         })  # fmt: skip

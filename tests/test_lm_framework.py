@@ -57,7 +57,6 @@ def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> 
         (["activation_checkpointing=true", "parallel.dp=1", "parallel.pp=2",
           "pipeline.schedule=zb-h1"], 4, "activation_checkpointing with schedule=zb-h1"),
         (["communication=mesh"], 4, "communication='mesh': Input should be 'library', 'ring' or 'tree'"),
-        (["checkpoint.every=10", "zero=2"], 4, "checkpoint.every=10 with zero=2: checkpoints of ZeRO"),
     ],
 )
 def test_bad_configs_are_refused_by_key_before_launch(
@@ -228,15 +227,20 @@ def final_checkpoint(directory: Path) -> Any:
 
 
 def test_a_resume_at_another_layout_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    """dp2 x pp2 (the tie across stages) saves after 2 steps; dp2 x tp2+sp and, on a world of
-    another size, tp2 resume from it for 2 more: every loss and, in the final checkpoint, every
-    weight and AdamW moment equal dp2 x tp2+sp's uninterrupted 4 steps (float64, 1e-10)."""
+    """dp2 x pp2 with FSDP-style units (the tie across stages) saves after 2 steps; dp2 x tp2+sp
+    under ZeRO-3 and, on a world of another size, dp2 under ZeRO-1 resume from it for 2 more:
+    every loss and, in the final checkpoints (saved from ZeRO's slices), every weight and AdamW
+    moment equal dp2 x tp2+sp's uninterrupted 4 steps without sharding (float64, 1e-10; every
+    layout equals one process, so equal to the uninterrupted run at the new layout too)."""
     first, whole = str(tmp_path / "first"), str(tmp_path / "whole")
-    run_world(checkpointed_run, 4, ({"dp": 2, "pp": 2, "microbatches": 2}, 1, first))
+    run_world(checkpointed_run, 4, ({"dp": 2, "pp": 2, "microbatches": 2, "zero": "fsdp"}, 1,
+                                    first))  # fmt: skip
     resumed = {}
-    for name, world, layout in (("dp2 x tp2+sp", 4, {"dp": 2, "tp": 2, "sequence_parallel": True}),
-                                ("tp2", 2, {"tp": 2})):  # fmt: skip
-        copy = tmp_path / name.replace(" ", "")
+    for name, world, layout in (
+        ("dp2 x tp2+sp zero=3", 4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 3}),
+        ("dp2 zero=1", 2, {"dp": 2, "zero": 1}),
+    ):
+        copy = tmp_path / name.replace(" ", "").replace("=", "")
         shutil.copytree(first, copy)
         resumed[name] = (run_world(checkpointed_run, world, (layout, 2, str(copy)))[0], copy)
     want = run_world(checkpointed_run, 4, ({"dp": 2, "tp": 2, "sequence_parallel": True}, 2,
@@ -274,14 +278,15 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> Non
 
 @pytest.mark.torchrun
 def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
-    """The framework under torchrun --max-restarts=1 at tp2+sp, rank 1 SIGKILLed after step 3:
-    the restart resumes from step 2 and ends where an uninterrupted run ends."""
+    """The framework under torchrun --max-restarts=1 at dp2 under ZeRO-2, rank 1 SIGKILLed
+    after step 3: the restart resumes from step 2 and ends where an uninterrupted run ends."""
     from course.torchrun_runner import run_torchrun
 
     directory = tmp_path / "ckpt"
     overrides = [
         "model.width=16", "model.heads=2", "model.layers=2", "model.ffn=32", "model.seq_len=8",
-        "model.tied=true", "parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+        "model.tied=true", "parallel.dp=2", "parallel.tp=1", "parallel.sequence_parallel=false",
+        "zero=2",
         "train.batch=4", "train.epochs=2", "train.steps_per_epoch=2", "train.eval_batches=1",
         "train.lr=0.01", "train.seed=3", "train.sample_bytes=0", "precision=fp64",
         f"checkpoint.dir={directory}", "checkpoint.every=2",
@@ -290,12 +295,12 @@ def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Pat
         "solutions.phase4_production.lm_framework", ["--set", *overrides], nproc_per_node=2,
         max_restarts=1, time_limit=120, env={"DTFS_FAIL": "kill:rank=1:step=3"}, fork_workers=True,
     )  # fmt: skip
-    what = "lm_framework under torchrun --max-restarts=1, rank 1 SIGKILLed after step 3"
+    what = "lm_framework at dp2 zero=2 under torchrun --max-restarts=1, rank 1 SIGKILLed after step 3"
     assert run.ok and run.attempts() == [0, 1], f"{what}: {run.describe(800)}"
     text = "\n".join(log.stdout + log.stderr for log in run.ranks if log.attempt == 1)
     assert "resumed from" in text and "step_00000002" in text, f"{what}: {run.describe(800)}"
     whole = tmp_path / "whole"
-    run_world(checkpointed_run, 2, ({"tp": 2, "sequence_parallel": True}, 2, str(whole)))
+    run_world(checkpointed_run, 2, ({"dp": 2, "zero": 2}, 2, str(whole)))
     got, want = final_checkpoint(directory), final_checkpoint(whole)
     for key, value in got.model.items():
         assert torch.allclose(value, want.model[key], rtol=1e-10, atol=1e-14), (what, key)

@@ -7,15 +7,18 @@ plus a small ``manifest.json`` that names the model's shape and the layout. What
 layout-free is where the tensors come from and go to:
 
 * **saving**: every rank's pieces are assembled into one-process tensors (the runtime's
-  ``full_state``: tp shards concatenated, experts from their holders; the moments the same way,
-  by lending each parameter its moment's values for the gather). Every rank offers the same
-  whole tensors, and DCP writes each once (its default planner de-duplicates replicated
-  tensors: ``torch/distributed/checkpoint/default_planner.py``, ``dedup_save_plans``);
+  ``full_state``: ZeRO's and FSDP-style units' flat slices all-gathered over dp x cp and cut
+  into parameters, tp shards concatenated, experts from their holders; the moments the same
+  way, from ``local_optimizer_state``). Every rank offers the same whole tensors, and DCP writes
+  each once (its default planner de-duplicates replicated tensors:
+  ``torch/distributed/checkpoint/default_planner.py``, ``dedup_save_plans``);
 * **resuming**: the new layout's runtime is built from the saved one-process model, like any
   run. The moments are cut the same way by building a second runtime from a one-process model
-  whose weights are the moments and taking its parameters' values, in the optimizer's order: the
-  runtime's construction is the one function from one process's tensors to a rank's pieces, so
-  nothing here knows how tp, pp, cp or ep cut a weight.
+  whose weights are the moments and taking the values of what its optimizer steps, in order
+  (whole parameters, or under ZeRO and FSDP-style sharding each unit's slice): the runtime's
+  construction is the one function from one process's tensors to a rank's pieces, so nothing
+  here knows how tp, pp, cp, ep or a ZeRO stage cut a weight. (A slice's padding holds zeros in
+  both: padding has no gradient, so its moments stay 0.)
 
 Before DCP reads a byte, the manifest's model shape is compared with this run's: a checkpoint of
 another model is refused by name (``model.width=64 in the checkpoint, 32 in this run``). A
@@ -25,8 +28,7 @@ manifest and renames it after every rank has finished (4.1's rule), and older on
 
 Limits, said: every rank holds the whole state while saving and loading (a few MiB at the
 course's sizes; torchtitan instead saves each rank's DTensor shards and lets DCP reshard them on
-load); runs under ZeRO or FSDP-style sharding are refused by key (their optimizer state lives in
-flat slices per unit, which this module does not reassemble yet).
+load), which undoes ZeRO's memory saving for the moment of a save.
 """
 
 from __future__ import annotations
@@ -67,17 +69,6 @@ class CheckpointMismatch(ValueError):
     """A checkpoint of another model (or an unreadable one): refused before anything loads."""
 
 
-def supported(settings: ParallelSettings) -> str | None:
-    """Why a layout cannot be checkpointed by this module (None: it can)."""
-    if settings.zero != 0:
-        return (
-            f"zero={settings.zero}: checkpoints of ZeRO or FSDP-style runs are not written yet "
-            "(their optimizer state lives in flat slices per unit); use zero: 0 with "
-            "checkpoint.every, or checkpoint.every: 0"
-        )
-    return None
-
-
 # ----------------------------------------------------------------------------- gathering
 
 
@@ -89,21 +80,14 @@ def optimizer_params(runtime: Any) -> list[torch.nn.Parameter]:
 def gathered_moments(runtime: Any) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
     """AdamW's moments as one-process tensors (a collective over the world), and its step.
 
-    Each parameter lends its data to one moment at a time, ``full_state`` gathers the pieces as
-    it gathers weights, and the weights come back untouched."""
+    Each moment is gathered as the weights are (``full_state`` of the runtime's
+    ``local_optimizer_state``): ZeRO's and FSDP-style units' slices all-gathered over dp x cp
+    and cut into parameters, then tp shards concatenated and experts fetched from their holders.
+    """
     params = optimizer_params(runtime)
     state = runtime.optimizer.state
     step = int(next((float(state[p]["step"]) for p in params if p in state), 0))
-    moments = {}
-    for key in MOMENTS:
-        kept = [p.data for p in params]
-        try:
-            for p in params:
-                p.data = state[p][key] if p in state else torch.zeros_like(p)
-            moments[key] = runtime.full_state()
-        finally:
-            for p, data in zip(params, kept, strict=True):
-                p.data = data
+    moments = {key: runtime.full_state(runtime.local_optimizer_state(key)) for key in MOMENTS}
     return moments, step
 
 

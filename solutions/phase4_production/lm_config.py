@@ -182,7 +182,6 @@ def check_world(config: FrameworkConfig, world_size: int) -> ParallelSettings:
     batch are still checked here)."""
     model = config.model.lm()
     problems = [f"model: {p}" for p in model.problems()]
-    problems += not_yet(config)
     if config.sharding == "auto":
         if problems:
             raise ConfigError("; ".join(problems))
@@ -205,19 +204,6 @@ def check_world(config: FrameworkConfig, world_size: int) -> ParallelSettings:
     if problems:
         raise ConfigError("; ".join(problems))
     return settings
-
-
-def not_yet(config: FrameworkConfig) -> list[str]:
-    """Settings the file format has a place for that this framework does not run yet: refused,
-    each by key, rather than silently ignored."""
-    problems = []
-    if config.checkpoint.every and config.zero != 0:
-        problems.append(
-            f"checkpoint.every={config.checkpoint.every} with zero={config.zero}: checkpoints of "
-            "ZeRO or FSDP-style runs are not written yet (their optimizer state lives in flat "
-            "slices per unit); use zero: 0, or checkpoint.every: 0"
-        )
-    return problems
 
 
 def dump(config: FrameworkConfig) -> str:
@@ -245,4 +231,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -38,7 +38,6 @@ from course.rank_logging import log0
 from course.topology import Topology
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.alpha_beta import Cost, fit_alpha_beta, ring_cost
-from solutions.phase4_production import lm_checkpoint
 from solutions.phase4_production.lm_checkpoint import CheckpointPlan
 from solutions.phase4_production.lm_config import (
     DEFAULT_CONFIG,
@@ -118,8 +117,6 @@ def rates_in_world(model: LMConfig, dtype: torch.dtype) -> Rates:
 def choose(config: FrameworkConfig, rates: Rates, world: int) -> list[Prediction]:
     predictions = plan(config.model.lm(), rates, machine_of(config, world), config.train.batch,
                        max_norm=config.train.max_norm, lr=config.train.lr)  # fmt: skip
-    if config.checkpoint.every:  # checkpoints need zero: 0 (lm_checkpoint.supported)
-        predictions = [p for p in predictions if lm_checkpoint.supported(p.settings) is None]
     if not predictions or not predictions[0].fits:
         raise ConfigError(
             f"sharding: auto found no layout of {world} ranks that fits "
