@@ -101,9 +101,11 @@ def test_two_agents_on_loopback_are_two_nodes_of_one_world() -> None:
 def test_a_hanging_scenario_is_killed_at_its_bound_and_leaves_no_process(
     fresh_agents: bool,
 ) -> None:
-    # long enough for a fresh agent to start both workers (2-3 s here), stretched on a loaded
-    # machine as DTFS_WORLD_TIMEOUT stretches the worlds; the other scenarios fork their agents
-    bound = 6.0 * max(1.0, world_timeout() / DEFAULT_WORLD_TIMEOUT)
+    # long enough for the agent to start both workers, stretched on a loaded machine as
+    # DTFS_WORLD_TIMEOUT stretches the worlds: a forked agent starts them at once, a fresh one
+    # first imports torch and torchrun (3.5-6.5 s of CPU: beside a busy test worker on 2 cores
+    # a 6 s bound once saw no worker yet)
+    bound = (15.0 if fresh_agents else 6.0) * max(1.0, world_timeout() / DEFAULT_WORLD_TIMEOUT)
     run = run_torchrun(
         "tests.workers.restart_worker",
         nproc_per_node=2,
