@@ -369,6 +369,52 @@ def unmatched(
     return lonely
 
 
+def crossed_tags(
+    lonely: Sequence[tuple[PendingP2P, str]],
+) -> list[tuple[PendingP2P, PendingP2P]]:
+    """Pairs of unmatched messages that are one message under two tags: a send from A to B
+    under tag t that B never received, and B's receive from A of the same dtype and shape under
+    another tag that A never sent (gloo and NCCL match a message by its tag). Receives that
+    their rank is blocked on come first: an early-posted receive may still be met later."""
+    sends = [op for op, _ in lonely if op.is_send]
+    receives = sorted((op for op, _ in lonely if not op.is_send), key=lambda op: not op.waiting)
+    return [
+        (send, recv)
+        for recv in receives
+        for send in sends
+        if recv.rank == send.peer
+        and recv.peer in (send.rank, None)
+        and recv.tag != send.tag
+        and (recv.dtype, recv.shape) == (send.dtype, send.shape)
+    ]
+
+
+def deadlocked_waits(
+    pending: Mapping[int, Sequence[PendingP2P]],
+    posted: Mapping[int, Posted],
+    unfinished: Sequence[int],
+) -> tuple[PendingP2P, ...] | None:
+    """The messages the unfinished ranks wait for, when none of them can ever come (else None).
+
+    Every unfinished rank is blocked in a point-to-point wait, and each awaited message is one
+    whose peer never posted its counterpart (:func:`unmatched`, by counts): a finished rank posts
+    nothing more, and a blocked one posts nothing until its own wait ends, so no wait can end.
+    Ranks computing, or blocked in a collective, are not seen in a ledger: such worlds still run
+    to their deadline. A ledger is rewritten every 0.1 s, so a message posted a moment ago may
+    not be listed yet: the caller believes the same answer only when it holds for a while.
+    """
+    if not unfinished:
+        return None
+    never = {op for op, _ in unmatched(pending, posted)}
+    waits = []
+    for rank in unfinished:
+        current = waiting_on(pending.get(rank, ()))
+        if current is None or current not in never:
+            return None
+        waits.append(current)
+    return tuple(waits)
+
+
 def waiting_on(ops: Sequence[PendingP2P]) -> PendingP2P | None:
     """The message a rank is blocked on, if it is blocked in a point-to-point wait."""
     return next((p for p in ops if p.waiting), None)

@@ -14,7 +14,11 @@ world inside one Python program. These properties matter more than anything else
   gloo, reports the hang. When ranks are still running at the deadline (say one rank skipped a
   collective), each is asked for its Python stack (``faulthandler`` on SIGUSR1), and the error
   names the hung ranks, the line each was stuck on, and the point-to-point messages that were
-  posted and never matched (see :mod:`course.p2p_ledger`). No process outlives
+  posted and never matched (see :mod:`course.p2p_ledger`). A deadlock of messages does not wait
+  for the deadline: when every unfinished rank has waited ``DEADLOCK_SETTLE`` seconds for a
+  message that no rank posted (the ranks' ledgers, read every ``_POLL`` seconds while nothing
+  happens), none of them can ever post one, and the same report comes at once; a hang in a
+  collective or in computation still waits for the deadline. No process outlives
   :func:`run_world`: every rank is killed on the way out, and each rank also dies with the fork
   server (``PR_SET_PDEATHSIG``).
 * **Simulated nodes.** ``nodes=2`` lays the ranks out as two nodes and exports to each rank what
@@ -48,7 +52,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -63,6 +67,10 @@ WORLD_TIMEOUT_ENV = "DTFS_WORLD_TIMEOUT"
 NCCL_LOG_ENV = "DTFS_NCCL_WORLD_LOG"
 PRELOAD_ENV = "DTFS_WORLD_PRELOAD"  # modules the fork server imports (preload_in_worlds)
 PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's deadline by this much
+# A deadlock the ledgers show (every unfinished rank waits for a message no rank posted) is
+# reported once it has held this long, without waiting for the deadline.
+DEADLOCK_SETTLE = 2.0
+_POLL = 0.5  # how often a world with no news looks at its ranks' ledgers
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _HARNESS_FILE = str(Path(__file__).resolve())
 _EXIT = b"exit"
@@ -140,16 +148,27 @@ class WorldHung(WorldError):
         finished: Sequence[int],
         pending: Mapping[int, Sequence[p2p_ledger.PendingP2P]] | None = None,
         posted: Mapping[int, p2p_ledger.Posted] | None = None,
+        deadlocked_after: float | None = None,
     ) -> None:
         self.timeout = timeout
+        self.deadlocked_after = deadlocked_after  # seconds into the world; None: the deadline
         self.hung = hung
         self.finished = list(finished)
         self.pending = {rank: list(ops) for rank, ops in (pending or {}).items()}
         self.unmatched = p2p_ledger.unmatched(self.pending, posted)
         self.blocked_in_send = p2p_ledger.all_blocked_in_send(self.pending, sorted(hung))
+        self.crossed = p2p_ledger.crossed_tags(self.unmatched)
         ranks = ", ".join(str(rank) for rank in sorted(hung))
         done = ", ".join(str(rank) for rank in self.finished) or "none"
-        if self.blocked_in_send:
+        if self.crossed:
+            send, recv = self.crossed[0]
+            why = (
+                f"The same message under two tags: rank {send.rank} sends it to rank "
+                f"{send.peer} under tag {send.tag} ({_relative(send.filename)}:{send.lineno}) "
+                f"and rank {recv.rank} receives it under tag {recv.tag} "
+                f"({_relative(recv.filename)}:{recv.lineno}); a message is matched by its tag."
+            )
+        elif self.blocked_in_send:
             why = "Deadlock: " + p2p_ledger.BLOCKING_SEND_ADVICE + "."
         elif self.unmatched:
             why = (
@@ -161,7 +180,15 @@ class WorldHung(WorldError):
                 "A rank waiting forever usually means another rank skipped or reordered a "
                 "collective."
             )
-        lines = [f"rank(s) {ranks} still running after {timeout:g} s (finished: {done}). {why}"]
+        if deadlocked_after is None:
+            first = f"rank(s) {ranks} still running after {timeout:g} s (finished: {done})."
+        else:
+            first = (
+                f"rank(s) {ranks} deadlocked (finished: {done}): each waits for a message that "
+                f"no rank posted, and none of them can post one (seen {deadlocked_after:.1f} s "
+                f"into the world, before its {timeout:g} s deadline)."
+            )
+        lines = [f"{first} {why}"]
         for rank in sorted(hung):
             frames = hung[rank]
             if frames:
@@ -538,22 +565,30 @@ def run_world(
 
 
 def _collect(members: list[_Rank], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     by_conn = {id(member.conn): member for member in members}
     by_sentinel = {member.process.sentinel: member for member in members}
+    suspected: Any = None  # the deadlock the ledgers last showed, and since when
+    suspected_since = started
     while True:
         pending = [member for member in members if not member.done]
         if not pending:
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            finished = [member.rank for member in members if member.done]
-            stacks = _read_stacks(pending)
-            ledgers, posted = _read_ledgers(members), _read_posted(members)
-            raise WorldHung(timeout, stacks, finished, ledgers, posted)
+            _raise_hung(members, pending, timeout)
         waitables: list[Any] = [member.conn for member in pending]
         waitables += [member.process.sentinel for member in pending]
-        for ready in wait(waitables, timeout=remaining):
+        ready_now = wait(waitables, timeout=min(remaining, _POLL))
+        if not ready_now:
+            state = _deadlock_seen(members, pending)
+            if state is None or state != suspected:
+                suspected, suspected_since = state, time.monotonic()
+            elif time.monotonic() - suspected_since >= DEADLOCK_SETTLE:
+                _raise_hung(members, pending, timeout, time.monotonic() - started)
+            continue
+        for ready in ready_now:
             member = by_sentinel.get(ready) if isinstance(ready, int) else by_conn[id(ready)]
             if member is None or member.done:
                 continue
@@ -571,6 +606,31 @@ def _collect(members: list[_Rank], timeout: float) -> None:
                     _raise_if_a_peer_died(members, member)
                 raise RankFailed(member.rank, exc_type, message, frames)
             member.result, member.done = payload, True
+
+
+def _deadlock_seen(members: list[_Rank], pending: list[_Rank]) -> Any:
+    """What the ledgers say every unfinished rank waits for, when no wait can end (else None):
+    with every rank's counts of posted messages, so that any new message changes it."""
+    if not all(member.process.is_alive() for member in pending):
+        return None  # a dead rank is reported as such, by its sentinel
+    ledgers, posted = _read_ledgers(members), _read_posted(members)
+    waits = p2p_ledger.deadlocked_waits(ledgers, posted, [m.rank for m in pending])
+    if waits is None:
+        return None
+    return waits, tuple(sorted((rank, tuple(sorted(counts.items(), key=str)))
+                               for rank, counts in posted.items()))  # fmt: skip
+
+
+def _raise_hung(
+    members: list[_Rank],
+    pending: list[_Rank],
+    timeout: float,
+    deadlocked_after: float | None = None,
+) -> NoReturn:
+    finished = [member.rank for member in members if member.done]
+    stacks = _read_stacks(pending)
+    ledgers, posted = _read_ledgers(members), _read_posted(members)
+    raise WorldHung(timeout, stacks, finished, ledgers, posted, deadlocked_after)
 
 
 _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe")

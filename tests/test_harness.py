@@ -97,6 +97,8 @@ def test_a_skipped_collective_is_reported_as_a_hang_with_the_stuck_line(tmp_path
     assert stuck.function == "rank_one_skips_the_all_reduce", str(err)
     assert "dist.all_reduce(t)" in stuck.line, str(err)
     assert "rank 0 stuck at tests/test_harness.py" in str(err)
+    # a collective is not in the ledgers: this hang waits for its deadline
+    assert err.deadlocked_after is None and "still running after 6 s" in str(err), str(err)
     pids = _pids(tmp_path)
     assert len(pids) == 2 and not any(map(_alive, pids)), "ranks outlived run_world"
 
@@ -288,6 +290,54 @@ def test_a_send_whose_receive_completed_is_not_called_never_received() -> None:
     assert "rank 0 posted recv from 1 tag 6 float32[3]" in text, text
     assert "tag 5" not in text, f"the delivered send (tag 5) is listed as unmatched:\n{text}"
     assert "never received" not in text, text
+
+
+def test_a_deadlock_of_messages_is_reported_without_waiting_for_the_deadline() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldHung) as info:
+        run_world(delivered_send_then_a_receive_nobody_sends, 2, timeout=60)
+    elapsed, err = time.monotonic() - start, info.value
+    assert err.deadlocked_after is not None and elapsed < 20, (
+        f"a deadlock of messages took {elapsed:.1f} s to report (deadline 60 s):\n{err}"
+    )
+    assert "rank(s) 0, 1 deadlocked (finished: none)" in str(err), str(err)
+    assert "rank 1 posted recv from 0 tag 8 float32[3]" in str(err), str(err)
+
+
+def send_and_receive_under_different_tags() -> None:
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(3), 1, tag=1)
+    else:
+        dist.recv(torch.empty(3), 0, tag=2)  # the learner's slip: the tag of another message
+
+
+def test_one_message_under_two_tags_is_named_as_such() -> None:
+    with pytest.raises(WorldHung) as info:
+        run_world(send_and_receive_under_different_tags, 2, timeout=60)
+    text = str(info.value)
+    assert info.value.deadlocked_after is not None, text
+    assert "The same message under two tags: rank 0 sends it to rank 1 under tag 1 " in text, text
+    assert "rank 1 receives it under tag 2 (tests/test_harness.py:" in text, text
+
+
+def slow_sender_then_receivers() -> float:
+    """Rank 0 waits for rank 1, which waits for rank 2, which computes for 3 s before it sends:
+    a chain of waits for messages not posted yet, but not a deadlock."""
+    rank = dist.get_rank()
+    got = torch.zeros(1)
+    if rank == 2:
+        time.sleep(3.0)  # stands for a long computation: no message in flight meanwhile
+        dist.send(torch.ones(1), 1, tag=1)
+    elif rank == 1:
+        dist.recv(got, 2, tag=1)
+        dist.send(got + 1, 0, tag=2)
+    else:
+        dist.recv(got, 1, tag=2)
+    return float(got)
+
+
+def test_waits_for_a_rank_that_computes_are_not_called_a_deadlock() -> None:
+    assert run_world(slow_sender_then_receivers, 3, timeout=30) == [2.0, 1.0, 0.0]
 
 
 def test_batched_point_to_point_still_works_under_the_ledger() -> None:

@@ -10,6 +10,7 @@ float32/float64/bfloat16/int64, SUM/MAX/MIN/PRODUCT; 64 MiB once, on 2 ranks.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +47,14 @@ def ring() -> Any:
 def ring_hang_note(exc: WorldHung) -> str:
     """A specific cause when the messages the hung ranks wait for point at one (else "")."""
     gather_tag = getattr(ring(), "ALL_GATHER_TAG", None)
+    if exc.crossed:
+        send, recv = exc.crossed[0]
+        return (
+            f"Rank {send.rank} sends under tag {send.tag} a message that rank {recv.rank} "
+            f"receives under tag {recv.tag} (lines {send.lineno} and {recv.lineno} of "
+            f"{Path(send.filename).name}): the reduce-scatter's messages travel under "
+            "REDUCE_SCATTER_TAG and the all-gather's under ALL_GATHER_TAG, on both ends."
+        )
     waiting = [p2p_ledger.waiting_on(exc.pending.get(rank, ())) for rank in exc.hung]
     never = {(op.rank, op.op, op.peer, op.tag) for op, what in exc.unmatched}
     if gather_tag is None or not waiting or any(op is None for op in waiting):
