@@ -8,7 +8,11 @@ and the ``distributed_c10d`` globals, as :mod:`course.comm_counter` does, so
 tests ``op.op is isend`` against the module's own global, see torch/distributed/
 distributed_c10d.py), and ``Work.wait`` (to know which message a rank is blocked on). It keeps,
 for each message still in flight: op, peer, tag, dtype, shape and the innermost project line that
-posted it.
+posted it. It also wraps the collectives of ``torch.distributed``'s Python API (``COLLECTIVES``)
+and keeps, per group, how many this rank entered and the ones not finished: the i-th collective
+on a group completes only once every member entered its i-th, so a rank waiting in one that a
+member never entered is stuck (:func:`unjoined`). With both, the parent can tell a deadlock from
+a slow world before the deadline (:func:`deadlocked_waits`).
 
 A rank blocked in a C++ wait cannot run a Python signal handler, so the ledger cannot be asked
 for at the deadline: it is kept in memory and a small thread of the rank rewrites a JSON file
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import sys
@@ -93,6 +98,28 @@ class PendingP2P:
         return f"rank {self.rank} posted {self.message} at {relative(self.filename)}:{self.lineno}"
 
 
+@dataclass(frozen=True)
+class PendingCollective:
+    """A collective a rank entered through ``torch.distributed``'s Python API and that had not
+    completed when the ledger was last written (collectives issued from C++, as DDP's reducer
+    does, or through functional collectives, as DTensor and FSDP2 do, are not seen)."""
+
+    rank: int
+    op: str  # all_reduce, broadcast, ...
+    group: str  # the process group's name (the same on every member: groups are made in order)
+    members: tuple[int, ...]  # its global ranks
+    seq: int  # how many collectives this rank entered on that group before this one
+    filename: str
+    lineno: int
+    function: str
+    waiting: bool
+
+    @property
+    def message(self) -> str:
+        """``all_reduce on ranks (0, 1)``."""
+        return f"{self.op} on ranks {self.members}"
+
+
 # ----------------------------------------------------------------------------- the rank side
 
 
@@ -107,6 +134,8 @@ class _Ledger:
         self.works: dict[int, tuple[Any, int]] = {}  # id(work) -> (work, entry id)
         self.next_id = 0
         self.posted: dict[tuple[str, int | None, int], int] = {}  # (send|recv, peer, tag) -> count
+        self.collectives: dict[int, dict[str, Any]] = {}  # id -> a PendingCollective's fields
+        self.entered: dict[str, int] = {}  # group name -> collectives entered on it
         self.local = threading.local()
         self.write()
 
@@ -151,9 +180,25 @@ class _Ledger:
             self.dirty = True
         return entry_id
 
+    def enter(self, op: str, group: str, members: tuple[int, ...], waiting: bool) -> int:
+        """Record a collective this rank enters; its id shares the message ids' counter."""
+        filename, lineno, function = self._site()
+        with self.lock:
+            entry_id = self.next_id
+            self.next_id += 1
+            seq = self.entered.get(group, 0)
+            self.entered[group] = seq + 1
+            self.collectives[entry_id] = dict(
+                rank=self.rank, op=op, group=group, members=list(members), seq=seq,
+                filename=filename, lineno=lineno, function=function, waiting=waiting,
+            )  # fmt: skip
+            self.dirty = True
+        return entry_id
+
     def complete(self, entry_id: int) -> None:
         with self.lock:
             self.entries.pop(entry_id, None)
+            self.collectives.pop(entry_id, None)
             self.dirty = True
 
     def track(self, work: Any, entry_id: int) -> None:
@@ -165,7 +210,7 @@ class _Ledger:
             held = self.works.get(id(work))
             if held is None or held[0] is not work:
                 return None
-            entry = self.entries.get(held[1])
+            entry = self.entries.get(held[1], self.collectives.get(held[1]))
             if entry is not None:
                 entry["waiting"] = waiting
                 self.dirty = True
@@ -176,6 +221,7 @@ class _Ledger:
             held = self.works.pop(id(work), None)
             if held is not None:
                 self.entries.pop(held[1], None)
+                self.collectives.pop(held[1], None)
                 self.dirty = True
 
     def _sweep(self) -> None:
@@ -188,6 +234,7 @@ class _Ledger:
         for key, entry_id in done:
             self.works.pop(key, None)
             self.entries.pop(entry_id, None)
+            self.collectives.pop(entry_id, None)
             self.dirty = True
 
     def flush_forever(self, period: float = 0.1) -> None:
@@ -206,6 +253,8 @@ class _Ledger:
                 {
                     "pending": list(self.entries.values()),
                     "posted": [[*key, count] for key, count in self.posted.items()],
+                    "collectives": list(self.collectives.values()),
+                    "entered": self.entered,
                 }
             )
             self.dirty = False
@@ -268,6 +317,55 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return recorded
 
 
+COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+)  # fmt: skip
+
+
+def _group_identity(group: Any) -> tuple[str, tuple[int, ...]] | None:
+    """(name, global ranks) of a collective's group; None when it cannot be told."""
+    with contextlib.suppress(Exception):
+        group = group if group is not None else dist.GroupMember.WORLD
+        members = tuple(int(r) for r in dist.get_process_group_ranks(group))
+        return str(group.group_name), members
+    return None
+
+
+def _wrap_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        ledger = _ledger
+        if ledger is None or getattr(ledger.local, "inside", False):
+            return original(*args, **kwargs)
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)  # torch will say what is wrong with the call
+        identity = _group_identity(given.get("group"))
+        if identity is None:
+            return original(*args, **kwargs)
+        blocking = not given.get("async_op", False)
+        entry_id = ledger.enter(name, *identity, waiting=blocking)
+        ledger.local.inside = True  # an object collective's inner ones are its own business
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            ledger.complete(entry_id)
+            raise
+        finally:
+            ledger.local.inside = False
+        if blocking or result is None:
+            ledger.complete(entry_id)
+        else:
+            ledger.track(result, entry_id)
+        return result
+
+    return recorded
+
+
 def _wrap_work_wait(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -293,6 +391,10 @@ def install(path: str, rank: int, is_project_frame: Callable[[str], bool]) -> No
     _ledger = _Ledger(path, rank, is_project_frame)
     for name in SENDS + RECEIVES:
         wrapper = _wrap(name, getattr(c10d, name))
+        for module in (dist, c10d):
+            setattr(module, name, wrapper)
+    for name in COLLECTIVES:
+        wrapper = _wrap_collective(name, getattr(c10d, name))
         for module in (dist, c10d):
             setattr(module, name, wrapper)
     work_type = torch._C._distributed_c10d.Work
@@ -322,6 +424,20 @@ def read_pending(path: Path) -> list[PendingP2P]:
             item["shape"] = tuple(item["shape"])
             pending.append(PendingP2P(**item))
     return pending
+
+
+def read_collectives(path: Path) -> tuple[list[PendingCollective], dict[str, int]]:
+    """The collectives a rank's ledger lists as not completed, and how many it entered per
+    group (empty when unreadable)."""
+    raw = _read(path)
+    pending = []
+    for item in raw.get("collectives", []):
+        with contextlib.suppress(KeyError, TypeError):
+            item["members"] = tuple(item["members"])
+            pending.append(PendingCollective(**item))
+    entered = raw.get("entered", {})
+    counts = {str(k): int(v) for k, v in entered.items()} if isinstance(entered, dict) else {}
+    return pending, counts
 
 
 def read_posted(path: Path) -> Posted:
@@ -389,29 +505,57 @@ def crossed_tags(
     ]
 
 
+def unjoined(
+    collectives: Mapping[int, Sequence[PendingCollective]], entered: Mapping[int, Mapping[str, int]]
+) -> list[tuple[PendingCollective, list[int]]]:
+    """Collectives a rank waits in that some member of the group never entered: the i-th
+    collective on a group needs every member's i-th (``entered`` counts them per rank)."""
+    out = []
+    for rank in sorted(collectives):
+        for op in collectives[rank]:
+            if not op.waiting:
+                continue
+            missing = [m for m in op.members
+                       if m != rank and entered.get(m, {}).get(op.group, 0) <= op.seq]  # fmt: skip
+            if missing:
+                out.append((op, missing))
+    return out
+
+
 def deadlocked_waits(
     pending: Mapping[int, Sequence[PendingP2P]],
     posted: Mapping[int, Posted],
     unfinished: Sequence[int],
-) -> tuple[PendingP2P, ...] | None:
-    """The messages the unfinished ranks wait for, when none of them can ever come (else None).
+    collectives: Mapping[int, Sequence[PendingCollective]] | None = None,
+    entered: Mapping[int, Mapping[str, int]] | None = None,
+) -> tuple[PendingP2P | PendingCollective, ...] | None:
+    """What the unfinished ranks wait for, when none of it can ever come (else None).
 
-    Every unfinished rank is blocked in a point-to-point wait, and each awaited message is one
-    whose peer never posted its counterpart (:func:`unmatched`, by counts): a finished rank posts
-    nothing more, and a blocked one posts nothing until its own wait ends, so no wait can end.
-    Ranks computing, or blocked in a collective, are not seen in a ledger: such worlds still run
-    to their deadline. A ledger is rewritten every 0.1 s, so a message posted a moment ago may
-    not be listed yet: the caller believes the same answer only when it holds for a while.
+    Every unfinished rank is blocked in a point-to-point wait for a message whose peer never
+    posted its counterpart (:func:`unmatched`, by counts), or in a collective that a member of
+    its group never entered (:func:`unjoined`): a finished rank posts and enters nothing more,
+    and a blocked one nothing until its own wait ends, so no wait can end. Ranks computing, or
+    blocked in communication the ledger does not see (DDP's reducer, functional collectives),
+    are not counted as blocked: such worlds still run to their deadline. A ledger is rewritten
+    every 0.1 s, so something posted a moment ago may not be listed yet: the caller believes the
+    same answer only when it holds for a while.
     """
     if not unfinished:
         return None
     never = {op for op, _ in unmatched(pending, posted)}
-    waits = []
+    stuck = {op for op, _ in unjoined(collectives or {}, entered or {})}
+    waits: list[PendingP2P | PendingCollective] = []
     for rank in unfinished:
-        current = waiting_on(pending.get(rank, ()))
-        if current is None or current not in never:
+        message = waiting_on(pending.get(rank, ()))
+        if message is not None:
+            if message not in never:
+                return None
+            waits.append(message)
+            continue
+        joined = next((op for op in (collectives or {}).get(rank, ()) if op.waiting), None)
+        if joined is None or joined not in stuck:
             return None
-        waits.append(current)
+        waits.append(joined)
     return tuple(waits)
 
 

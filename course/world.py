@@ -14,11 +14,12 @@ world inside one Python program. These properties matter more than anything else
   gloo, reports the hang. When ranks are still running at the deadline (say one rank skipped a
   collective), each is asked for its Python stack (``faulthandler`` on SIGUSR1), and the error
   names the hung ranks, the line each was stuck on, and the point-to-point messages that were
-  posted and never matched (see :mod:`course.p2p_ledger`). A deadlock of messages does not wait
-  for the deadline: when every unfinished rank has waited ``DEADLOCK_SETTLE`` seconds for a
-  message that no rank posted (the ranks' ledgers, read every ``_POLL`` seconds while nothing
-  happens), none of them can ever post one, and the same report comes at once; a hang in a
-  collective or in computation still waits for the deadline. No process outlives
+  posted and never matched (see :mod:`course.p2p_ledger`). A deadlock does not wait for the
+  deadline: when every unfinished rank has waited ``DEADLOCK_SETTLE`` seconds for a message that
+  no rank posted, or in a collective that a member of its group never entered (the ranks'
+  ledgers, read every ``_POLL`` seconds while nothing happens), none of them can ever move, and
+  the same report comes at once; a hang in computation, or in communication the ledgers do not
+  see (DDP's reducer, functional collectives), still waits for the deadline. No process outlives
   :func:`run_world`: every rank is killed on the way out, and each rank also dies with the fork
   server (``PR_SET_PDEATHSIG``).
 * **Simulated nodes.** ``nodes=2`` lays the ranks out as two nodes and exports to each rank what
@@ -149,9 +150,11 @@ class WorldHung(WorldError):
         pending: Mapping[int, Sequence[p2p_ledger.PendingP2P]] | None = None,
         posted: Mapping[int, p2p_ledger.Posted] | None = None,
         deadlocked_after: float | None = None,
+        unjoined: Sequence[tuple[p2p_ledger.PendingCollective, list[int]]] = (),
     ) -> None:
         self.timeout = timeout
         self.deadlocked_after = deadlocked_after  # seconds into the world; None: the deadline
+        self.unjoined = list(unjoined)  # collectives waited in that a member never entered
         self.hung = hung
         self.finished = list(finished)
         self.pending = {rank: list(ops) for rank, ops in (pending or {}).items()}
@@ -184,9 +187,10 @@ class WorldHung(WorldError):
             first = f"rank(s) {ranks} still running after {timeout:g} s (finished: {done})."
         else:
             first = (
-                f"rank(s) {ranks} deadlocked (finished: {done}): each waits for a message that "
-                f"no rank posted, and none of them can post one (seen {deadlocked_after:.1f} s "
-                f"into the world, before its {timeout:g} s deadline)."
+                f"rank(s) {ranks} deadlocked (finished: {done}): each waits for a message or "
+                "a collective that no other rank will post or join, as none of them can move "
+                f"(seen {deadlocked_after:.1f} s into the world, before its {timeout:g} s "
+                "deadline)."
             )
         lines = [f"{first} {why}"]
         for rank in sorted(hung):
@@ -204,6 +208,13 @@ class WorldHung(WorldError):
             ):
                 site = f"{_relative(current.filename)}:{current.lineno} in {current.function}"
                 lines.append(f"      waiting for its {current.message} posted at {site}")
+        for op, missing in self.unjoined:
+            others = ", ".join(str(m) for m in missing)
+            lines.append(
+                f"  rank {op.rank} waits in its collective number {op.seq + 1} on ranks "
+                f"{op.members} ({op.op} at {_relative(op.filename)}:{op.lineno}), which rank(s) "
+                f"{others} never entered"
+            )
         if self.unmatched:
             lines.append("  point-to-point messages never matched:")
             described = [f"    {op.describe(_relative)} — {what}" for op, what in self.unmatched]
@@ -444,6 +455,14 @@ def _read_ledgers(members: list[_Rank]) -> dict[int, list[p2p_ledger.PendingP2P]
     }
 
 
+def _read_collectives(
+    members: list[_Rank],
+) -> tuple[dict[int, list[p2p_ledger.PendingCollective]], dict[int, dict[str, int]]]:
+    """Every rank's unfinished collectives, and how many it entered per group."""
+    read = {m.rank: p2p_ledger.read_collectives(Path(f"{m.stack_file}.p2p.json")) for m in members}
+    return {r: pending for r, (pending, _) in read.items()}, {r: n for r, (_, n) in read.items()}
+
+
 def _read_posted(members: list[_Rank]) -> dict[int, p2p_ledger.Posted]:
     """How many sends and receives each rank ever posted, by peer and tag (its ledger file)."""
     return {
@@ -614,11 +633,14 @@ def _deadlock_seen(members: list[_Rank], pending: list[_Rank]) -> Any:
     if not all(member.process.is_alive() for member in pending):
         return None  # a dead rank is reported as such, by its sentinel
     ledgers, posted = _read_ledgers(members), _read_posted(members)
-    waits = p2p_ledger.deadlocked_waits(ledgers, posted, [m.rank for m in pending])
+    collectives, entered = _read_collectives(members)
+    unfinished = [m.rank for m in pending]
+    waits = p2p_ledger.deadlocked_waits(ledgers, posted, unfinished, collectives, entered)
     if waits is None:
         return None
-    return waits, tuple(sorted((rank, tuple(sorted(counts.items(), key=str)))
-                               for rank, counts in posted.items()))  # fmt: skip
+    counts = [(rank, sorted(posted[rank].items(), key=str), sorted(entered[rank].items()))
+              for rank in sorted(posted)]  # fmt: skip
+    return waits, repr(counts)
 
 
 def _raise_hung(
@@ -630,7 +652,9 @@ def _raise_hung(
     finished = [member.rank for member in members if member.done]
     stacks = _read_stacks(pending)
     ledgers, posted = _read_ledgers(members), _read_posted(members)
-    raise WorldHung(timeout, stacks, finished, ledgers, posted, deadlocked_after)
+    collectives, entered = _read_collectives(members)
+    stuck = p2p_ledger.unjoined(collectives, entered)
+    raise WorldHung(timeout, stacks, finished, ledgers, posted, deadlocked_after, stuck)
 
 
 _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe")

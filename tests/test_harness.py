@@ -97,8 +97,9 @@ def test_a_skipped_collective_is_reported_as_a_hang_with_the_stuck_line(tmp_path
     assert stuck.function == "rank_one_skips_the_all_reduce", str(err)
     assert "dist.all_reduce(t)" in stuck.line, str(err)
     assert "rank 0 stuck at tests/test_harness.py" in str(err)
-    # a collective is not in the ledgers: this hang waits for its deadline
-    assert err.deadlocked_after is None and "still running after 6 s" in str(err), str(err)
+    # rank 1 finished without entering it: the ledgers show no way out, before the deadline
+    assert err.deadlocked_after is not None and "rank(s) 0 deadlocked (finished: 1)" in str(err)
+    assert "which rank(s) 1 never entered" in str(err), str(err)
     pids = _pids(tmp_path)
     assert len(pids) == 2 and not any(map(_alive, pids)), "ranks outlived run_world"
 
@@ -336,8 +337,38 @@ def slow_sender_then_receivers() -> float:
     return float(got)
 
 
+def slow_joiner() -> float:
+    """Rank 0 waits in an all-reduce that rank 1 joins after 3 s of computing."""
+    t = torch.ones(1)
+    if dist.get_rank() == 1:
+        time.sleep(3.0)
+    dist.all_reduce(t)
+    return float(t)
+
+
 def test_waits_for_a_rank_that_computes_are_not_called_a_deadlock() -> None:
     assert run_world(slow_sender_then_receivers, 3, timeout=30) == [2.0, 1.0, 0.0]
+    assert run_world(slow_joiner, 2, timeout=30) == [2.0, 2.0]
+
+
+def all_reduce_on_different_groups() -> None:
+    """Ranks 0 and 1 reduce on their pair while rank 2 reduces on the world: no one can move."""
+    pair = dist.new_group([0, 1])
+    t = torch.ones(1)
+    if isinstance(pair, dist.ProcessGroup):  # ranks 0 and 1; rank 2 holds no handle to it
+        dist.all_reduce(t, group=pair)
+    dist.all_reduce(t)
+    if dist.get_rank() == 0 and isinstance(pair, dist.ProcessGroup):
+        dist.all_reduce(t, group=pair)  # rank 1 never joins this one
+
+
+def test_a_collective_a_member_never_joins_is_a_deadlock() -> None:
+    with pytest.raises(WorldHung) as info:
+        run_world(all_reduce_on_different_groups, 3, timeout=60)
+    text = str(info.value)
+    assert info.value.deadlocked_after is not None, text
+    assert "rank(s) 0 deadlocked (finished: 1, 2)" in text, text
+    assert "rank 0 waits in its collective number 2 on ranks (0, 1)" in text, text
 
 
 def test_batched_point_to_point_still_works_under_the_ledger() -> None:
