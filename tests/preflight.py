@@ -60,13 +60,20 @@ def first_message(ex: Exercise, root: Path = ROOT) -> str | None:
     return f"{label} not written yet: {text}\n  at {path.relative_to(root)}:{line} in {where}{left}"
 
 
+STUCK_CAUSE = " never entered"  # course/world.py's line for a collective a member skipped
+
+
 def failure_headline(report: pytest.TestReport) -> str:
     """A failure in at most two lines: the harness's short message (``[3.1 ...] ...`` and its
-    ``at`` line), or the exception's first line and, when it was raised in the course's code
+    ``at`` line, plus, for a deadlock in a collective, the line naming the rank that never
+    entered it), or the exception's first line and, when it was raised in the course's code
     (a template, a solution, the given modules), where."""
     text = report.longreprtext.strip()
     if text.startswith("["):
-        return "\n".join(text.splitlines()[:2])
+        lines = text.splitlines()
+        # a deadlock's cause: the collective a rank never entered (the stuck line says where)
+        cause = next((line for line in lines[2:] if line.endswith(STUCK_CAUSE)), None)
+        return "\n".join(lines[:2] + ([cause] if cause else []))
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is None:
         return text.splitlines()[-1] if text else "(no message)"

@@ -9,10 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from exercises import BY_ID
-from preflight import first_message
+from preflight import failure_headline, first_message
 
 ROOT = Path(__file__).resolve().parents[1]
 RING = BY_ID["3.1"]
@@ -77,6 +78,22 @@ def test_a_missing_template_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.harness
+def test_a_deadlock_in_a_collective_is_told_with_the_rank_that_never_entered_it() -> None:
+    report = SimpleNamespace(longreprtext="\n".join([
+        "[1.2 broadcast] rank(s) 0 deadlocked (finished: 1): each waits ...",
+        "  rank 0 stuck at phase1_data_parallel/template_trainer.py:89 in broadcast_parameters",
+        "      called from tests/phase1/grade_1_2_averaging.py:85 in broadcast_worker",
+        "  rank 0 waits in its collective number 1 on ranks (0, 1) (broadcast at "
+        "phase1_data_parallel/template_trainer.py:89), which rank(s) 1 never entered",
+    ]))  # fmt: skip
+    lines = failure_headline(report).splitlines()  # type: ignore[arg-type]
+    assert len(lines) == 3 and lines[2].endswith("which rank(s) 1 never entered"), lines
+    report.longreprtext = "[3.1 ring] values differ\n  at template_ring_allreduce.py:90\n  more"
+    assert failure_headline(report).splitlines() == [  # type: ignore[arg-type]
+        "[3.1 ring] values differ", "  at template_ring_allreduce.py:90"
+    ]
+
+
 def test_the_conftests_and_plugins_load_without_torch() -> None:
     # the message is printed at session start: anything imported before it delays it by the
     # seconds torch takes to import
