@@ -300,21 +300,35 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)  # dist.send calls isend inside: record it once
         tensor, peer, tag = _arguments(name, args, kwargs)
         entry_id = ledger.post(name, tensor, peer, tag, waiting=blocking)
-        ledger.local.inside = True
-        try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            ledger.complete(entry_id)
-            raise
-        finally:
-            ledger.local.inside = False
-        if blocking or result is None:  # None: inside a coalescing manager (NCCL batches)
-            ledger.complete(entry_id)
-        else:
-            ledger.track(result, entry_id)
-        return result
+        return _call_recorded(ledger, entry_id, blocking, original, args, kwargs)
 
     return recorded
+
+
+def _call_recorded(
+    ledger: _Ledger,
+    entry_id: int,
+    blocking: bool,
+    original: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    """Run a recorded call: what it calls inside is not recorded again (``dist.send`` calls
+    ``isend``; an object collective its tensor ones); a blocking call is complete when it
+    returns, an async one when its work is waited on or found completed."""
+    ledger.local.inside = True
+    try:
+        result = original(*args, **kwargs)
+    except BaseException:
+        ledger.complete(entry_id)
+        raise
+    finally:
+        ledger.local.inside = False
+    if blocking or result is None:  # None: inside a coalescing manager (NCCL batches)
+        ledger.complete(entry_id)
+    else:
+        ledger.track(result, entry_id)
+    return result
 
 
 COLLECTIVES = (
@@ -349,19 +363,7 @@ def _wrap_collective(name: str, original: Callable[..., Any]) -> Callable[..., A
             return original(*args, **kwargs)
         blocking = not given.get("async_op", False)
         entry_id = ledger.enter(name, *identity, waiting=blocking)
-        ledger.local.inside = True  # an object collective's inner ones are its own business
-        try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            ledger.complete(entry_id)
-            raise
-        finally:
-            ledger.local.inside = False
-        if blocking or result is None:
-            ledger.complete(entry_id)
-        else:
-            ledger.track(result, entry_id)
-        return result
+        return _call_recorded(ledger, entry_id, blocking, original, args, kwargs)
 
     return recorded
 

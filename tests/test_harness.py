@@ -352,7 +352,8 @@ def test_waits_for_a_rank_that_computes_are_not_called_a_deadlock() -> None:
 
 
 def all_reduce_on_different_groups() -> None:
-    """Ranks 0 and 1 reduce on their pair while rank 2 reduces on the world: no one can move."""
+    """Ranks 0 and 1 reduce on their pair, all three on the world, then rank 0 alone on the
+    pair again: rank 1 never joins that one, and rank 0 can never move."""
     pair = dist.new_group([0, 1])
     t = torch.ones(1)
     if isinstance(pair, dist.ProcessGroup):  # ranks 0 and 1; rank 2 holds no handle to it
