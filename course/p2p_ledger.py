@@ -368,6 +368,32 @@ def _wrap_collective(name: str, original: Callable[..., Any]) -> Callable[..., A
     return recorded
 
 
+def _wrap_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``dist.new_group`` waits on the store until every rank of the world (or, with
+    ``use_local_synchronization``, of the new group) has called it: a collective of its own,
+    counted apart from the world's collectives under the name ``new_group``."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        ledger = _ledger
+        if ledger is None or getattr(ledger.local, "inside", False):
+            return original(*args, **kwargs)
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+            world = tuple(range(dist.get_world_size()))
+        except (TypeError, RuntimeError, ValueError):
+            return original(*args, **kwargs)
+        members = world
+        if given.get("use_local_synchronization") and given.get("ranks") is not None:
+            members = tuple(sorted(int(r) for r in given["ranks"]))
+        key = "new_group" if members == world else f"new_group{members}"
+        entry_id = ledger.enter("new_group", key, members, waiting=True)
+        return _call_recorded(ledger, entry_id, True, original, args, kwargs)
+
+    return recorded
+
+
 def _wrap_work_wait(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -399,6 +425,9 @@ def install(path: str, rank: int, is_project_frame: Callable[[str], bool]) -> No
         wrapper = _wrap_collective(name, getattr(c10d, name))
         for module in (dist, c10d):
             setattr(module, name, wrapper)
+    wrapper = _wrap_new_group(c10d.new_group)
+    for module in (dist, c10d):
+        setattr(module, "new_group", wrapper)  # noqa: B010 - mypy: dist has no new_group stub
     work_type = torch._C._distributed_c10d.Work
     work_type.wait = _wrap_work_wait(work_type.wait)  # type: ignore[method-assign]
     threading.Thread(target=_ledger.flush_forever, name="p2p-ledger", daemon=True).start()

@@ -372,6 +372,23 @@ def test_a_collective_a_member_never_joins_is_a_deadlock() -> None:
     assert "rank 0 waits in its collective number 2 on ranks (0, 1)" in text, text
 
 
+def a_rank_creates_a_group_the_others_never_create() -> None:
+    """Rank 0 creates a group (every rank of the world must, in the same order); ranks 1 and 2
+    wait for a message from rank 0 instead."""
+    if dist.get_rank() == 0:
+        dist.new_group([0, 1])
+    else:
+        dist.recv(torch.empty(1), 0)
+
+
+def test_a_rank_waiting_in_new_group_for_the_others_is_part_of_a_deadlock() -> None:
+    with pytest.raises(WorldHung) as info:
+        run_world(a_rank_creates_a_group_the_others_never_create, 3, timeout=60)
+    text = str(info.value)
+    assert info.value.deadlocked_after is not None, text
+    assert "(new_group at tests/test_harness.py:" in text and "rank(s) 1, 2 never entered" in text
+
+
 def test_batched_point_to_point_still_works_under_the_ledger() -> None:
     assert run_world(batched_ring_exchange, 2) == [[1.0, 1.0], [0.0, 0.0]]
 
