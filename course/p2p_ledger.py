@@ -346,32 +346,29 @@ def _group_identity(group: Any) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
-def _wrap_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        ledger = _ledger
-        if ledger is None or getattr(ledger.local, "inside", False):
-            return original(*args, **kwargs)
-        try:
-            given = signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            return original(*args, **kwargs)  # torch will say what is wrong with the call
-        identity = _group_identity(given.get("group"))
-        if identity is None:
-            return original(*args, **kwargs)
-        blocking = not given.get("async_op", False)
-        entry_id = ledger.enter(name, *identity, waiting=blocking)
-        return _call_recorded(ledger, entry_id, blocking, original, args, kwargs)
-
-    return recorded
+# what a recorded collective enters: (group key, its global ranks, blocking), or None to pass
+Identify = Callable[[Mapping[str, Any]], "tuple[str, tuple[int, ...], bool] | None"]
 
 
-def _wrap_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
+def _collective_identity(given: Mapping[str, Any]) -> tuple[str, tuple[int, ...], bool] | None:
+    identity = _group_identity(given.get("group"))
+    return None if identity is None else (*identity, not given.get("async_op", False))
+
+
+def _new_group_identity(given: Mapping[str, Any]) -> tuple[str, tuple[int, ...], bool] | None:
     """``dist.new_group`` waits on the store until every rank of the world (or, with
     ``use_local_synchronization``, of the new group) has called it: a collective of its own,
     counted apart from the world's collectives under the name ``new_group``."""
+    world = tuple(range(dist.get_world_size()))
+    members = world
+    if given.get("use_local_synchronization") and given.get("ranks") is not None:
+        members = tuple(sorted(int(r) for r in given["ranks"]))
+    return ("new_group" if members == world else f"new_group{members}"), members, True
+
+
+def _wrap_collective(
+    name: str, original: Callable[..., Any], identify: Identify = _collective_identity
+) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -380,16 +377,14 @@ def _wrap_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
         if ledger is None or getattr(ledger.local, "inside", False):
             return original(*args, **kwargs)
         try:
-            given = signature.bind(*args, **kwargs).arguments
-            world = tuple(range(dist.get_world_size()))
+            identity = identify(signature.bind(*args, **kwargs).arguments)
         except (TypeError, RuntimeError, ValueError):
+            identity = None  # a bad call: torch will say what is wrong with it
+        if identity is None:
             return original(*args, **kwargs)
-        members = world
-        if given.get("use_local_synchronization") and given.get("ranks") is not None:
-            members = tuple(sorted(int(r) for r in given["ranks"]))
-        key = "new_group" if members == world else f"new_group{members}"
-        entry_id = ledger.enter("new_group", key, members, waiting=True)
-        return _call_recorded(ledger, entry_id, True, original, args, kwargs)
+        key, members, blocking = identity
+        entry_id = ledger.enter(name, key, members, waiting=blocking)
+        return _call_recorded(ledger, entry_id, blocking, original, args, kwargs)
 
     return recorded
 
@@ -425,7 +420,7 @@ def install(path: str, rank: int, is_project_frame: Callable[[str], bool]) -> No
         wrapper = _wrap_collective(name, getattr(c10d, name))
         for module in (dist, c10d):
             setattr(module, name, wrapper)
-    wrapper = _wrap_new_group(c10d.new_group)
+    wrapper = _wrap_collective("new_group", c10d.new_group, _new_group_identity)
     for module in (dist, c10d):
         setattr(module, "new_group", wrapper)  # noqa: B010 - mypy: dist has no new_group stub
     work_type = torch._C._distributed_c10d.Work

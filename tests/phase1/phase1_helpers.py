@@ -50,7 +50,7 @@ def fail(message: str) -> NoReturn:
 
 def small_world(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """A world of the implementation under test; a hang is reported after the world timeout
-    (DTFS_WORLD_TIMEOUT, 20 s by default), a deadlock about 2 s after it sets in."""
+    (DTFS_WORLD_TIMEOUT, 20 s by default), a deadlock 2-4 s after it sets in."""
     return world(fn, world_size, *args, **kwargs)
 
 

@@ -75,7 +75,7 @@ def impl_flag() -> list[str]:
 
 def small_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """A world of 2-4 ranks; a hang is reported after the world timeout (20 s by default), a
-    deadlock about 2 s after it sets in."""
+    deadlock 2-4 s after it sets in."""
     return world(fn, world_size, *args)
 
 

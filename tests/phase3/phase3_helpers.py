@@ -56,7 +56,7 @@ def small_world(
     hang_note: Callable[[WorldHung], str] | None = None,
 ) -> list[Any]:
     """A world of 2-6 ranks; a hang is reported after the world timeout (20 s by default; a
-    deadlock about 2 s after it sets in), with the usual causes of a hang in
+    deadlock 2-4 s after it sets in), with the usual causes of a hang in
     hand-made collectives in front of the harness's report (or, if ``hang_note`` reads a
     specific cause from the messages left pending, that cause), and ``hint`` (what this exercise
     most likely got wrong) in front of any rank failure."""
