@@ -15,8 +15,15 @@ rendezvous, restarts, logs and exit status are what ``python -m torch.distribute
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 import torch._dynamo  # noqa: F401  (imported for the workers: see the docstring)
 from torch.distributed.run import main
 
 if __name__ == "__main__":
+    # what the workers inherit stays out of their garbage collector's walks (see
+    # course/world_preload.py); handed back at the agent's exit
+    gc.freeze()
+    atexit.register(gc.unfreeze)
     main()
