@@ -64,7 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "long_running: runs for 10 s or more (a notebook, a deadline, a real-torchrun scenario; "
-        "torchrun implies it): its work unit starts first when tests run in parallel",
+        "torchrun implies it): its work unit starts first when tests run in parallel and "
+        "tests/work_unit_seconds.json has no time for it",
     )
     config.addinivalue_line(
         "markers",

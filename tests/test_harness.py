@@ -559,7 +559,7 @@ def test_an_exercise_is_one_work_unit_and_a_split_one_is_refused() -> None:
         check_work_units(split, lambda item: BY_ID["2.5"])  # type: ignore[arg-type]
 
 
-def test_the_worker_count_follows_the_cpus_up_to_four_unless_chosen(
+def test_the_worker_count_is_one_more_than_the_cpus_up_to_four_unless_chosen(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from types import SimpleNamespace
@@ -568,11 +568,51 @@ def test_the_worker_count_follows_the_cpus_up_to_four_unless_chosen(
 
     config: Any = SimpleNamespace(getoption=lambda name, default=None: "", args=["tests"])
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
-    for cpus, workers in ((1, 1), (2, 2), (16, MAX_WORKERS)):
+    for cpus, workers in ((1, 2), (2, 3), (3, 4), (16, MAX_WORKERS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert pytest_xdist_auto_num_workers(config) == workers, (cpus, workers)
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
     assert pytest_xdist_auto_num_workers(config) == 3
+
+
+def test_work_units_go_to_workers_longest_first_and_their_seconds_are_recorded(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    from parallel_runs import UnitClock, order_for_workers, recorded_unit_seconds
+
+    def item(nodeid: str, long: bool = False) -> Any:
+        marker = SimpleNamespace() if long else None
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: marker)
+
+    items = [
+        item("tests/test_short.py::a"),
+        item("tests/phase2/grade_2_5_pipeline.py::b1"),
+        item("tests/phase2/grade_2_5_pipeline.py::b2"),
+        item("tests/test_new.py::c"),  # not recorded, no long scenario: last
+        item("tests/test_notebook_new.py::d", long=True),  # not recorded, long: first
+        item("tests/phase2/grade_2_5_zero_bubble.py::b3"),
+    ]
+    order_for_workers(items, {"tests/test_short.py": 2.0, "exercise 2.5": 40.0})
+    assert [i.nodeid.rsplit("::", 1)[1] for i in items] == ["d", "b1", "b2", "b3", "a", "c"]
+
+    table = tmp_path / "seconds.json"
+    table.write_text('{"exercise 2.5": 40.0, "tests/test_short.py": 2.0}')
+    clock = UnitClock()
+    for nodeid, duration in (("tests/test_short.py::a", 1.25), ("tests/test_short.py::a", 0.5),
+                             ("tests/test_new.py::c", 3.0)):  # fmt: skip
+        clock.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=duration))  # type: ignore[arg-type]
+    clock.write(table)
+    assert recorded_unit_seconds(table) == {
+        "exercise 2.5": 40.0,  # not run: kept
+        "tests/test_new.py": 3.0,
+        "tests/test_short.py": 1.8,  # setup, call and teardown reports add up (rounded)
+    }
+    assert list(recorded_unit_seconds(table)) == ["exercise 2.5", "tests/test_new.py",
+                                                  "tests/test_short.py"]  # fmt: skip
+    table.write_text("not json")
+    assert recorded_unit_seconds(table) == {}
 
 
 def test_one_exercise_runs_without_workers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -595,4 +635,4 @@ def test_one_exercise_runs_without_workers(monkeypatch: pytest.MonkeyPatch) -> N
     config: Any = SimpleNamespace(getoption=lambda name, default=None: "ex3_1", args=[])
     assert pytest_xdist_auto_num_workers(config) == 0
     config.getoption = lambda name, default=None: "not first_failure"
-    assert pytest_xdist_auto_num_workers(config) == 2
+    assert pytest_xdist_auto_num_workers(config) == 3
