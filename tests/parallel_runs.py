@@ -1,10 +1,12 @@
 """Running the tests in parallel worker processes (pytest-xdist) without breaking the grader's rules.
 
-``uv run pytest`` starts ``-n auto`` workers (pyproject.toml): one more than the CPUs this process
+``uv run pytest`` starts ``-n auto`` workers (pyproject.toml): as many as the CPUs this process
 may use, at most ``MAX_WORKERS``, since one test may itself start a world of 4 ranks or a
-torchrun scenario. One more, because a worker waits part of the time with its CPU idle (a
-deadline, a torchrun agent's rendezvous, a program starting): on 2 idle cores the reference suite
-kept them 91% busy with 2 workers and 99% with 3 (396 s -> 373 s). None when the run selects one exercise (``-m ex3_1``, or its grader files),
+torchrun scenario. Not one more: on 2 cores a third worker filled the CPUs while tests waited
+(91% -> 99% busy, 396 -> 373 s, before the waits were cut), but once the worlds' costs fell it
+measured the same as two (343 s against 340 s, back to back), and it stretched every scenario
+that runs against a clock (the nested pytest of the hang harness test: 17 s -> 39 s of a 40 s
+bound). None when the run selects one exercise (``-m ex3_1``, or its grader files),
 whose tests would all go to one worker anyway: they run in the pytest process, a few seconds
 sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N``
 or ``-n N`` choose another number; ``-n 0`` runs every test in the pytest process, as ``print``
@@ -24,8 +26,8 @@ The scheduler is xdist's ``LoadScopeScheduling`` with this scope (xdist's own ``
 ``xdist_group`` markers by rewriting node ids, which pytest 9 no longer allows). It hands a
 worker the next unit in order when the worker is nearly done, so the order is longest unit first
 (the LPT rule of list scheduling): a long unit started last would run on alone while the other
-workers sit idle (exercise 4.7, 54 s, came last in file order and ended the suite 24 s after the
-other workers). How long a unit takes is read from ``work_unit_seconds.json``, recorded by a run
+workers sit idle (exercise 4.7, 54 s, came last in file order and, in a run of 3 workers, ended
+24 s after the others). How long a unit takes is read from ``work_unit_seconds.json``, recorded by a run
 with ``--record-unit-seconds`` (it rewrites the units that run selected); a unit not recorded
 there goes first if it holds a long scenario (a notebook, a real-torchrun run), else last. The
 recorded seconds decide the order only: a stale table costs time, never a result.
@@ -76,7 +78,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if one_exercise(config.getoption("markexpr", ""), list(config.args)):
         return 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(MAX_WORKERS, (usable or 1) + 1))
+    return max(1, min(MAX_WORKERS, usable or 1))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
