@@ -6,9 +6,9 @@ torchrun scenario. Not one more: on 2 cores a third worker filled the CPUs while
 (91% -> 99% busy, 396 -> 373 s, before the waits were cut), but once the worlds' costs fell it
 measured the same as two (343 s against 340 s, back to back), and it stretched every scenario
 that runs against a clock (the nested pytest of the hang harness test: 17 s -> 39 s of a 40 s
-bound). None when the run selects one exercise (``-m ex3_1``, or its grader files),
-whose tests would all go to one worker anyway: they run in the pytest process, a few seconds
-sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N``
+bound; 2 cores, the notes on issue 26, 2026-11-28). None when the run selects one exercise
+(``-m ex3_1``, or its grader files), whose tests would all go to one worker anyway: they run in
+the pytest process, a few seconds sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N``
 or ``-n N`` choose another number; ``-n 0`` runs every test in the pytest process, as ``print``
 debugging needs (``--pdb`` does it by itself).
 
