@@ -8,9 +8,9 @@ measured the same as two (343 s against 340 s, back to back), and it stretched e
 that runs against a clock (the nested pytest of the hang harness test: 17 s -> 39 s of a 40 s
 bound; 2 cores, the notes on issue 26, 2026-11-28). None when the run selects one exercise
 (``-m ex3_1``, or its grader files), whose tests would all go to one worker anyway: they run in
-the pytest process, a few seconds sooner (no worker imports torch and collects the tests again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N``
-or ``-n N`` choose another number; ``-n 0`` runs every test in the pytest process, as ``print``
-debugging needs (``--pdb`` does it by itself).
+the pytest process, a few seconds sooner (no worker imports torch and collects the tests
+again). ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` or ``-n N`` choose another number; ``-n 0`` runs
+every test in the pytest process, as ``print`` debugging needs (``--pdb`` does it by itself).
 
 Two rules of tests/conftest.py live in the process that runs the tests: an exercise reports its
 first unwritten TODO once and its later tests as "blocked", and after one of its worlds hangs its
@@ -27,10 +27,10 @@ The scheduler is xdist's ``LoadScopeScheduling`` with this scope (xdist's own ``
 worker the next unit in order when the worker is nearly done, so the order is longest unit first
 (the LPT rule of list scheduling): a long unit started last would run on alone while the other
 workers sit idle (exercise 4.7, 54 s, came last in file order and, in a run of 3 workers, ended
-24 s after the others). How long a unit takes is read from ``work_unit_seconds.json``, recorded by a run
-with ``--record-unit-seconds`` (it rewrites the units that run selected); a unit not recorded
-there goes first if it holds a long scenario (a notebook, a real-torchrun run), else last. The
-recorded seconds decide the order only: a stale table costs time, never a result.
+24 s after the others). How long a unit takes is read from ``work_unit_seconds.json``,
+recorded by a run with ``--record-unit-seconds`` (it rewrites the units that run selected); a
+unit not recorded there goes first if it holds a long scenario (a notebook, a real-torchrun run),
+else last. The recorded seconds decide the order only: a stale table costs time, never a result.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def check_work_units(items: list[pytest.Item], exercise_of: Any) -> None:
 
 
 def recorded_unit_seconds(path: Path = UNIT_SECONDS) -> dict[str, float]:
-    """Seconds per work unit as the last ``--record-unit-seconds`` run measured them ({} if none)."""
+    """Seconds per work unit as the last ``--record-unit-seconds`` run measured them ({} if
+    none)."""
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
