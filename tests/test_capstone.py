@@ -470,6 +470,7 @@ def test_the_benchmark_prints_its_tables_on_cpu(capsys: pytest.CaptureFixture[st
         "| torchvision reference (train.py step)",
         "| capstone, synthetic (fp32, NCHW)",
         "| capstone, JPEG decode (1 worker)",
+        "| capstone, decoder=cuda path on the CPU",
     ], out
     assert rows[0].split(" | ")[2] == "1.00x" and all(row.endswith("% |") for row in rows)
     assert "| pil (224 px crops" in out and "| torchvision (224 px crops" in out

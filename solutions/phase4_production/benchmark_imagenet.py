@@ -22,6 +22,11 @@ Rows, all measured in the same run on the same device:
 * **capstone, JPEG decode**: the same step fed by the capstone's DataLoader from ``--workers``
   worker processes that decode generated JPEGs (500x375, like ImageNet's average) with PIL and
   crop them: the whole input pipeline, bounded by the CPU cores when they cannot keep up.
+* **capstone, nvJPEG decode**: ``data.decoder=cuda``'s pipeline: the workers only read the
+  files' bytes; the main process decodes the whole batch on the GPU in one
+  ``torchvision.io.decode_jpeg(device="cuda")`` call and crops each image there with its own
+  seed (``imagenet_data.gpu_decoder``), so its "data ms" is the decode on the GPU. Without CUDA
+  the same code decodes on the CPU in the main process (the row checks the path, not a rate).
 
 A second table measures decoding + augmentation alone, in one process (one core), for each
 decoder: images/s per core, and how many cores one GPU needs at the measured rate. The goal of
@@ -55,7 +60,9 @@ from solutions.phase4_production.imagenet_data import (
     DeviceLoader,
     EpochSampler,
     FolderDataset,
+    collate_bytes,
     decode_file,
+    gpu_decoder,
     sample_seed,
     train_transform,
 )
@@ -284,6 +291,26 @@ class Cycle(torch.utils.data.Sampler[int]):
         return self.length
 
 
+def jpeg_batches(
+    root: Path, decoder: str, workers: int, config: BenchConfig, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The capstone's input pipeline over the JPEGs in ``root/train``, as ``imagenet_data``
+    builds it for ``data.decoder`` (``pil``: workers decode and crop; ``cuda``: workers read
+    bytes, the main process decodes the batch on ``device``), endless for the timed steps."""
+    folder = torchvision.datasets.ImageFolder(str(root / "train"), loader=str)
+    transform = train_transform(config.image_size)
+    dataset = FolderDataset(folder, transform, seed=0, decoder=decoder)
+    total = (config.warmup + config.steps + 1) * config.batch
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=config.batch, sampler=EpochSampler(Cycle(len(dataset), total)),
+        num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=True,
+        prefetch_factor=4, generator=torch.Generator().manual_seed(0),
+        collate_fn=collate_bytes if decoder == "cuda" else None,
+    )  # fmt: skip
+    decode = gpu_decoder(transform, 0, device) if decoder == "cuda" else None
+    return iter(DeviceLoader(loader, device, channels_last=config.channels_last, gpu_decode=decode))
+
+
 def decode_rate(root: Path, decoder: str, image_size: int, images: int) -> float:
     """Images/s of decode + RandomResizedCrop + flip in this process (one core)."""
     paths = sorted(str(p) for p in (root / "train").glob("*/*.JPEG"))
@@ -363,25 +390,16 @@ def run(config: BenchConfig, device: torch.device) -> tuple[list[Row], dict[str,
     try:
         write_jpegs(root, config.jpegs)
         workers = config.workers or len(os.sched_getaffinity(0))
-        folder = torchvision.datasets.ImageFolder(str(root / "train"), loader=str)
-        dataset = FolderDataset(folder, train_transform(size), seed=0)
-        total = (config.warmup + config.steps + 1) * config.batch
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=config.batch, sampler=EpochSampler(Cycle(len(dataset), total)),
-            num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=True,
-            prefetch_factor=4, generator=torch.Generator().manual_seed(0),
-        )  # fmt: skip
-        batches = iter(DeviceLoader(loader, device, channels_last=config.channels_last))
-        times, wait = time_steps(loop.train_step, batches, config, device)
-        rows.append(
-            Row(
-                f"capstone, JPEG decode ({workers} worker{'s' * (workers != 1)})",
-                times,
-                config.batch,
-                {"data": wait},
-            )
-        )
-        del batches, loader
+        plural = "s" * (workers != 1)
+        for decoder, name in (
+            ("pil", f"capstone, JPEG decode ({workers} worker{plural})"),
+            ("cuda", f"capstone, nvJPEG decode ({workers} worker{plural} read files)"
+             if device.type == "cuda" else "capstone, decoder=cuda path on the CPU"),
+        ):  # fmt: skip
+            batches = jpeg_batches(root, decoder, workers, config, device)
+            times, wait = time_steps(loop.train_step, batches, config, device)
+            rows.append(Row(name, times, config.batch, {"data": wait}))
+            del batches
         decode = {
             name: decode_rate(root, name, DECODE_CROP, config.decode_images)
             for name in ("pil", "torchvision")
