@@ -54,9 +54,21 @@ def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> 
         (["parallel"], 4, "expected KEY=VALUE"),
         (["model.moe_layers=[9]"], 4, r"moe_layers=\[9\]: layers are 0..3"),
         (["communication=ring", "zero=2"], 4, "communication=ring with zero=2: ZeRO reduces"),
-        (["activation_checkpointing=true", "parallel.dp=1", "parallel.pp=2",
-          "pipeline.schedule=zb-h1"], 4, "activation_checkpointing with schedule=zb-h1"),
-        (["communication=mesh"], 4, "communication='mesh': Input should be 'library', 'ring' or 'tree'"),
+        (
+            [
+                "activation_checkpointing=true",
+                "parallel.dp=1",
+                "parallel.pp=2",
+                "pipeline.schedule=zb-h1",
+            ],
+            4,
+            "activation_checkpointing with schedule=zb-h1",
+        ),
+        (
+            ["communication=mesh"],
+            4,
+            "communication='mesh': Input should be 'library', 'ring' or 'tree'",
+        ),
     ],
 )
 def test_bad_configs_are_refused_by_key_before_launch(
@@ -193,7 +205,10 @@ def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() 
     ]  # fmt: skip
     assert all(len(r.seconds) == 3 and len(r.losses) == 4 for r in rows)
     # the composition at one rank is the one-process step: the same losses, step by step
-    assert rows[1].losses == pytest.approx(rows[0].losses, rel=1e-6), (rows[1].losses, rows[0].losses)
+    assert rows[1].losses == pytest.approx(rows[0].losses, rel=1e-6), (
+        rows[1].losses,
+        rows[0].losses,
+    )
     table = lm_throughput.report(result, config)
     assert "MFU" in table and "relative difference" in table
 
@@ -295,7 +310,9 @@ def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Pat
         "solutions.phase4_production.lm_framework", ["--set", *overrides], nproc_per_node=2,
         max_restarts=1, time_limit=120, env={"DTFS_FAIL": "kill:rank=1:step=3"}, fork_workers=True,
     )  # fmt: skip
-    what = "lm_framework at dp2 zero=2 under torchrun --max-restarts=1, rank 1 SIGKILLed after step 3"
+    what = (
+        "lm_framework at dp2 zero=2 under torchrun --max-restarts=1, rank 1 SIGKILLed after step 3"
+    )
     assert run.ok and run.attempts() == [0, 1], f"{what}: {run.describe(800)}"
     text = "\n".join(log.stdout + log.stderr for log in run.ranks if log.attempt == 1)
     assert "resumed from" in text and "step_00000002" in text, f"{what}: {run.describe(800)}"
@@ -356,3 +373,53 @@ def test_the_worked_example_counts_zero_as_the_zero_paper_does() -> None:
     got = [round(ex.state_bytes(7_500_000_000, zero, 64) / 1e9, 1) for zero in (0, 1, 2, 3)]
     assert got == [120.0, 31.4, 16.6, 1.9], got
     assert round(ex.parameters(ex.MODEL) / 1e9, 1) == 79.9
+
+
+SLOW = AlphaBeta(1e-3, 1e-7)  # a link between nodes: 10x the latency, 100x the time per byte
+
+
+def test_groups_that_span_nodes_go_at_the_inter_node_links_pace() -> None:
+    """Ranks fill nodes in the topology's order (tp fastest): on 2 nodes of 4, tp4 x dp2 keeps tp
+    inside a node and sends its gradients across; tp8 crosses with every layer; dp4 x pp2 sends
+    only the pipeline's messages across."""
+    config = LMConfig()
+    two_links = lm_planner.Machine(8, 4, 2**40, inter_node=SLOW)
+    one_link = lm_planner.Machine(8, 4, 2**40)
+
+    def predict(machine: lm_planner.Machine, rates: Rates, **options: Any) -> lm_planner.Prediction:
+        return lm_planner.predict(config, ParallelSettings(**options), rates, machine, 16)
+
+    fast, slow = fake_rates(), fake_rates(SLOW)
+    cases: list[tuple[dict[str, Any], set[str]]] = [
+        ({"dp": 2, "tp": 4, "sequence_parallel": True}, {"dp_cp"}),
+        ({"tp": 8, "sequence_parallel": True}, {"tp"}),
+        ({"dp": 4, "pp": 2, "microbatches": 2}, {"pp"}),
+    ]
+    for options, crosses in cases:
+        spanning = {g for g in ("tp", "pp", "dp_cp") if lm_planner.spans_nodes(
+            ParallelSettings(**options), 4, g)}  # fmt: skip
+        assert spanning == crosses, f"{options}: groups across nodes {spanning}, want {crosses}"
+        got = predict(two_links, fast, **options)
+        pipeline = predict(one_link, slow if crosses & {"tp", "pp"} else fast, **options).pipeline
+        gradients = predict(one_link, slow if "dp_cp" in crosses else fast, **options).gradients
+        assert (got.pipeline, got.gradients) == pytest.approx((pipeline, gradients)), (
+            f"{options} on 2 nodes of 4: (pipeline, gradients) {got.pipeline, got.gradients} s; "
+            f"want {pipeline, gradients}: the groups in {crosses} at the slow link's cost, the "
+            "others at the measured one's"
+        )
+    first = lm_planner.plan(config, fast, two_links, 16)[0].settings
+    assert not lm_planner.spans_nodes(first, 4, "tp"), f"the plan's first {first} splits tp"
+
+
+def test_the_planner_counts_the_worked_examples_bytes_by_hand() -> None:
+    """Every hand-made row of the 70B worked example: the planner, given the same published
+    figures (mixed-precision AdamW, Korthikanti's activations), holds the same bytes per GPU."""
+    from solutions.phase4_production import lm_worked_example as ex
+
+    rates, machine = ex.published_rates(ex.MODEL), ex.PLANNED_MACHINE
+    for layout in ex.LAYOUTS:
+        by_hand = ex.estimate(ex.MODEL, layout.settings)
+        held = lm_planner.predict(ex.MODEL, layout.settings, rates, machine, ex.SEQUENCES).held
+        assert (held.states, held.activations) == pytest.approx(
+            (by_hand.states, by_hand.activations), rel=1e-3
+        ), f"{layout.name}: the planner holds {held}, the hand arithmetic {by_hand}"

@@ -10,6 +10,12 @@ pieces, with ``e`` bytes per element and AdamW's two moments in the parameters' 
 * ZeRO-2: the gradients too (the full ones are dropped after their reduce-scatter);
 * ZeRO-3 and FSDP-style: the parameters too (a unit is gathered only while it computes).
 
+Those are the course's runs (every state in one dtype). For a plan of a GPU cluster the bytes per
+element of each state are given apart (:class:`StateBytes`): mixed-precision AdamW as the ZeRO
+paper counts it holds 16-bit parameters and gradients (2 + 2 bytes) and, for the optimizer, fp32
+master weights and two fp32 moments (K = 12; Rajbhandari et al., 2020, section 3), sharded by
+the same stages: :data:`MIXED_ADAMW`.
+
 Each unit (a module owning parameters: a norm, a projection, the embedding, the head) is padded to
 a multiple of N, as 3.5's flat buffers are. The pieces: the embedding on the first virtual stage,
 the final norm and head on the last (one weight when tied on the same rank), and per layer two
@@ -40,6 +46,25 @@ from solutions.phase2_advanced.pipeline_schedules import (
     peak_in_flight,
     placement_of,
 )
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per element of each model state: the parameters a rank computes with, their
+    gradients, and what the optimizer keeps per parameter (AdamW's two moments, and the fp32
+    master weights under mixed precision)."""
+
+    param: int
+    grad: int
+    optimizer: int
+
+    @classmethod
+    def adamw(cls, element: int) -> StateBytes:
+        """AdamW with every state in one dtype of ``element`` bytes (the course's runs)."""
+        return cls(element, element, 2 * element)
+
+
+MIXED_ADAMW = StateBytes(2, 2, 12)  # bf16 weights and grads; fp32 master + moments (ZeRO's K)
 
 
 @dataclass(frozen=True)
@@ -97,19 +122,21 @@ def rank_units(config: LMConfig, settings: ParallelSettings, pp_rank: int) -> li
 
 
 def state_bytes(
-    units: list[int], zero: int | str, shards: int, element: int
+    units: list[int], zero: int | str, shards: int, element: int | StateBytes
 ) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of a rank's units under ``zero`` over ``shards`` ranks."""
+    """(params, grads, optimizer) bytes of a rank's units under ``zero`` over ``shards`` ranks;
+    ``element``: bytes per element of every state (AdamW in one dtype), or each state's."""
+    b = StateBytes.adamw(element) if isinstance(element, int) else element
     full = sum(units)
     padded = sum(math.ceil(n / shards) * shards for n in units)
     mine = padded // shards
     if zero == 0:
-        return full * element, full * element, 2 * full * element
+        return full * b.param, full * b.grad, full * b.optimizer
     if zero == 1:
-        return padded * element, padded * element, 2 * mine * element
+        return padded * b.param, padded * b.grad, mine * b.optimizer
     if zero == 2:
-        return padded * element, mine * element, 2 * mine * element
-    return mine * element, mine * element, 2 * mine * element  # 3 and fsdp
+        return padded * b.param, mine * b.grad, mine * b.optimizer
+    return mine * b.param, mine * b.grad, mine * b.optimizer  # 3 and fsdp
 
 
 def in_flight(settings: ParallelSettings) -> int:
@@ -125,12 +152,15 @@ def held_bytes(
     element: int,
     activation_bytes_per_token_layer: float,
     norm_bytes_per_token_layer: float = 0.0,
+    states: StateBytes | None = None,
 ) -> HeldBytes:
     """The busiest rank's bytes: the pipeline rank with the most states (every dp, cp, tp rank
-    of it holds the same), and the activations of the schedule's peak in flight."""
+    of it holds the same), and the activations of the schedule's peak in flight. ``element``
+    is the activations' bytes per element, and the states' too unless ``states`` says."""
     shards = settings.dp * settings.cp
+    per_element = states or StateBytes.adamw(element)
     per_rank = [
-        state_bytes(rank_units(config, settings, r), settings.zero, shards, element)
+        state_bytes(rank_units(config, settings, r), settings.zero, shards, per_element)
         for r in range(settings.pp)
     ]
     params, grads, optimizer = max(per_rank, key=sum)

@@ -28,22 +28,31 @@ out to be.
 What the model leaves out, on purpose and said here: compute and communication never overlap
 (the course's executor waits for each message; a GPU run would hide some of it), the backward of
 attention costs what the measured layer's did at this sequence length, an MoE layer costs what a
-dense one does, links between nodes cost what a loopback link costs unless rates for them are
-given.
+dense one does.
+
+Two kinds of links, when the machine says so (``Machine.inter_node``): a group whose ranks sit on
+one node (the topology's rank order puts tp innermost, then cp, dp, pp, and ranks fill nodes in
+order) talks over the measured links; a group that spans nodes (any of its ranks on another
+node) goes at the slower link's pace, since every step of a ring waits for its slowest hop. That
+is what makes Megatron-LM and torchtitan keep tp inside a node. Without it, every group costs
+what the measured links cost (one machine, or a plan that does not know better). The states'
+bytes per element can be given apart from the activations' (``Machine.states``: mixed-precision
+AdamW holds 2 + 2 + 12 bytes per parameter, ``lm_memory.MIXED_ADAMW``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from course.language_model import LMConfig
+from course.topology import RankGrid
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule, placement_of
 from solutions.phase2_advanced.pipeline_simulation import simulate
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
-from solutions.phase4_production.lm_memory import HeldBytes, held_bytes, rank_units
+from solutions.phase4_production.lm_memory import HeldBytes, StateBytes, held_bytes, rank_units
 from solutions.phase4_production.lm_rates import Rates
 
 GIB = 1 << 30
@@ -51,12 +60,23 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Machine:
-    """What the plan is for: ranks, ranks per node, and the bytes each rank may hold."""
+    """What the plan is for: ranks, ranks per node, the bytes each rank may hold, and (for a
+    cluster) the link between nodes and the states' bytes per element."""
 
     world: int
     ranks_per_node: int
     memory_per_rank: float  # bytes
-    element: int = 4  # bytes per element of the parameters (fp32)
+    element: int = 4  # bytes per element computed and sent: activations, gradients (fp32)
+    states: StateBytes | None = None  # bytes per element held; None: AdamW in ``element``
+    inter_node: AlphaBeta | None = None  # None: the measured links between nodes too
+
+
+def spans_nodes(settings: ParallelSettings, ranks_per_node: int, group: str) -> bool:
+    """Whether any ``group`` (a :class:`RankGrid` group name) of this layout has ranks on two
+    nodes, ranks filling nodes in the topology's order."""
+    s = settings
+    grid = RankGrid(s.dp, s.tp, s.pp, ranks_per_node, s.cp, s.ep)
+    return any(len({rank // ranks_per_node for rank in g}) > 1 for g in grid.groups(group))
 
 
 @dataclass(frozen=True)
@@ -87,21 +107,31 @@ def candidates(
     zeros: tuple[int | str, ...] = (0, 2, 3),
     lr: float = 1e-3,
     max_norm: float | None = None,
+    per_stage: tuple[int, ...] = (1, 2, 4),
+    accumulation: tuple[int, ...] = (1,),
+    degrees: Mapping[str, Collection[int]] | None = None,
 ) -> Iterator[ParallelSettings]:
     """Every layout of ``world`` ranks the settings accept for this model and batch: dp x cp x
     tp x pp = world (ep over dp x cp for an MoE model, the largest that divides the experts),
-    sequence parallelism with tp, each schedule with pp and m in (pp, 2·pp, 4·pp), each ZeRO
-    stage with more than one data-parallel rank."""
-    for tp in _divisors(world):
-        for cp in _divisors(world // tp):
-            for pp in _divisors(world // (tp * cp)):
+    sequence parallelism with tp, each schedule with pp and m = k·pp micro-batches for k in
+    ``per_stage`` (without pipeline: m in ``accumulation``, gradient accumulation), each ZeRO
+    stage with more than one data-parallel rank. ``degrees`` may narrow tp, cp and pp to the
+    values a large world is worth searching (``{"tp": (1, 2, 4, 8), "cp": (1,)}``)."""
+    allowed = degrees or {}
+
+    def choices(axis: str, n: int) -> list[int]:
+        return [d for d in _divisors(n) if axis not in allowed or d in allowed[axis]]
+
+    for tp in choices("tp", world):
+        for cp in choices("cp", world // tp):
+            for pp in choices("pp", world // (tp * cp)):
                 dp = world // (tp * cp * pp)
                 ep = 1
                 if config.moe_layers:
                     ep = max(d for d in _divisors(dp * cp) if config.num_experts % d == 0)
                 for sp in (False, True) if tp > 1 else (False,):
                     for schedule in schedules if pp > 1 else ("1f1b",):
-                        for m in (pp, 2 * pp, 4 * pp) if pp > 1 else (1,):
+                        for m in [k * pp for k in per_stage] if pp > 1 else accumulation:
                             for zero in zeros if dp * cp > 1 and not config.moe_layers else (0,):
                                 settings = ParallelSettings(
                                     dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, sequence_parallel=sp,
@@ -137,11 +167,18 @@ def predict(
     slowdown = max(1.0, min(machine.ranks_per_node, machine.world) / rates.cores)
     whole = rates.norm_share if not s.sequence_parallel else 0.0
     share = (1 - rates.norm_share) / tp + (rates.norm_share / tp if s.sequence_parallel else whole)
+    slow = machine.inter_node
+
+    def link(group: str, measured: AlphaBeta) -> AlphaBeta:
+        if slow is not None and spans_nodes(s, machine.ranks_per_node, group):
+            return slow
+        return measured
+
     ar, p2p = rates.all_reduce, rates.point_to_point
     activation = tokens * h * e
-    tp_region = _collective(ar, ring_cost(activation, tp)) if tp > 1 else 0.0
+    tp_region = _collective(link("tp", ar), ring_cost(activation, tp)) if tp > 1 else 0.0
     block = activation // tp  # one K or V block of the ring
-    cp_pass = 2 * _collective(p2p, Cost(1, block)) if cp > 1 else 0.0  # K and V
+    cp_pass = 2 * _collective(link("cp", p2p), Cost(1, block)) if cp > 1 else 0.0  # K and V
     layers = math.ceil(config.layers / s.virtual_stages)
     forward = layers * (
         rates.layer_forward.seconds(tokens) * share * slowdown + 2 * tp_region + (cp - 1) * cp_pass
@@ -155,7 +192,7 @@ def predict(
     if s.activation_checkpointing:  # backward recomputes the chunk's forward first
         backward += forward
     if s.pp > 1:
-        message = _collective(p2p, Cost(1, between * h * e))
+        message = _collective(link("pp", p2p), Cost(1, between * h * e))
         forward += message
         backward += message
     schedule = make_schedule(s.schedule, s.pp, m, s.chunks)
@@ -168,25 +205,27 @@ def predict(
     units = max((rank_units(config, s, r) for r in range(s.pp)), key=sum)
     params = sum(units)
     shards = s.dp * cp
+    dp_link = link("dp_cp", ar) if shards > 1 else ar
     if shards == 1:
         gradients = 0.0
     elif s.zero == 0:
-        gradients = _collective(ar, ring_cost(params * e, shards))
+        gradients = _collective(dp_link, ring_cost(params * e, shards))
     elif s.zero == 1:
-        gradients = _collective(ar, ring_cost(params * e, shards)) + sum(
-            2 * _collective(ar, _gather_cost(u * e, shards)) for u in units
+        gradients = _collective(dp_link, ring_cost(params * e, shards)) + sum(
+            2 * _collective(dp_link, _gather_cost(u * e, shards)) for u in units
         )
     elif s.zero == 2:
-        gradients = sum((m + 1) * _collective(ar, _gather_cost(u * e, shards)) for u in units)
+        gradients = sum((m + 1) * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
     else:
-        gradients = sum(3 * m * _collective(ar, _gather_cost(u * e, shards)) for u in units)
+        gradients = sum(3 * m * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
     owned = params if s.zero == 0 else math.ceil(params / shards)
     optimizer = rates.optimizer_per_element * owned * slowdown
     small = 3 + (4 if s.max_norm is not None else 0)  # count, reports; the norm on each axis
     other = small * ar.alpha
     held = held_bytes(
-        config, s, batch, e, rates.activation_bytes_per_token, rates.norm_activation_bytes_per_token
-    )
+        config, s, batch, e, rates.activation_bytes_per_token,
+        rates.norm_activation_bytes_per_token, machine.states,
+    )  # fmt: skip
     notes = [
         f"F {forward * 1e3:.1f} ms, B {backward * 1e3:.1f} ms per micro-batch and chunk "
         f"({tokens} tokens, {layers} layers, compute x{share * slowdown:.2f} of one rank's)",

@@ -31,6 +31,16 @@ Llama 3 70B's 70.6B.
   InfiniBand, across nodes. Nothing overlaps (as in the course's executor): a real run hides
   much of the data-parallel traffic behind the backward, so these step times are upper bounds.
 
+Then the planner (``lm_planner.plan``) is handed the same figures as its rates (``published_rates``:
+compute per token and layer from the FLOPs at the sustained rate, Korthikanti's activation bytes,
+NVLink inside a node and InfiniBand for any group that spans nodes, mixed-precision AdamW's
+state bytes) and searches the layouts itself (tp, pp in 1, 2, 4, 8; 1F1B; ZeRO 0-3; micro-batch
+counts up to 8 per stage); its ranking is the second table. Its cost model is the course's, not
+this page's hand arithmetic: the embedding and head are whole on every tp rank (the course's
+model; Megatron splits the vocabulary), the head's FLOPs sit on the last stage, the tensor-parallel
+traffic is two all-reduces of the activations per layer forward and two backward, and AdamW's step
+is counted (memory-bound: 28 bytes moved per parameter at HBM speed).
+
     uv run python -m solutions.phase4_production.lm_worked_example
     uv run python -m solutions.phase4_production.lm_worked_example --record
 """
@@ -48,8 +58,16 @@ from course.results import Table, write_results
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule
 from solutions.phase2_advanced.pipeline_simulation import simulate
-from solutions.phase3_multi_node.alpha_beta import Cost, ring_cost
-from solutions.phase4_production.lm_memory import in_flight, rank_units
+from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
+from solutions.phase4_production.lm_memory import (
+    MIXED_ADAMW,
+    in_flight,
+    layer_units,
+    rank_units,
+)
+from solutions.phase4_production.lm_memory import state_bytes as unit_state_bytes
+from solutions.phase4_production.lm_planner import Machine, Prediction, plan, predict
+from solutions.phase4_production.lm_rates import Line, Rates
 
 RESULTS = Path(__file__).resolve().parents[2] / "phase4_production" / "results" / "lm_70b.json"
 GB = 1e9
@@ -61,6 +79,9 @@ SUSTAINED = 0.40  # of the peak: Llama 3 405B reported 38-43% BF16 MFU on 8-16K 
 NVLINK = (5e-6, 1 / 450e9)  # alpha, beta: NVLink 4, 450 GB/s per direction per GPU
 INFINIBAND = (10e-6, 1 / 50e9)  # 8 x 400 Gb/s NDR per node = 50 GB/s per GPU
 ACTIVATION_BYTES = 34  # per layer, token and h, 16-bit, no attention scores (Korthikanti et al.)
+OUTSIDE_TP_BYTES = 10  # of the 34: what tp alone leaves whole (norms, dropouts: their 10 sbh)
+HBM = 3.35e12  # bytes/s, H100 SXM datasheet
+ADAMW_BYTES_MOVED = 28  # per parameter: read fp32 master + 2 moments + bf16 grad, write them back
 ASSUMPTIONS = (
     "79.9B parameters (the course's block: full multi-head attention; Llama 3 70B: 70.6B with "
     "GQA); 1,024 H100 SXM 80 GB, 8 per node; bf16 peak 989.4 TFLOP/s (datasheet), sustained 40% "
@@ -120,14 +141,9 @@ def parameters(config: LMConfig) -> int:
 
 
 def state_bytes(elements: int, zero: int | str, shards: int) -> float:
-    """ZeRO's mixed-precision Adam: (2 + 2 + 12) bytes per parameter, sharded by stage."""
-    if zero == 0:
-        return 16.0 * elements
-    if zero == 1:
-        return 4.0 * elements + 12.0 * elements / shards
-    if zero == 2:
-        return 2.0 * elements + 14.0 * elements / shards
-    return 16.0 * elements / shards
+    """ZeRO's mixed-precision Adam: (2 + 2 + 12) bytes per parameter, sharded by stage
+    (``lm_memory.state_bytes`` with :data:`MIXED_ADAMW`, the planner's own count)."""
+    return float(sum(unit_state_bytes([elements], zero, shards, MIXED_ADAMW)))
 
 
 def flops_per_token(config: LMConfig, recompute: bool) -> float:
@@ -179,6 +195,87 @@ def estimate(config: LMConfig, s: ParallelSettings) -> Estimate:
     return Estimate(states, activations, compute, tensor, pipeline_total, data)
 
 
+def published_rates(config: LMConfig) -> Rates:
+    """The planner's rates from the published figures above: nothing measured."""
+    h, speed = config.width, PEAK * SUSTAINED
+    layer = sum(layer_units(config, 0, 1, 1))
+    forward = (2.0 * layer + 4.0 * h * config.seq_len) / speed  # per token: PaLM's count / 3
+    nvlink = AlphaBeta(*NVLINK)
+    return Rates(
+        layer_forward=Line(0.0, forward),
+        layer_backward=Line(0.0, 2 * forward),
+        norm_share=0.0,  # the norms' FLOPs are a rounding error next to the matmuls'
+        head_per_token=6.0 * config.vocab * h / speed,
+        activation_bytes_per_token=float(ACTIVATION_BYTES * h),
+        norm_activation_bytes_per_token=float(OUTSIDE_TP_BYTES * h),
+        optimizer_per_element=ADAMW_BYTES_MOVED / HBM,
+        all_reduce=nvlink,
+        point_to_point=nvlink,
+        cores=PER_NODE,  # one GPU per rank: no sharing
+        dtype="bfloat16",
+        sources={"all": ASSUMPTIONS},
+    )
+
+
+PLANNED_MACHINE = Machine(GPUS, PER_NODE, MEMORY, element=2, states=MIXED_ADAMW,
+                          inter_node=AlphaBeta(*INFINIBAND))  # fmt: skip
+SEARCH = {
+    "schedules": ("1f1b",),
+    "zeros": (0, 1, 2, 3),
+    "per_stage": (1, 2, 4, 8),
+    "accumulation": (1, 2, 4, 8),
+    "degrees": {"tp": (1, 2, 4, 8), "cp": (1,), "pp": (1, 2, 4, 8)},
+}
+
+
+def planned(config: LMConfig = MODEL) -> list[Prediction]:
+    """The planner's ranking of the searched layouts on :data:`PLANNED_MACHINE`."""
+    return plan(config, published_rates(config), PLANNED_MACHINE, SEQUENCES, **SEARCH)
+
+
+def layout_name(s: ParallelSettings) -> str:
+    parts = [f"tp{s.tp}" + ("+sp" if s.sequence_parallel else "")] if s.tp > 1 else []
+    parts += [f"pp{s.pp}"] if s.pp > 1 else []
+    parts.append(f"dp{s.dp}")
+    name = " x ".join(parts) + f", m={s.microbatches}"
+    name += f", ZeRO-{s.zero}" if s.zero else ""
+    return name + (", recompute" if s.activation_checkpointing else "")
+
+
+def plan_rows(predictions: list[Prediction], limit: int = 8) -> tuple[Table, dict[str, str]]:
+    rows = Table(["planner's rank", "layout", "GB per GPU: states + activations",
+                  "step s: pipeline + data-parallel + optimizer", "MFU"])  # fmt: skip
+    tokens = SEQUENCES * MODEL.seq_len
+    useful = flops_per_token(MODEL, False) * tokens
+    fitting = [p for p in predictions if p.fits]
+    for index, p in enumerate(fitting[:limit], 1):
+        mfu = useful / (p.seconds * GPUS * PEAK)
+        rows.add(str(index), layout_name(p.settings),
+                 f"{p.held.states / GB:,.1f} + {p.held.activations / GB:,.1f}",
+                 f"{p.seconds:.1f} = {p.pipeline:.1f} + {p.gradients:.2f} + {p.optimizer:.3f}",
+                 f"{100 * mfu:.0f}%")  # fmt: skip
+    first = fitting[0]
+    hand = next(x for x in LAYOUTS if x.name == "tp8 x dp128, ZeRO-1")
+    same = predict(MODEL, hand.settings, published_rates(MODEL), PLANNED_MACHINE, SEQUENCES)
+    by_hand = estimate(MODEL, hand.settings)
+    values = {
+        "planned_tp8xdp128_pipeline": f"{same.pipeline:.1f} s",
+        "planned_tp8xdp128_data": f"{same.gradients:.2f} s",
+        "planned_tp8xdp128_data_ratio": f"{same.gradients / by_hand.data:.1f}x",
+        "planned_tp8xdp128_units": f"{len(rank_units(MODEL, hand.settings, 0))}",
+        "planned_layouts": f"{len(predictions):,}",
+        "planned_fit": f"{len(fitting):,}",
+        "planned_first": layout_name(first.settings),
+        "planned_first_step": f"{first.seconds:.1f} s",
+        "planned_first_gb": f"{first.held.total / GB:,.0f} GB",
+    }
+    rows.note = (
+        f"the planner (lm_planner.plan) on the figures above: {len(predictions):,} layouts "
+        f"searched, {len(fitting):,} fit 80 GB; the first {min(limit, len(fitting))} shown"
+    )
+    return rows, values
+
+
 def table() -> tuple[Table, dict[str, str]]:
     rows = Table(["layout", "GB per GPU: states + activations", "fits 80 GB",
                   "step s: pipeline (compute, tp) + data-parallel", "tokens/s", "MFU"])  # fmt: skip
@@ -215,9 +312,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows, values = table()
     print(rows.to_markdown())
-    print(f"\n{rows.note}")
+    print(f"\n{rows.note}\n")
+    ranked, more = plan_rows(planned())
+    print(ranked.to_markdown())
+    print(f"\n{ranked.note}")
     if args.record:
-        print(f"recorded {write_results(RESULTS, tables={'layouts': rows}, values=values)}")
+        tables = {"layouts": rows, "planned": ranked}
+        print(f"recorded {write_results(RESULTS, tables=tables, values={**values, **more})}")
     return 0
 
 
