@@ -7,6 +7,7 @@ process; the bytes are compared in one world of 4.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -409,6 +410,28 @@ def test_groups_that_span_nodes_go_at_the_inter_node_links_pace() -> None:
         )
     first = lm_planner.plan(config, fast, two_links, 16)[0].settings
     assert not lm_planner.spans_nodes(first, 4, "tp"), f"the plan's first {first} splits tp"
+    # a link measured across nodes (Rates.inter_node) counts as the machine's when it has none
+    measured = dataclasses.replace(fast, inter_node=SLOW)
+    options = {"dp": 2, "tp": 4, "sequence_parallel": True}
+    assert predict(one_link, measured, **options) == predict(two_links, fast, **options)
+
+
+def _links(per_node: int) -> dict[str, list[float]]:
+    from solutions.phase4_production.lm_rates import link_times
+
+    return link_times(1, per_node)
+
+
+def test_links_are_measured_inside_and_across_nodes_when_the_world_spans_nodes() -> None:
+    from solutions.phase4_production.lm_rates import SIZES, fit_links, two_kinds
+
+    assert two_kinds(4, 2) and not two_kinds(4, 4) and not two_kinds(4, 1)
+    times = run_world(_links, 4, (2,))[0]  # two nodes of two ranks
+    assert sorted(times) == ["all_reduce", "inter_node", "point_to_point"], sorted(times)
+    assert all(len(v) == len(SIZES) and min(v) > 0 for v in times.values()), times
+    links = fit_links(times, 4, 2)
+    assert links.inter_node is not None, "a world of 2 nodes fitted no link across nodes"
+    assert fit_links({k: v for k, v in times.items() if k != "inter_node"}, 4).inter_node is None
 
 
 def test_the_planner_counts_the_worked_examples_bytes_by_hand() -> None:

@@ -37,7 +37,6 @@ from course.language_model import LMConfig
 from course.rank_logging import log0
 from course.topology import Topology
 from phase4_production.lm_layout import ParallelSettings
-from solutions.phase3_multi_node.alpha_beta import Cost, fit_alpha_beta, ring_cost
 from solutions.phase4_production.lm_checkpoint import CheckpointPlan
 from solutions.phase4_production.lm_config import (
     DEFAULT_CONFIG,
@@ -47,8 +46,8 @@ from solutions.phase4_production.lm_config import (
 )
 from solutions.phase4_production.lm_planner import GIB, Machine, Prediction, plan
 from solutions.phase4_production.lm_rates import (
-    SIZES,
     Rates,
+    fit_links,
     link_times,
     measure_compute,
     measure_rates,
@@ -85,19 +84,18 @@ def plan_table(predictions: list[Prediction], rates: Rates, limit: int = 12) -> 
     return "\n".join(lines) + more + f"\n\nwhere the numbers come from:\n{sources}"
 
 
-def rates_in_world(model: LMConfig, dtype: torch.dtype) -> Rates:
-    """Rates measured inside the running world: compute on rank 0, the links by every rank;
-    rank 0's broadcast, so that every rank plans alike."""
-    times = link_times(7)
+def rates_in_world(model: LMConfig, dtype: torch.dtype, per_node: int | None = None) -> Rates:
+    """Rates measured inside the running world: compute on rank 0, the links by every rank
+    (inside and across nodes apart when the world spans nodes of ``per_node`` ranks); rank 0's
+    broadcast, so that every rank plans alike."""
+    times = link_times(7, per_node)
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
-        world = dist.get_world_size()
         compute = measure_compute(model, dtype)
-        ring = fit_alpha_beta([ring_cost(s, world) for s in SIZES], times["all_reduce"])
-        p2p = fit_alpha_beta([Cost(1, s) for s in SIZES], times["point_to_point"])
-        payload = [(compute, ring, p2p, len(os.sched_getaffinity(0)))]
+        links = fit_links(times, dist.get_world_size(), per_node)
+        payload = [(compute, links, len(os.sched_getaffinity(0)))]
     dist.broadcast_object_list(payload, src=0)
-    compute, ring, p2p, cores = payload[0]
+    compute, links, cores = payload[0]
     return Rates(
         layer_forward=compute["layer_forward"],
         layer_backward=compute["layer_backward"],
@@ -106,12 +104,15 @@ def rates_in_world(model: LMConfig, dtype: torch.dtype) -> Rates:
         activation_bytes_per_token=compute["activation_bytes_per_token"],
         norm_activation_bytes_per_token=compute["norm_activation_bytes_per_token"],
         optimizer_per_element=compute["optimizer_per_element"],
-        all_reduce=ring,
-        point_to_point=p2p,
+        all_reduce=links.all_reduce,
+        point_to_point=links.point_to_point,
         cores=cores,
         dtype=str(dtype).removeprefix("torch."),
-        sources={"all": f"measured at launch in this world of {dist.get_world_size()} ranks"},
-    )
+        sources={"all": f"measured at launch in this world of {dist.get_world_size()} ranks"
+                 + (f", links inside and across nodes of {per_node} apart"
+                    if links.inter_node is not None else "")},
+        inter_node=links.inter_node,
+    )  # fmt: skip
 
 
 def choose(config: FrameworkConfig, rates: Rates, world: int) -> list[Prediction]:
@@ -153,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        rates = measure_rates(config.model.lm(), DTYPES[config.precision], min(world, 8))
+        measured = min(world, 8)
+        per_node = machine_of(config, world).ranks_per_node
+        rates = measure_rates(config.model.lm(), DTYPES[config.precision], measured, per_node)
         print(plan_table(choose(config, rates, world), rates))
         return 0
     if (code := refuse_before_start(lambda world: validate(config, world))) is not None:
@@ -162,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = dist.get_world_size()
         settings: ParallelSettings = config.settings(world)
         if config.sharding == "auto" or args.plan_only:
-            rates = rates_in_world(config.model.lm(), DTYPES[config.precision])
+            per_node = machine_of(config, world).ranks_per_node
+            rates = rates_in_world(config.model.lm(), DTYPES[config.precision], per_node)
             predictions = choose(config, rates, world)
             log0(plan_table(predictions, rates))
             if args.plan_only:

@@ -436,8 +436,10 @@ def apply_fsdp(stage: LibraryStage, mesh: DeviceMesh, reshard_after_forward: boo
     """torchtitan's ``apply_fsdp``: each block one unit, the embedding one, the final norm and
     head one (with a tied head the embedding and head are left to the root: one unit must hold
     a shared weight), then the root; gradients summed, not averaged (see the module doc)."""
-    tied = stage.head is not None and stage.embedding is not None and (
-        stage.head.weight is stage.embedding.weight
+    tied = (
+        stage.head is not None
+        and stage.embedding is not None
+        and (stage.head.weight is stage.embedding.weight)
     )
     if stage.embedding is not None and not tied:
         fully_shard(stage.embedding, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -136,9 +136,7 @@ def measured_cp_refusal(settings: ParallelSettings) -> str | None:
 # ----------------------------------------------------------------------------- the program
 
 
-RESULTS = (
-    Path(__file__).resolve().parents[2] / "phase4_production" / "results" / "lm_library.json"
-)
+RESULTS = Path(__file__).resolve().parents[2] / "phase4_production" / "results" / "lm_library.json"
 CLIP = 0.05
 WORLDS: dict[int, list[Case]] = {
     4: [
@@ -146,8 +144,10 @@ WORLDS: dict[int, list[Case]] = {
         Case(ParallelSettings(tp=2, pp=2, microbatches=2, max_norm=CLIP)),
         Case(ParallelSettings(dp=2, pp=2, schedule="gpipe", microbatches=2), moe=True),
         Case(ParallelSettings(tp=2, pp=2, schedule="interleaved", microbatches=2)),
-        Case(ParallelSettings(tp=2, pp=2, sequence_parallel=True, schedule="zb-v", microbatches=2),
-             tied=True),
+        Case(
+            ParallelSettings(tp=2, pp=2, sequence_parallel=True, schedule="zb-v", microbatches=2),
+            tied=True,
+        ),
         Case(ParallelSettings(pp=4, schedule="zb-h1", microbatches=4, max_norm=CLIP)),
         Case(ParallelSettings(cp=2, tp=2)),
         Case(ParallelSettings(dp=4, ep=4), moe=True),
@@ -156,8 +156,11 @@ WORLDS: dict[int, list[Case]] = {
         Case(ParallelSettings(dp=2, pp=2, schedule="zb-v", microbatches=2), tied=True),
     ],
     8: [
-        Case(ParallelSettings(dp=2, tp=2, pp=2, sequence_parallel=True, microbatches=2,
-                              max_norm=CLIP)),
+        Case(
+            ParallelSettings(
+                dp=2, tp=2, pp=2, sequence_parallel=True, microbatches=2, max_norm=CLIP
+            )
+        ),
     ],
 }
 

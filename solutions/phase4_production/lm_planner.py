@@ -68,7 +68,7 @@ class Machine:
     memory_per_rank: float  # bytes
     element: int = 4  # bytes per element computed and sent: activations, gradients (fp32)
     states: StateBytes | None = None  # bytes per element held; None: AdamW in ``element``
-    inter_node: AlphaBeta | None = None  # None: the measured links between nodes too
+    inter_node: AlphaBeta | None = None  # None: the rates' (measured) one, if any
 
 
 def spans_nodes(settings: ParallelSettings, ranks_per_node: int, group: str) -> bool:
@@ -167,7 +167,7 @@ def predict(
     slowdown = max(1.0, min(machine.ranks_per_node, machine.world) / rates.cores)
     whole = rates.norm_share if not s.sequence_parallel else 0.0
     share = (1 - rates.norm_share) / tp + (rates.norm_share / tp if s.sequence_parallel else whole)
-    slow = machine.inter_node
+    slow = machine.inter_node if machine.inter_node is not None else rates.inter_node
 
     def link(group: str, measured: AlphaBeta) -> AlphaBeta:
         if slow is not None and spans_nodes(s, machine.ranks_per_node, group):

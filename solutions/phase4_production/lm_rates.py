@@ -16,7 +16,10 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
 * **links**: 3.2's alpha-beta model fitted (``fit_alpha_beta``) on all-reduces of 1 KiB to 4 MiB
   over a world of the planned size (gloo here, NCCL on GPUs: ranks that share cores slow each
   other's collectives too, and the fit sees it), and on point-to-point messages of the same sizes
-  exchanged by every pair of ranks at once;
+  exchanged by every pair of ranks at once. When the world spans nodes (``per_node`` ranks each,
+  at least 2), two kinds: the all-reduce inside each node (every node at once) is the measured
+  link, and the all-reduce across nodes among the ranks of the same local rank (every such group
+  at once) is ``inter_node``, which the planner charges to any group that spans nodes;
 * **cores**: the CPUs this process may use (``os.sched_getaffinity``): more ranks than cores on
   one machine share them, so each computes ``ranks / cores`` times slower.
 """
@@ -41,6 +44,7 @@ from course.language_model import (
     rotary_tables,
 )
 from course.memory import SavedTensorMeter
+from course.topology import RankGrid
 from course.world import run_world
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
 
@@ -74,6 +78,7 @@ class Rates:
     cores: int
     dtype: str
     sources: dict[str, str] = field(default_factory=dict)
+    inter_node: AlphaBeta | None = None  # measured across nodes; None: one node, one kind
 
 
 def _median_seconds(work: Callable[[], object], repeats: int) -> float:
@@ -156,17 +161,37 @@ def measure_compute(config: LMConfig, dtype: torch.dtype, repeats: int = 5) -> d
     return result
 
 
-def link_times(repeats: int) -> dict[str, list[float]]:
-    """On every rank: median seconds of an all-reduce over the world, and of a send/recv
-    exchange with the neighbouring rank (every pair at once), per size."""
+def two_kinds(world: int, per_node: int | None) -> bool:
+    """Whether a world is measured as two kinds of links: several nodes of >= 2 ranks each."""
+    return per_node is not None and 2 <= per_node < world and world % per_node == 0
+
+
+def link_times(repeats: int, per_node: int | None = None) -> dict[str, list[float]]:
+    """On every rank: median seconds of an all-reduce over the world (over this rank's node
+    when the world spans nodes, see :func:`two_kinds`, and then also across nodes), and of a
+    send/recv exchange with the neighbouring rank (every pair at once), per size."""
     out: dict[str, list[float]] = {"all_reduce": [], "point_to_point": []}
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
+    node_group: Any = None  # the world; new_group types non-members as a sentinel
+    across_group: Any = None
+    if per_node is not None and two_kinds(world, per_node):
+        grid = RankGrid.for_world(world, ranks_per_node=per_node)
+        for ranks in grid.intra_node_groups():  # every rank creates every group, in order
+            group = dist.new_group(list(ranks))
+            node_group = group if rank in ranks else node_group
+        for ranks in grid.inter_node_groups():
+            group = dist.new_group(list(ranks))
+            across_group = group if rank in ranks else across_group
+        out["inter_node"] = []
     for size in SIZES:
         tensor = torch.zeros(size // 4, dtype=torch.float32)
 
         def reduce(tensor: torch.Tensor = tensor) -> None:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=node_group)
+
+        def across(tensor: torch.Tensor = tensor) -> None:
+            dist.all_reduce(tensor, group=across_group)
 
         def exchange(tensor: torch.Tensor = tensor) -> None:
             if rank % 2 == 0:
@@ -180,23 +205,50 @@ def link_times(repeats: int) -> dict[str, list[float]]:
         out["all_reduce"].append(_median_seconds(reduce, repeats))
         dist.barrier()
         out["point_to_point"].append(_median_seconds(exchange, repeats) / 2)  # one way
+        if across_group is not None:
+            dist.barrier()
+            out["inter_node"].append(_median_seconds(across, repeats))
     return out
 
 
-def measure_links(world: int = 2, repeats: int = 7) -> tuple[AlphaBeta, AlphaBeta]:
-    """(all-reduce, point-to-point) alpha and beta, fitted in a world of ``world`` ranks (even)."""
+@dataclass(frozen=True)
+class Links:
+    all_reduce: AlphaBeta  # inside a node when the world spans nodes
+    point_to_point: AlphaBeta
+    inter_node: AlphaBeta | None
+
+
+def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = None) -> Links:
+    """3.2's alpha and beta through :func:`link_times`' medians (ring costs for each group's
+    size, one message for point to point)."""
+    inside = per_node if per_node is not None and two_kinds(world, per_node) else world
+    ring = fit_alpha_beta([ring_cost(size, inside) for size in SIZES], times["all_reduce"])
+    p2p = fit_alpha_beta([Cost(1, size) for size in SIZES], times["point_to_point"])
+    inter = None
+    if "inter_node" in times:
+        nodes = world // inside
+        inter = fit_alpha_beta([ring_cost(size, nodes) for size in SIZES], times["inter_node"])
+    return Links(ring, p2p, inter)
+
+
+def measure_links(world: int = 2, repeats: int = 7, per_node: int | None = None) -> Links:
+    """The links' alpha and beta, fitted in a world of ``world`` ranks (even), as nodes of
+    ``per_node`` ranks when that makes two kinds (:func:`two_kinds`)."""
     if world < 2 or world % 2:
         raise ValueError(f"world={world}: the links are measured by pairs, in an even world")
-    times = run_world(link_times, world, (repeats,), {})[0]
-    ring = fit_alpha_beta([ring_cost(size, world) for size in SIZES], times["all_reduce"])
-    p2p = fit_alpha_beta([Cost(1, size) for size in SIZES], times["point_to_point"])
-    return ring, p2p
+    times = run_world(link_times, world, (repeats, per_node), {})[0]
+    return fit_links(times, world, per_node)
 
 
-def measure_rates(config: LMConfig, dtype: torch.dtype = torch.float32, world: int = 2) -> Rates:
+def measure_rates(
+    config: LMConfig,
+    dtype: torch.dtype = torch.float32,
+    world: int = 2,
+    per_node: int | None = None,
+) -> Rates:
     """Every rate, on this machine (a world of ``world`` ranks is started for the links)."""
     compute = measure_compute(config, dtype)
-    all_reduce, p2p = measure_links(world)
+    links = measure_links(world, per_node=per_node)
     cores = len(os.sched_getaffinity(0))
     name = str(dtype).removeprefix("torch.")
     sources = {
@@ -204,7 +256,12 @@ def measure_rates(config: LMConfig, dtype: torch.dtype = torch.float32, world: i
         "forward and backward at 2-16 sequences in one process, one thread, a line through each",
         "activations": "SavedTensorMeter on one layer's forward and backward, per token",
         "links": f"3.2's alpha-beta fitted on all-reduces and send/recv of 1 KiB-4 MiB, "
-        f"{world} ranks",
+        f"{world} ranks"
+        + (
+            f", nodes of {per_node}: inside and across apart"
+            if links.inter_node is not None
+            else ""
+        ),
         "cores": f"{cores} cores this process may use (os.sched_getaffinity)",
     }
     return Rates(
@@ -215,9 +272,10 @@ def measure_rates(config: LMConfig, dtype: torch.dtype = torch.float32, world: i
         activation_bytes_per_token=float(compute["activation_bytes_per_token"]),
         norm_activation_bytes_per_token=float(compute["norm_activation_bytes_per_token"]),
         optimizer_per_element=float(compute["optimizer_per_element"]),
-        all_reduce=all_reduce,
-        point_to_point=p2p,
+        all_reduce=links.all_reduce,
+        point_to_point=links.point_to_point,
         cores=cores,
         dtype=name,
         sources=sources,
+        inter_node=links.inter_node,
     )
