@@ -20,6 +20,13 @@ on every rank, from the GLOBAL batch (the same ``tokens`` and ``targets`` everyw
    3.6's ``clip_grad_norm_`` with your ``gradient_placements``.
 4. **The optimizer** steps (AdamW, or the ZeRO/FSDP-style optimizer of 3.5 over the dp x cp
    group), and the step's losses are reported on every rank (:class:`StepReport`).
+
+ZeRO-1 keeps whole gradients through backward; the runtime reduce-scatters each unit's over dp x
+cp before step 3 (3.5's ``reduce_scatter``), so what your ``finish_gradients`` and the clipping see
+are already-averaged slices, as under ZeRO-2, and then steps the slices and all-gathers the
+parameters itself (3.5's step without its reduce-scatter): the gradients cross the data-parallel
+ranks once, a reduce-scatter and an all-gather, as the ZeRO paper's stage 1 sends them, rather
+than an all-reduce and then a reduce-scatter of what is already averaged.
 """
 
 from __future__ import annotations
@@ -182,7 +189,12 @@ class LanguageModelRuntime:
         if settings.max_norm is not None:
             shards = fns.gradient_placements(held, topology)
             grad_norm = float(fns.clip_grad_norm(shards, settings.max_norm, NORM_TYPE, topology))
-        self.optimizer.step()
+        if settings.zero == 1:  # the slices were reduced in held_gradients: step, gather
+            self.optimizer.inner.step()
+            for unit in self.units:
+                unit.all_gather_params()
+        else:
+            self.optimizer.step()
         return self._report(result.loss, grad_norm)
 
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
@@ -226,10 +238,15 @@ class LanguageModelRuntime:
 
     def held_gradients(self) -> list[HeldGradient]:
         """Every gradient this rank holds, in the same order on every rank of each group: whole
-        (plain data parallel, ZeRO-1: averaged by you) or this rank's slices of ZeRO-2/3 and
-        FSDP-style units (averaged over dp x cp during backward)."""
+        (plain data parallel: averaged by you) or this rank's slices of ZeRO and FSDP-style
+        units, averaged over dp x cp (during backward, or under ZeRO-1 here: a collective)."""
         out = []
-        if self.settings.zero in (2, 3, "fsdp"):
+        if self.settings.zero == 1:
+            for unit in self.units:  # 3.5's step reduce-scatters these; the runtime does it first
+                unit.adopt_gradients()
+                assert unit.flat_grad is not None and unit.shard.grad is not None
+                unit.shard.grad.copy_(unit.reduce_scatter(unit.flat_grad))
+        if self.settings.zero in (1, 2, 3, "fsdp"):
             for unit in self.units:
                 pieces = [self.pieces[id(p)] for p in unit.layout.params]
                 first = pieces[0]

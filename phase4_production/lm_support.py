@@ -42,8 +42,9 @@ class HeldGradient:
         pipeline stage, the head on the last), and the other copy lives on another rank.
     ``expert``: the weight belongs to one expert of an MoE layer (held by one rank of each ep
         group).
-    ``reduced``: ZeRO (or FSDP) has already averaged it over the data x context ranks during
-        backward, and ``grad`` is this rank's slice.
+    ``reduced``: ZeRO (or FSDP) has already averaged it over the data x context ranks (during
+        backward; under ZeRO-1 the runtime's reduce-scatter after it), and ``grad`` is this
+        rank's slice.
     """
 
     name: str

@@ -446,3 +446,25 @@ def test_the_planner_counts_the_worked_examples_bytes_by_hand() -> None:
         assert (held.states, held.activations) == pytest.approx(
             (by_hand.states, by_hand.activations), rel=1e-3
         ), f"{layout.name}: the planner holds {held}, the hand arithmetic {by_hand}"
+
+
+def _zero1_traffic() -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
+    from solutions.phase4_production import lm_traffic
+    from solutions.phase4_production.lm_parallel import ParallelLanguageModel
+
+    settings = ParallelSettings(dp=2, zero=1, lr=1e-3)
+    topology = Topology.build(2, 1, 1)
+    model = ParallelLanguageModel(build_language_model(TINY, 0), topology, settings)
+    model.train_step(*uneven_batch(0, TINY))
+    got = lm_traffic.measure_step(model, *uneven_batch(1, TINY))
+    want = lm_traffic.expected_step(model, uneven_batch(1, TINY)[0].shape[0])
+    return [(f"{k[0]} {k[1]}", (g.calls, g.nbytes), (w.calls, w.nbytes))
+            for k, g, w in lm_traffic.differences(got, want)]  # fmt: skip
+
+
+def test_zero1_sends_the_gradients_once_a_reduce_scatter_and_an_all_gather() -> None:
+    """The composition's ZeRO-1 reduces each unit's gradient with one reduce-scatter (the
+    runtime's, before finish_gradients) and gathers the parameters once: no all-reduce of the
+    gradients on top (the ZeRO paper's stage 1 traffic; lm_traffic's formulas, to the byte)."""
+    for rank, diffs in enumerate(run_world(_zero1_traffic, 2, ())):
+        assert not diffs, f"rank {rank}: dp2 ZeRO-1's step against lm_traffic: {diffs}"

@@ -210,10 +210,8 @@ def predict(
         gradients = 0.0
     elif s.zero == 0:
         gradients = _collective(dp_link, ring_cost(params * e, shards))
-    elif s.zero == 1:
-        gradients = _collective(dp_link, ring_cost(params * e, shards)) + sum(
-            2 * _collective(dp_link, _gather_cost(u * e, shards)) for u in units
-        )
+    elif s.zero == 1:  # one reduce-scatter after backward, one all-gather after the step
+        gradients = sum(2 * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
     elif s.zero == 2:
         gradients = sum((m + 1) * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
     else:

@@ -19,8 +19,8 @@ micro-batch of ``b`` sequences, ``s = seq_len / cp`` tokens, width ``h``, ``e`` 
 * pp: per micro-batch the activation to the next stage and its gradient back
   (``b·s_sp·h·e``), and one header per boundary;
 * dp x cp: the valid-target count, the loss report, and the gradients: plain data parallelism one
-  flat all-reduce of the non-expert gradients; ZeRO-1 that all-reduce, then a reduce-scatter and
-  an all-gather of each unit in its step; ZeRO-2 a reduce-scatter of each unit per micro-batch
+  flat all-reduce of the non-expert gradients; ZeRO-1 a reduce-scatter of each unit after
+  backward and an all-gather of each unit after the step; ZeRO-2 a reduce-scatter of each unit per micro-batch
   and an all-gather of each unit after the step; ZeRO-3 and FSDP-style a reduce-scatter and two
   all-gathers (one for forward, one for backward) of each unit per micro-batch (3.5's units; a
   tied weight read by two layers is gathered once more, not counted here);
@@ -160,7 +160,7 @@ def expected_step(model: Any, batch_size: int) -> dict[Key, Traffic]:
     dp_cp = by_name["dp_cp"]
     dp_cp["all_reduce"].add(1, 8)  # count_valid_tokens
     dp_cp["all_reduce"].add(1, 16)  # the report
-    if s.zero in (0, 1):
+    if s.zero == 0:
         dp_cp["all_reduce"].add(1, _params(model, lambda p: not p.expert) * e)
     if s.zero in (1, 2):
         times = 1 if s.zero == 1 else m

@@ -258,11 +258,15 @@ def plan_rows(predictions: list[Prediction], limit: int = 8) -> tuple[Table, dic
     hand = next(x for x in LAYOUTS if x.name == "tp8 x dp128, ZeRO-1")
     same = predict(MODEL, hand.settings, published_rates(MODEL), PLANNED_MACHINE, SEQUENCES)
     by_hand = estimate(MODEL, hand.settings)
+    units = len(rank_units(MODEL, hand.settings, 0))
+    # each unit reduce-scattered and all-gathered on a ring of dp - 1 steps across nodes
+    latency = 2 * units * (hand.settings.dp - 1) * INFINIBAND[0]
     values = {
         "planned_tp8xdp128_pipeline": f"{same.pipeline:.1f} s",
         "planned_tp8xdp128_data": f"{same.gradients:.2f} s",
         "planned_tp8xdp128_data_ratio": f"{same.gradients / by_hand.data:.1f}x",
-        "planned_tp8xdp128_units": f"{len(rank_units(MODEL, hand.settings, 0))}",
+        "planned_tp8xdp128_units": f"{units}",
+        "planned_tp8xdp128_latency": f"{latency:.2f} s",
         "planned_layouts": f"{len(predictions):,}",
         "planned_fit": f"{len(fitting):,}",
         "planned_first": layout_name(first.settings),

@@ -1,6 +1,6 @@
 """4.7's goal: every axis of your composition moves exactly the bytes its cost table says.
 
-    uv run python -m tests.bench 4.7                    # yours, 6 layouts on 4 ranks
+    uv run python -m tests.bench 4.7                    # yours, 7 layouts on 4 ranks
     uv run python -m tests.bench 4.7 --impl solutions --quick   # 3 layouts
 
 Right values are not the whole story: a composition that all-reduces where a reduce-scatter
@@ -32,6 +32,7 @@ LAYOUTS: list[tuple[str, dict[str, Any], bool]] = [
     ("tp4", {"tp": 4}, False),
     ("pp4 zb-h1", {"pp": 4, "schedule": "zb-h1", "microbatches": 4, "max_norm": 1.0}, False),
     ("dp2 x cp2 ZeRO-2", {"dp": 2, "cp": 2, "zero": 2, "max_norm": 1.0}, False),
+    ("dp2 x pp2 ZeRO-1", {"dp": 2, "pp": 2, "zero": 1, "microbatches": 2, "max_norm": 1.0}, False),
 ]
 
 
