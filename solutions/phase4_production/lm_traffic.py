@@ -20,10 +20,11 @@ micro-batch of ``b`` sequences, ``s = seq_len / cp`` tokens, width ``h``, ``e`` 
   (``b·s_sp·h·e``), and one header per boundary;
 * dp x cp: the valid-target count, the loss report, and the gradients: plain data parallelism one
   flat all-reduce of the non-expert gradients; ZeRO-1 a reduce-scatter of each unit after
-  backward and an all-gather of each unit after the step; ZeRO-2 a reduce-scatter of each unit per micro-batch
-  and an all-gather of each unit after the step; ZeRO-3 and FSDP-style a reduce-scatter and two
-  all-gathers (one for forward, one for backward) of each unit per micro-batch (3.5's units; a
-  tied weight read by two layers is gathered once more, not counted here);
+  backward and an all-gather of each unit after the step; ZeRO-2 a reduce-scatter of each unit
+  per micro-batch and an all-gather of each unit after the step; ZeRO-3 and FSDP-style a
+  reduce-scatter and two all-gathers (one for forward, one for backward) of each unit per
+  micro-batch (3.5's units; a tied weight read by two layers is gathered once more, not counted
+  here);
 * ep (MoE), per layer and micro-batch: the census all-gather, the counts' all-to-all, and the
   rows: dispatch (``k·T`` rows out), combine (the rows the experts got), and both again
   backward: ``4·k·T·h·e`` summed over the ep group for its ``T`` tokens (each rank's share
