@@ -14,6 +14,10 @@ this rank's shard of its parameters in fp32 (the master weights the optimizer st
 * :func:`divide_factors`: how FSDP2 divides the summed gradient by the group size N: all of it
   after the sum for fp32/bf16 (their range cannot overflow), part before and part after for
   fp16 (about sqrt(N) each side: N fp16 gradients summed could overflow 65504).
+* :func:`in_backward`: whether a hook runs inside a backward pass. Activation checkpointing
+  (2.3) runs a block's forward a second time inside backward, and its forward hooks fire again:
+  the wiring tells such a *recompute* apart, as FSDP2 does with its ``TrainingState``
+  (``_fsdp_state.py``, ``_pre_forward``: "composing with activation checkpointing").
 * :func:`cast_floating`: FSDP2's ``cast_forward_inputs``: floating tensors reaching a unit's
   forward are cast to the compute dtype (a bf16 weight cannot multiply an fp32 input).
 * :func:`assign_unit_parameters`: which parameters each unit holds, like ``fully_shard``: a unit
@@ -97,6 +101,17 @@ def divide_factors(world: int, reduce_dtype: torch.dtype) -> tuple[float, float]
     while world % before == 0 and world / before > before:
         before *= 2
     return float(before), world / before
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread right now.
+
+    A forward hook that fires inside backward belongs to a recompute (2.3's checkpoint re-runs
+    the forward of what it kept only the input of). torch's own checkpoint asks the engine the
+    same question (torch/utils/checkpoint.py, ``torch._C._current_graph_task_id() != -1``);
+    there is no public spelling of it yet.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:

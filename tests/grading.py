@@ -129,6 +129,22 @@ def learner_line(exc: BaseException) -> str:
     return ""
 
 
+def defined_at(function: Any) -> str:
+    """`` (phase3_multi_node/template_zero_fsdp.py:69 in Prefetcher.before)``: where the code
+    under test defines ``function``, for a judged failure (values, counts, order) that no
+    traceback points at; "" when it cannot be found."""
+    import inspect
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        target = inspect.unwrap(function)
+        path = Path(inspect.getsourcefile(target) or "").resolve()
+        line = inspect.getsourcelines(target)[1]
+        return f" ({path.relative_to(root)}:{line} in {target.__qualname__})"
+    except (TypeError, OSError, ValueError):
+        return ""
+
+
 def current_test() -> str:
     """The name of the running test, without its parameters."""
     running = os.environ.get("PYTEST_CURRENT_TEST", "")

@@ -47,6 +47,7 @@ from phase3_multi_node.zero_fsdp_support import (
     assign_unit_parameters,
     cast_floating,
     check_fsdp_arguments,
+    in_backward,
 )
 from solutions.phase3_multi_node.zero_fsdp_units import FsdpUnit
 
@@ -63,24 +64,36 @@ class Prefetcher:
         self.forward = list(units)
         self.backward = list(reversed(units))
 
-    def before(self, order: list[FsdpUnit], position: int) -> None:
-        """Unit ``order[position]`` is about to compute (forward or backward, as ``order`` is)."""
+    def before(self, order: list[FsdpUnit], position: int, recompute: bool = False) -> None:
+        """Unit ``order[position]`` is about to compute (forward or backward, as ``order`` is).
+
+        ``recompute`` is True when the forward runs a second time inside backward (activation
+        checkpointing, 2.3): ``order`` is then the forward order, and backward has already
+        passed every unit after ``position`` in it.
+        """
         # TODO 3.5: make the unit about to compute gathered, and start the next ones' gathers.
         # Invariant: when this returns, order[position] holds its whole parameters; the
         #   all-gathers of the next `window` units of `order` (fewer at the end) are issued and
         #   not waited for, so they run while this unit computes; no unit further ahead holds
-        #   memory (the window bounds the gathered bytes).
+        #   memory (the window bounds the gathered bytes). A gather that is issued is waited
+        #   for later, by the unit it belongs to, in this same pass.
         # Hint 1: FsdpUnit.start_gather issues without waiting (and does nothing twice);
         #   FsdpUnit.wait_gather waits, and gathers first when nothing was issued.
         # Hint 2: first the unit at `position`: wait for it (its gather was started one step
         #   earlier, or is started now); then start the gathers of the units after it in
-        #   `order`, up to `window` of them; wait for none of those.
-        # Hint 3: wait_gather on the unit at `position`; then start_gather on each unit of
-        #   `order` from position + 1 up to (not including) position + 1 + window (a slice that
-        #   ends early at the end of the list).
+        #   `order`, up to `window` of them; wait for none of those. In a recompute, ask which
+        #   hook would ever wait for a gather you start for a unit after this one.
+        # Hint 3: wait_gather on the unit at `position`; in a recompute stop there (the units
+        #   after it finished their backward: a gather started for one is never waited for,
+        #   and the next step's forward would find it issued and read the weights from before
+        #   the optimizer step); otherwise start_gather on each unit of `order` from position
+        #   + 1 up to (not including) position + 1 + window (a slice that ends early at the end
+        #   of the list).
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         order[position].wait_gather()
+        if recompute:
+            return  # backward is past every unit ahead of this one in forward order
         for unit in order[position + 1 : position + 1 + self.window]:
             unit.start_gather()  # in flight while order[position] computes
         # <<< solution
@@ -95,15 +108,23 @@ def install_hooks(
     """Forward pre-hook: wait/prefetch, cast the inputs; forward hook: free; backward pre-hook:
     wait/prefetch; post-accumulate-grad hooks: when a unit's last gradient is in, reduce it and
     free the unit (the root's unit also frees at the end of forward and regathers first thing in
-    backward, where FSDP2 keeps the root gathered)."""
+    backward, where FSDP2 keeps the root gathered).
+
+    A forward inside backward is a recompute (activation checkpointing): the prefetcher is told
+    so, and the unit stays gathered after it, since its own backward comes next (FSDP2's
+    ``_post_forward`` does not reshard during backward either); it frees once its gradients are
+    reduced. Each unit is still gathered twice per step.
+    """
     for index, (module, unit) in enumerate(placed):
 
         def before_forward(_m: nn.Module, args: Any, kwargs: Any, unit: FsdpUnit = unit) -> Any:
-            prefetcher.before(prefetcher.forward, prefetcher.forward.index(unit))
+            position = prefetcher.forward.index(unit)
+            prefetcher.before(prefetcher.forward, position, recompute=in_backward())
             return cast_floating(args, unit.param_dtype), cast_floating(kwargs, unit.param_dtype)
 
         def after_forward(*_: Any, unit: FsdpUnit = unit) -> None:
-            unit.free()
+            if not in_backward():  # a recomputed unit's backward comes next: keep it
+                unit.free()
 
         def before_backward(*_: Any, unit: FsdpUnit = unit) -> None:
             prefetcher.before(prefetcher.backward, prefetcher.backward.index(unit))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from grading import learner_line, load
 from torch import nn
 
+from phase3_multi_node.zero_fsdp_support import in_backward
 from solutions.phase3_multi_node import zero_accounting as acc
 
 PHASE = "phase3_multi_node"
@@ -128,6 +129,7 @@ class Event:
     kind: str
     unit: int | None
     gathered: tuple[int, ...] = ()
+    in_backward: bool = False  # recorded while the autograd engine ran (a recompute's forward)
 
 
 class DeferredGather:
@@ -183,7 +185,7 @@ class CollectiveLog:
                 Call("all_gather", str(input.dtype).removeprefix("torch."), output.numel(),
                      async_op, unit, output.data_ptr() in self.compute_buffers())
             )  # fmt: skip
-            self.events.append(Event("issue", unit))
+            self.events.append(Event("issue", unit, in_backward=in_backward()))
             if not (self.defer and async_op):
                 return gather(output, input, group=group, async_op=async_op)
             arrived = torch.empty_like(output)
@@ -221,7 +223,9 @@ def watch_units(modules: list[nn.Module], units: list[Any], log: CollectiveLog) 
 
     for i, module in enumerate(modules):
         module.register_forward_pre_hook(
-            lambda *_, i=i: log.events.append(Event("fwd_start", i, gathered()))
+            lambda *_, i=i: log.events.append(
+                Event("fwd_start", i, gathered(), in_backward=in_backward())
+            )
         )
         module.register_forward_hook(
             lambda *_, i=i: log.events.append(Event("fwd_end", i)), prepend=True
@@ -289,6 +293,102 @@ def window_run(window: int) -> WindowRun:
                     f"{TOLERANCE_64})"
                 )
     run.unwaited = log.pending
+    return run
+
+
+class Recomputed(nn.Module):
+    """A block whose forward is checkpointed (2.3's ``checkpoint``, the reference's: this grades
+    3.5, not 2.3): backward runs the block's forward again, and the block's hooks fire again."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from solutions.phase2_advanced.activation_checkpointing import checkpoint
+
+        return checkpoint(self.block, x)
+
+
+@dataclass
+class RecomputeRun:
+    """One prefetch window with every block checkpointed, float64, gathers delivered at wait()."""
+
+    window: int
+    value_problem: str | None = None
+    error: str | None = None
+    left_behind: list[int] = field(default_factory=list)  # units holding memory after backward
+    issued_in_recompute: dict[int, int] = field(default_factory=dict)  # unit -> recomputed unit
+    gathers: dict[int | None, int] = field(default_factory=dict)  # unit -> all-gathers, step 2
+    step: int = 0  # the step after which the first problem showed
+
+
+def recompute_issuers(events: list[Event], units: list[int]) -> dict[int, int]:
+    """For each of ``units`` whose last all-gather was issued inside backward just before a
+    recomputed forward began: that recomputed unit (the wrapper's pre-hook issues before the
+    watcher's records the compute start)."""
+    found = {}
+    for unit in units:
+        issued = [i for i, e in enumerate(events) if e.kind == "issue" and e.unit == unit]
+        if not issued or not events[issued[-1]].in_backward:
+            continue
+        after = (e for e in events[issued[-1] :] if e.kind in ("fwd_start", "bwd_start"))
+        start = next(after, None)
+        if start is not None and start.kind == "fwd_start" and start.in_backward:
+            found[unit] = start.unit
+    return found  # type: ignore[return-value]
+
+
+def recompute_run(window: int) -> RecomputeRun:
+    """Train ``STEPS`` steps in float64 with prefetch ``window``, each block checkpointed."""
+    fsdp = fsdp_module()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = RecomputeRun(window)
+    blocks = list(blocks_model(torch.float64))
+    model = nn.Sequential(*[Recomputed(block) for block in blocks])
+    model, optimizer = fsdp.fsdp_wrap(model, blocks, adamw, None, window)
+    want = one_process_float64(world)
+    log = CollectiveLog(unit_sizes(world), defer=True)
+    watch_units(blocks, optimizer.units, log)
+    with log:
+        for step in range(STEPS):
+            first = len(log.events)
+            x, y = batch(step, world, torch.float64)
+            mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            try:
+                nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            except NotImplementedError:
+                raise  # an unwritten TODO: the harness names it
+            except RuntimeError as err:
+                run.error = (
+                    f"step {step + 1} raised RuntimeError: {str(err).splitlines()[0]}"
+                    + learner_line(err)
+                )
+                break
+            events = log.events[first:]
+            if step == 1:
+                run.gathers = {}
+                for event in events:
+                    if event.kind == "issue":
+                        run.gathers[event.unit] = run.gathers.get(event.unit, 0) + 1
+            held = [i for i, u in enumerate(optimizer.units[: len(blocks)])
+                    if u.flat_param.untyped_storage().nbytes() or u.work is not None]  # fmt: skip
+            if held and not run.left_behind:
+                run.left_behind, run.step = held, step + 1
+                run.issued_in_recompute = recompute_issuers(events, held)
+            optimizer.step()
+            optimizer.zero_grad()
+            diff, name = max_diff(
+                {k.replace(".block", ""): v for k, v in full_state(model, optimizer).items()},
+                want[step],
+            )
+            if run.value_problem is None and not diff <= TOLERANCE_64:
+                run.value_problem = (
+                    f"after step {step + 1}, {name} "
+                    + ("is NaN" if math.isnan(diff) else f"differs by {diff:.3e}")
+                    + " from one process's AdamW on the whole batch (float64, tolerance "
+                    f"{TOLERANCE_64})"
+                )
     return run
 
 

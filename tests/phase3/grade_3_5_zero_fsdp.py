@@ -36,15 +36,17 @@ from fsdp_helpers import (
     Call,
     Event,
     PolicyRun,
+    RecomputeRun,
     WindowRun,
     blocks_model,
     fsdp_module,
     policy_run,
+    recompute_run,
     unit_problems,
     unit_sizes,
     window_run,
 )
-from grading import exercise
+from grading import defined_at, exercise
 from phase3_helpers import fail, first_problems, small_world
 from torch import nn
 from zero_helpers import needs_partition
@@ -59,6 +61,7 @@ FULLY_SHARD = {
     3: {"bf16-fp32": 1e-6, "off": 1e-6},
 }
 N_UNITS = len(WIDTHS)
+RECOMPUTE_WINDOWS = (1, 2)  # a window of 0 prefetches nothing, in a recompute or not
 
 
 def fsdp_worker(world: int) -> dict[str, Any]:
@@ -70,6 +73,7 @@ def fsdp_worker(world: int) -> dict[str, Any]:
     out["windows"] = [window_run(w) for w in WINDOWS]
     if not any(run.error for run in out["windows"]):  # real async gathers need the waits right
         out["policies"] = [policy_run(name) for name in FULLY_SHARD[world]]
+        out["recompute"] = [recompute_run(w) for w in RECOMPUTE_WINDOWS]
     return out
 
 
@@ -306,6 +310,64 @@ def test_fsdp_gathers_ahead_within_the_prefetch_window(world: int) -> None:
         problems,
         f"{label(world)}: the units holding memory at each compute start, and the order of "
         "issue, compute end and wait (the second step; gathers deliver at wait()):",
+    )
+
+
+# ----------------------------------------------------------------------------- recompute
+
+
+def recompute_problem(run: RecomputeRun, where: str) -> str | None:
+    """What a run with every block checkpointed did wrong, the cause named only when the
+    events single it out."""
+    if run.left_behind:
+        units = ", ".join(str(u) for u in run.left_behind)
+        issuers = run.issued_in_recompute
+        if issuers:
+            unit, by = next(iter(issuers.items()))
+            return (
+                f"after backward of step {run.step}, units [{units}] still held memory; unit "
+                f"{unit}'s all-gather was issued while unit {by}'s forward was recomputed inside "
+                f"backward (Prefetcher.before with recompute=True{where}): backward had passed "
+                f"unit {unit}, so no hook ever waits for that gather, and the next step's "
+                f"forward finds it issued and computes with unit {unit}'s weights from before "
+                "the optimizer step. In a recompute, gather the unit itself and start nothing"
+                + (f" ({run.value_problem})" if run.value_problem else "")
+            )
+        return (
+            f"after backward of step {run.step}, units [{units}] still held memory (gathered "
+            "or with an all-gather in flight): every gather issued in a pass must be waited for "
+            "by its unit in that pass, and each unit frees after its gradients are reduced"
+        )
+    if run.error or run.value_problem:
+        return run.error or run.value_problem
+    if run.gathers != dict.fromkeys(range(N_UNITS), 2):
+        return (
+            f"one step all-gathered the units {dict(sorted(run.gathers.items(), key=str))} "
+            "(unit: times); expected each unit twice, as without checkpointing: once for its "
+            "forward and once for its recompute, which its backward then uses"
+        )
+    return None
+
+
+@exercise("3.5")
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_with_activation_checkpointing_leaves_no_gather_behind(world: int) -> None:
+    needs_partition()
+    results = runs(world)
+    require_training(results, world)
+    where = defined_at(fsdp_module().Prefetcher.before).removeprefix(" (").removesuffix(")")
+    where = f", {where}" if where else ""
+    ranks: dict[str, list[str]] = {}
+    for rank, result in enumerate(results):
+        for run in result["recompute"]:
+            found = recompute_problem(run, where)
+            if found:
+                ranks.setdefault(f"prefetch {run.window}: {found}", []).append(str(rank))
+    first_problems(
+        [f"rank{'s' * (len(r) > 1)} {', '.join(r)}, {line}" for line, r in ranks.items()],
+        f"{label(world)}, every block checkpointed (2.3's checkpoint runs its forward again "
+        f"inside backward), float64, prefetch windows {RECOMPUTE_WINDOWS}, {STEPS} AdamW steps "
+        "against one process:",
     )
 
 
