@@ -26,3 +26,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("DTFS_IMPL", "templates"),
         help="grade the learner's templates (default) or the reference solutions",
     )
+    # tests/test_lm_random_layouts.py: which randomized layouts of the language model to train
+    parser.addoption("--lm-seed", type=int, default=None,
+                     help="seed of the randomized LM layouts (default: the fixed CI seed)")
+    parser.addoption("--lm-draws", type=int, default=None,
+                     help="randomized LM layouts per world (default: the CI budget)")
+    parser.addoption("--lm-worlds", default=None,
+                     help="world sizes of the randomized LM layouts, e.g. 2,4,8 (default 2,4)")

@@ -55,10 +55,18 @@ from phase4_production.lm_support import AttachLoss, sequence_share
 @dataclass
 class StepContext:
     """What the blocks need to know about the step in progress (set by the runtime): the number
-    of sequences in the global batch, and the balance-loss shares computed so far."""
+    of sequences in the global batch, the balance-loss shares computed so far, and per MoE layer
+    how many of this rank's token choices went to each expert (summed over micro-batches)."""
 
     global_sequences: int = 0
     balance: list[torch.Tensor] = field(default_factory=list)
+    expert_choices: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def clear(self, global_sequences: int) -> None:
+        """A new step (or evaluation) of ``global_sequences`` sequences begins."""
+        self.global_sequences = global_sequences
+        self.balance.clear()
+        self.expert_choices.clear()
 
 
 @dataclass(frozen=True)
@@ -67,13 +75,15 @@ class Piece:
 
     ``how``: ``"whole"``; ``"column"`` (this tp rank's rows, from each of ``fused_parts``
     stacked blocks); ``"row"`` (this tp rank's columns); ``"expert"`` (expert ``expert_id`` of
-    the layer, whole). ``tp_replicated``, ``expert`` and ``tied`` as in ``HeldGradient``.
+    the layer, whole; ``layer`` is the model's layer number). ``tp_replicated``, ``expert`` and
+    ``tied`` as in ``HeldGradient``.
     """
 
     dense_name: str
     how: str = "whole"
     fused_parts: int = 1
     expert_id: int = -1
+    layer: int = -1
     tp_replicated: bool = True
     expert: bool = False
     tied: bool = False
@@ -152,10 +162,11 @@ class ParallelMoE(nn.Module):
     """3.8's MoELayer on this rank's tokens (whole or, with sequence parallelism, its share),
     and the layer's balance-loss share attached to the stage's backward."""
 
-    def __init__(self, dense: DenseMoE, wiring: Wiring) -> None:
+    def __init__(self, dense: DenseMoE, wiring: Wiring, layer: int) -> None:
         super().__init__()
         self.layer = wiring.functions.moe_layer(dense, wiring.topology.group("ep"))
         self.wiring = wiring
+        self.index = layer  # the model's layer number
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.wiring
@@ -163,6 +174,9 @@ class ParallelMoE(nn.Module):
         out, _ = self.layer(x.reshape(-1, width))  # 3.8's own per-rank loss is not the model's
         step = self.layer.last
         moe = w.config
+        choices = torch.bincount(step.routing.experts.flatten().cpu(), minlength=moe.num_experts)
+        counted = w.context.expert_choices.get(self.index)
+        w.context.expert_choices[self.index] = choices if counted is None else counted + choices
         share = w.functions.balance_loss_share(
             step.routing.probs.view(batch, tokens, -1),
             step.routing.experts.view(batch, tokens, -1),
@@ -177,14 +191,14 @@ class ParallelMoE(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, dense: Block, wiring: Wiring) -> None:
+    def __init__(self, dense: Block, wiring: Wiring, layer: int) -> None:
         super().__init__()
         self.attention_norm = copy.deepcopy(dense.attention_norm)
         self.attention = ParallelAttention(dense.attention, wiring)
         self.mlp_norm = copy.deepcopy(dense.mlp_norm)
         self.mlp: nn.Module
         if isinstance(dense.mlp, DenseMoE):
-            self.mlp = ParallelMoE(dense.mlp, wiring)
+            self.mlp = ParallelMoE(dense.mlp, wiring, layer)
         else:
             assert isinstance(dense.mlp, SwiGLU)
             self.mlp = ParallelSwiGLU(dense.mlp, wiring)
@@ -205,7 +219,7 @@ class StageChunk(nn.Module):
         self.layers = layers
         self.embedding = copy.deepcopy(dense.embedding) if first else None
         self.blocks = nn.ModuleDict(
-            {str(i): ParallelBlock(cast(Block, dense.blocks[i]), wiring) for i in layers}
+            {str(i): ParallelBlock(cast(Block, dense.blocks[i]), wiring, i) for i in layers}
         )
         self.final_norm = copy.deepcopy(dense.final_norm) if last else None
         self.head = LocalLinear(dense.head.weight) if last else None
@@ -309,4 +323,4 @@ def _piece(chunk: StageChunk, name: str, tied_elsewhere: bool) -> Piece:
     expert_id = moe.layer.experts.first + int(parts[6])
     tail = ".".join(parts[7:])
     dense = f"blocks.{layer}.mlp.experts.{expert_id}.{tail}"
-    return Piece(dense, "expert", expert_id=expert_id, expert=True)
+    return Piece(dense, "expert", expert_id=expert_id, layer=int(layer), expert=True)

@@ -31,6 +31,7 @@ than an all-reduce and then a reduce-scatter of what is already averaged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -49,6 +50,26 @@ from phase4_production.lm_layout import ParallelSettings
 from phase4_production.lm_support import HeldGradient, sequence_share
 
 NORM_TYPE = 2.0
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What every rank knows after a step's sums: the cross-entropy and balance loss, and per
+    MoE layer (rows, in ``moe_layers`` order) how many token choices of the global batch went
+    to each expert."""
+
+    cross_entropy: float
+    balance: float
+    expert_choices: torch.Tensor
+
+    def idle_experts(self, moe_layers: tuple[int, ...]) -> set[tuple[int, int]]:
+        """(layer, expert) pairs that no token chose."""
+        rows, experts = torch.nonzero(self.expert_choices == 0, as_tuple=True)
+        return {(moe_layers[r], e) for r, e in zip(rows.tolist(), experts.tolist(), strict=True)}
+
+    def report(self, config: Any, grad_norm: float | None, valid: int) -> StepReport:
+        loss = self.cross_entropy + config.aux_coefficient * self.balance
+        return StepReport(loss, self.cross_entropy, self.balance, grad_norm, valid)
 
 
 @dataclass(frozen=True)
@@ -175,27 +196,28 @@ class LanguageModelRuntime:
             raise ValueError(f"targets {tuple(targets.shape)} for tokens {tuple(tokens.shape)}")
         x, y = self.local_batch(tokens), self.local_batch(targets)
         self.global_valid = fns.count_valid_tokens(y, topology)
-        self.context.global_sequences = tokens.shape[0]
-        self.context.balance.clear()
+        self.context.clear(tokens.shape[0])
         self.optimizer.zero_grad(set_to_none=True)
         executor = self.executor
         result = executor.step(
             x if executor.links.holds(0) else None,
             y if executor.links.holds(executor.last_stage) else None,
         )
+        totals = self._totals(result.loss)
         held = self.held_gradients()
         fns.finish_gradients(held, topology, settings.sequence_parallel, self.all_reduce_fn)
         grad_norm = None
         if settings.max_norm is not None:
             shards = fns.gradient_placements(held, topology)
             grad_norm = float(fns.clip_grad_norm(shards, settings.max_norm, NORM_TYPE, topology))
+        self._leave_idle_experts(totals.idle_experts(self.config.moe_layers))
         if settings.zero == 1:  # the slices were reduced in held_gradients: step, gather
             self.optimizer.inner.step()
             for unit in self.units:
                 unit.all_gather_params()
         else:
             self.optimizer.step()
-        return self._report(result.loss, grad_norm)
+        return totals.report(self.config, grad_norm, self.global_valid)
 
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepReport:
         """The losses of a global batch without updating anything. 2.5's executor has no
@@ -205,34 +227,52 @@ class LanguageModelRuntime:
         settings.check(topology.world_size, self.config, tokens.shape[0])
         x, y = self.local_batch(tokens), self.local_batch(targets)
         self.global_valid = fns.count_valid_tokens(y, topology)
-        self.context.global_sequences = tokens.shape[0]
-        self.context.balance.clear()
+        self.context.clear(tokens.shape[0])
         executor = self.executor
         result = executor.step(
             x if executor.links.holds(0) else None,
             y if executor.links.holds(executor.last_stage) else None,
         )
         self.optimizer.zero_grad(set_to_none=True)
-        return self._report(result.loss, None)
+        return self._totals(result.loss).report(self.config, None, self.global_valid)
 
-    def _report(self, loss: float | None, grad_norm: float | None) -> StepReport:
-        """Sum the ranks' shares of the step's losses onto every rank: the loss shares (scaled
-        by dp x cp for the gradient average) over the ranks holding other tokens, the MoE layers'
-        over the pipeline stages too."""
-        topology = self.topology
-        parts = torch.tensor(
-            [loss or 0.0, float(sum(float(b) for b in self.context.balance))],
-            dtype=torch.float64,
-            device=self.device,
-        ) / topology.size_of("dp_cp")
+    def _totals(self, loss: float | None) -> StepTotals:
+        """Sum the ranks' shares of the step's losses onto every rank (the loss shares, scaled
+        by dp x cp for the gradient average, over the ranks holding other tokens; the MoE
+        layers' over the pipeline stages too), and with them every MoE layer's token choices per
+        expert (this rank's layers fill their rows, the stages' sums fill the rest): one
+        all-reduce per group."""
+        topology, config = self.topology, self.config
+        choices = torch.zeros(len(config.moe_layers), config.num_experts, dtype=torch.float64)
+        for row, layer in enumerate(config.moe_layers):
+            if layer in self.context.expert_choices:
+                choices[row] = self.context.expert_choices[layer].double()
+        losses = torch.tensor([loss or 0.0, float(sum(float(b) for b in self.context.balance))],
+                              dtype=torch.float64) / topology.size_of("dp_cp")  # fmt: skip
+        parts = torch.cat([losses, choices.flatten()]).to(self.device)
         dist.all_reduce(parts, group=topology.group("dp_cp"))
         if self.settings.sequence_parallel:
             dist.all_reduce(parts, group=topology.tp_group)
         dist.all_reduce(parts, group=topology.pp_group)
-        ce, balance = float(parts[0]), float(parts[1])
-        return StepReport(
-            ce + self.config.aux_coefficient * balance, ce, balance, grad_norm, self.global_valid
-        )
+        parts = parts.cpu()
+        return StepTotals(float(parts[0]), float(parts[1]), parts[2:].view_as(choices))
+
+    def _leave_idle_experts(self, idle: set[tuple[int, int]]) -> None:
+        """Drop the gradients of the experts that no token of the global batch chose.
+
+        One process runs an expert only on the tokens that chose it (``dropless_moe``), so an
+        expert nobody chose gets no gradient, and AdamW leaves a parameter without a gradient
+        alone: no weight decay, no step count, moments unchanged. Here every expert runs, on
+        zero rows when none arrive, and its reduced gradient is zero, which AdamW would step
+        (its moments decay and move the weight). Whether a zero gradient means "not chosen" only
+        the routing says (a sequence without valid targets gives zero gradients too), so the
+        choices are counted and summed with the loss report."""
+        if not idle:
+            return
+        for param in self.model.parameters():
+            piece = self.pieces[id(param)]
+            if piece.expert and (piece.layer, piece.expert_id) in idle:
+                param.grad = None
 
     # ------------------------------------------------------------------ what a rank holds
 
@@ -329,13 +369,25 @@ class LanguageModelRuntime:
 
 
 def assemble_state(everyone: list[Any], tp: int, tied: bool) -> dict[str, torch.Tensor]:
-    """The whole state from ``(tp_rank, local_state, {name: (how, fused_parts)})`` of every rank:
-    a column piece is each fused block's rows of one tp rank, a row piece its columns."""
+    """The whole state from ``(tp_rank, local_state, {name: (how, fused_parts)})`` of every rank
+    (in rank order): a column piece is each fused block's rows of one tp rank, a row piece its
+    columns.
+
+    Pieces that several ranks hold (data- and context-parallel replicas, a tp-replicated norm,
+    the two copies of a tied embedding) must be equal, bitwise: every copy receives the same
+    reduced gradient and steps alike. Copies that differ mean a reduction missed a group, and
+    a checkpoint of one of them would resume a model no rank trained: refused, naming the
+    parameter and the ranks (:class:`ReplicasDiffer`).
+    """
     by_name: dict[str, dict[int, torch.Tensor]] = {}
+    holder: dict[tuple[str, int], int] = {}
     how_of: dict[str, tuple[str, int]] = {}
-    for tp_rank, state, pieces in everyone:
+    for rank, (tp_rank, state, pieces) in enumerate(everyone):
         for name, value in state.items():
-            by_name.setdefault(name, {})[tp_rank] = value
+            first = by_name.setdefault(name, {}).setdefault(tp_rank, value)
+            if first is not value:
+                _same_replica(name, first, value, holder[(name, tp_rank)], rank)
+            holder.setdefault((name, tp_rank), rank)
             how_of[name] = pieces[name]
     out = {}
     for name, per_tp in by_name.items():
@@ -348,6 +400,26 @@ def assemble_state(everyone: list[Any], tp: int, tied: bool) -> dict[str, torch.
         else:
             out[name] = next(iter(per_tp.values()))
     if tied:
+        if "head.weight" in out and "embedding.weight" in out:
+            _same_replica("the tied embedding/head weight", out["embedding.weight"],
+                          out["head.weight"], holder[("embedding.weight", 0)],
+                          holder[("head.weight", 0)])  # fmt: skip
         out["head.weight"] = out.get("head.weight", out.get("embedding.weight"))  # type: ignore[assignment]
         out["embedding.weight"] = out["head.weight"]
     return out
+
+
+class ReplicasDiffer(ValueError):
+    """Two ranks hold different values for one piece that every copy should share."""
+
+
+def _same_replica(name: str, a: torch.Tensor, b: torch.Tensor, rank_a: int, rank_b: int) -> None:
+    if a.shape == b.shape and torch.equal(a, b):
+        return
+    gap = float((a.double() - b.double()).abs().max()) if a.shape == b.shape else math.inf
+    raise ReplicasDiffer(
+        f"{name}: rank {rank_a} and rank {rank_b} hold copies that differ (largest difference "
+        f"{gap:.3e}): every copy of a weight must receive the same reduced gradient; a gradient "
+        "reduction left out a group that holds copies (data, context, tensor-parallel replicas "
+        "or the tied embedding's stages). Refusing to assemble one model from them"
+    )

@@ -18,7 +18,9 @@ micro-batch of ``b`` sequences, ``s = seq_len / cp`` tokens, width ``h``, ``e`` 
   4(cp-1) backward (K and V again, then their dK and dV sums);
 * pp: per micro-batch the activation to the next stage and its gradient back
   (``b·s_sp·h·e``), and one header per boundary;
-* dp x cp: the valid-target count, the loss report, and the gradients: plain data parallelism one
+* dp x cp: the valid-target count, the loss report (cross-entropy, balance and, per MoE layer,
+  each expert's token choices: an expert nobody chose keeps no gradient, as in one process), and
+  the gradients: plain data parallelism one
   flat all-reduce of the non-expert gradients; ZeRO-1 a reduce-scatter of each unit after
   backward and an all-gather of each unit after the step; ZeRO-2 a reduce-scatter of each unit
   per micro-batch and an all-gather of each unit after the step; ZeRO-3 and FSDP-style a
@@ -152,15 +154,17 @@ def expected_step(model: Any, batch_size: int) -> dict[Key, Traffic]:
             tp_["all_reduce"].add(regions * m * (1 + passes), b * tokens * h * e)
         for op in ("isend", "irecv"):
             cp_[op].add(len(chunk.layers) * m * (2 + 4 * passes) * (cp - 1), block)
+    # the report: cross-entropy, balance, and every MoE layer's choices per expert (float64)
+    report = 8 * (2 + len(c.moe_layers) * experts)
     if s.sequence_parallel:
-        tp_["all_reduce"].add(1, 16)  # the report
+        tp_["all_reduce"].add(1, report)
         tp_["all_reduce"].add(1, _params(model, lambda p: p.tp_replicated) * e)
         tp_["all_reduce"].add(len(moe) * m, b * experts * 8)  # balance counts
     cp_["all_reduce"].add(len(moe) * m, b * experts * 8)
     _pipeline(model, by_name["pp"], b, between, e)
     dp_cp = by_name["dp_cp"]
     dp_cp["all_reduce"].add(1, 8)  # count_valid_tokens
-    dp_cp["all_reduce"].add(1, 16)  # the report
+    dp_cp["all_reduce"].add(1, report)
     if s.zero == 0:
         dp_cp["all_reduce"].add(1, _params(model, lambda p: not p.expert) * e)
     if s.zero in (1, 2):
@@ -172,7 +176,7 @@ def expected_step(model: Any, batch_size: int) -> dict[Key, Traffic]:
         for unit in model.units:
             dp_cp["reduce_scatter_tensor"].add(m, unit.layout.shard_numel * e)
             dp_cp["all_gather_into_tensor"].add(2 * m, unit.layout.padded_numel * e)
-    by_name["pp"]["all_reduce"].add(1, 16)  # the report, summed over the stages
+    by_name["pp"]["all_reduce"].add(1, report)  # summed over the stages
     ep_ = by_name["ep"]
     ep_["all_gather_into_tensor"].add(len(moe) * m, t.ep_size * experts * 8)
     ep_["all_to_all_single"].add(len(moe) * m, experts * 8)
