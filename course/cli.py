@@ -6,15 +6,22 @@ value`` (or plain ``python -m``). What is the same everywhere lives here once:
 * :func:`parse_config`: a ``--flag`` for each field of the program's config dataclass
   (``snake_case`` -> ``--kebab-case``; booleans become ``--x/--no-x`` switches; a field's
   ``metadata`` may give ``choices`` and ``help``). Under torchrun every rank parses the same
-  argv, so a usage error is printed by rank 0 only, and every rank exits with status 2.
+  argv, so a usage error is printed by rank 0 (the others only as a backstop, see
+  :func:`refuse_before_start`), and every rank exits with status 2.
 * Every number is checked while it is parsed: a float must be finite (``inf``/``nan`` are
   refused for every flag), and a field's ``metadata`` may bound it with ``ge``, ``gt``, ``le``,
   ``lt`` (as pydantic's ``Field``) and say the fix with ``fix``: ``--lr -1.0: must be > 0
-  (fix: a positive learning rate, e.g. --lr 0.05)`` is one line on rank 0, exit 2, before any
+  (fix: a positive learning rate, e.g. --lr 0.05)`` is one line (rank 0's), exit 2, before any
   process group exists.
 * :func:`refuse_before_start`: bad values are refused *before* the process group exists: each
   rank checks them against torchrun's WORLD_SIZE, rank 0 prints why, every rank exits with 2.
-  Failing later, inside a collective, would leave the other ranks waiting.
+  Failing later, inside a collective, would leave the other ranks waiting. So that torchrun
+  cannot swallow the line (it ends the other ranks when one exits), the other ranks print it too
+  when rank 0 has not ended them within :data:`BACKSTOP_SECONDS` (:func:`say_refusal`).
+* :class:`Refusal`: what a program raises for a setting or state it will not run with, before
+  or inside the process group (a config error, a checkpoint folder where nothing verifies):
+  :func:`run_main` prints it the same way, one line, exit 2 (or the class's ``exit_code``), no
+  traceback.
 * :func:`benchmark_main`: a benchmark's ``main``: flags, refusals, the measurement (one line
   when a world fails, e.g. on an unwritten TODO), the table, and how long it took.
 * :func:`run_main`: the entry point. A template whose TODO is still ``raise
@@ -57,24 +64,66 @@ ResultT = TypeVar("ResultT")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+# A rank other than 0 waits this long before printing a refusal that rank 0 prints at once.
+BACKSTOP_SECONDS = 2.0
+
+
 def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _under_torchrun_note() -> str:
+def _under_torchrun_note(before_start: bool = True) -> str:
     """A second line under torchrun, where a refusal (exit 2) is followed by torchrun's own
     ChildFailedError report: say that the report adds nothing, so the reader stops at our line."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return ""
-    return "\n(refused before training started: torchrun's failure report below only repeats it)"
+    when = "refused before training started: " if before_start else ""
+    return f"\n({when}torchrun's failure report below only repeats it)"
+
+
+class Refusal(ValueError):
+    """A setting or a state a program will not run with, found before or inside the process
+    group (e.g. a checkpoint folder where no checkpoint verifies): :func:`run_main` prints its
+    message as one ``error: ...`` line that no launcher can swallow (:func:`say_refusal`) and
+    exits with ``exit_code``, without a traceback. Subclasses say what was refused."""
+
+    exit_code = 2
+
+
+def say_refusal(line: str) -> None:
+    """Print ``line`` on stderr, flushed, on rank 0 at once and on every other rank after
+    :data:`BACKSTOP_SECONDS`.
+
+    Every rank refuses the same settings, but one voice is enough, and torchrun ends the other
+    ranks as soon as one exits: when rank 0 alone spoke and rank 1 exited first, torchrun could
+    end rank 0 before it printed, and the refusal was lost (issue 38; a rank that exits has always
+    printed first now). Normally rank 0 prints and exits within the backstop, torchrun ends the
+    rest, and the line appears once; when rank 0 is slow, another rank prints the same line.
+    """
+    if not _is_rank_zero():
+        time.sleep(BACKSTOP_SECONDS)
+    print(line, file=sys.stderr, flush=True)
+
+
+def refused(err: BaseException, before_start: bool = True) -> int:
+    """Say ``err`` as one ``error: ...`` line (:func:`say_refusal`); the exit status to return."""
+    say_refusal(f"error: {err}{_under_torchrun_note(before_start)}")
+    return int(getattr(err, "exit_code", 2))
 
 
 class RankZeroParser(argparse.ArgumentParser):
-    """An ArgumentParser whose messages (usage errors, --help) appear once, on rank 0."""
+    """An ArgumentParser whose messages (usage, --help) appear once, on rank 0; an error line is
+    printed by rank 0 at once and by the other ranks only as a backstop (:func:`say_refusal`)."""
 
     def _print_message(self, message: str, file: Any = None) -> None:
         if _is_rank_zero():
             super()._print_message(message, file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message and status:
+            say_refusal(message.rstrip("\n"))
+            sys.exit(status)
+        super().exit(status, message)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -141,16 +190,15 @@ def parse_config(
 
 
 def refuse_before_start(validate: Callable[[int], object]) -> int | None:
-    """Run ``validate(world_size)``; on ValueError print it on rank 0 and return exit code 2.
+    """Run ``validate(world_size)``; on ValueError say it (:func:`refused`: rank 0 at once, the
+    others as a backstop) and return exit code 2.
 
     Returns None when the arguments are fine. Call it before ``setup_distributed()``.
     """
     try:
         validate(env_int("WORLD_SIZE", 1))
     except ValueError as err:
-        if _is_rank_zero():
-            print(f"error: {err}{_under_torchrun_note()}", file=sys.stderr, flush=True)
-        return 2
+        return refused(err)
     return None
 
 
@@ -217,7 +265,9 @@ def run_main(
 
     Under torchrun the exit status is 0 after an unwritten TODO: the line above says what
     happened, and a non-zero status would make torchrun add its ChildFailedError report (tens of
-    lines per rank) under it. Started without torchrun, the status is 1.
+    lines per rank) under it. Started without torchrun, the status is 1. A :class:`Refusal`
+    (raised before or inside the process group) is one ``error: ...`` line and its
+    ``exit_code`` (2).
     """
     try:
         code = main(argv)
@@ -225,4 +275,6 @@ def run_main(
         if _is_rank_zero():
             print(todo_line(exc), file=sys.stderr, flush=True)
         code = 0 if "TORCHELASTIC_RUN_ID" in os.environ else 1
+    except Refusal as exc:  # raised inside the process group: one line, no traceback
+        code = refused(exc, before_start=False)
     sys.exit(code)

@@ -4,10 +4,11 @@ The capstone (``imagenet_config.py``) and the language-model framework (``lm_con
 describe a run by one YAML file plus command-line overrides, and refuse a bad one before any
 process group exists: a typo in a key, a value outside the allowed set, a number out of range is
 one message naming the key, the bad value and what is allowed. What is the same for both lives
-here once: finding a config by name, reading it, applying ``section.key=value`` overrides (values
-read as YAML, so types follow the file's rules), and turning pydantic's errors into one line per
-problem. Each program defines its own sections as pydantic models deriving from
-:class:`Section` (``extra="forbid"``: unknown keys are refused).
+here once: finding a config by name, reading it (a file with no settings and a key given twice
+are refused, where YAML would run on the defaults or keep the last value unseen), applying
+``section.key=value`` overrides (values read as YAML, so types follow the file's rules), and
+turning pydantic's errors into one line per problem. Each program defines its own sections as
+pydantic models deriving from :class:`Section` (``extra="forbid"``: unknown keys are refused).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from course.cli import Refusal
 
-class ConfigError(ValueError):
-    """A configuration a program refuses; the message names the key, the value, the fix."""
+
+class ConfigError(Refusal):
+    """A configuration a program refuses; the message names the key, the value, the fix (a
+    :class:`~course.cli.Refusal`: raised inside a process group too, ``run_main`` prints it as one
+    line on every rank)."""
 
 
 class Section(BaseModel):
@@ -48,15 +53,50 @@ def read_yaml(path: Path, shipped: Sequence[str]) -> dict[str, Any]:
             f"--config {path}: no such file; the shipped configs are "
             f"{', '.join(shipped)} (or give a path to a .yaml file)"
         )
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text())
+        duplicates = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
+    if duplicates:
+        raise ConfigError(
+            f"--config {path}: {'; '.join(duplicates)}: YAML would keep the last one silently "
+            "(fix: keep one)"
+        )
     if data is None:
-        return {}
+        raise ConfigError(
+            f"--config {path}: the file holds no settings (empty, or only comments): a run "
+            f"would take every default unseen (fix: write its sections, e.g. copy one of "
+            f"{', '.join(shipped)})"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(data)}")
     return data
+
+
+def duplicate_keys(node: yaml.Node | None, where: str = "") -> list[str]:
+    """``train.lr is given twice (lines 3 and 9)`` for each key a mapping repeats, found in the
+    composed YAML tree: PyYAML's loaders keep the last value of a repeated key without a word
+    (the YAML 1.2 spec requires keys to be unique, section 3.2.1.1), so it is checked here."""
+    problems: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            is_scalar = isinstance(key_node, yaml.ScalarNode)
+            name = str(key_node.value) if is_scalar else "?"
+            dotted = f"{where}.{name}" if where else name
+            if is_scalar and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                key = (key_node.tag, name)
+                if key in first_line:
+                    problems.append(f"{dotted} is given twice (lines {first_line[key]} and {line})")
+                first_line.setdefault(key, line)
+            problems += duplicate_keys(value_node, dotted)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            problems += duplicate_keys(item, f"{where}[{index}]")
+    return problems
 
 
 def apply_override(data: dict[str, Any], assignment: str, example: str) -> None:

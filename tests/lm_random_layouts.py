@@ -44,12 +44,20 @@ from course.language_model import IGNORE_INDEX, LMConfig, build_language_model
 from course.topology import Topology
 from phase4_production.lm_layout import SCHEDULES, ZERO_CHOICES, ParallelSettings
 
-_TESTS = str(Path(__file__).resolve().parent)
-if _TESTS not in sys.path:  # run as ``python -m tests.lm_random_layouts``: pytest's pythonpath
-    sys.path.append(_TESTS)
+# the 4.7 grader's helpers (expected_piece), and what they import from tests/
+for _folder in (Path(__file__).resolve().parent, Path(__file__).resolve().parent / "phase4"):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 STEPS = 3
-TOLERANCE = 1e-10  # relative, float64
+# Relative, float64. Before any update (step 1's losses and gradient norm) only the order of
+# sums differs: 1e-10. After an update, AdamW's m/(sqrt(v) + eps) turns the rounding of a
+# gradient element that nearly cancels (a few ulp of the gradient's scale, ~1e-14 here) into a
+# weight change of up to lr * 1e-14 / eps (eps = 1e-8, lr <= 2e-2: ~2e-8), which the next
+# steps carry into every value (seen: 5e-10 on a gradient norm at step 3, dp2 x pp2 x ep2
+# zb-v, seed 1). The mistakes this test exists for are off by 1e-5 or more.
+TOLERANCE_BEFORE_UPDATE = 1e-10
+TOLERANCE = 1e-7
 CANDIDATES = 3000  # random candidates a world's draws are picked from
 DEFAULT_SEED = 2026
 EMPTY = ("none", "replica", "shard")  # which ranks hold no valid target in every batch
@@ -289,7 +297,7 @@ def run_draws(draws: list[Draw], impl: str = "solutions") -> list[RankResult]:
 
 def _piece(full: torch.Tensor, how: str, parts: int, tp_rank: int, tp: int) -> torch.Tensor:
     """The piece of a one-process tensor a tp rank holds (cut here, not by the code under test)."""
-    from phase4.lm_helpers import expected_piece
+    from lm_helpers import expected_piece
 
     return expected_piece(full, how, parts, tp_rank, tp)
 
@@ -301,10 +309,10 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max()) / scale
 
 
-def _close(a: float | None, b: float | None) -> bool:
+def _close(a: float | None, b: float | None, tolerance: float) -> bool:
     if a is None or b is None:
         return a is b
-    return abs(a - b) <= TOLERANCE * max(abs(b), 1e-30)
+    return abs(a - b) <= tolerance * max(abs(b), 1e-30)
 
 
 def draw_problems(draw: Draw, per_rank: list[RankResult], want: Expected) -> list[str]:
@@ -317,8 +325,9 @@ def draw_problems(draw: Draw, per_rank: list[RankResult], want: Expected) -> lis
         if len({r.reports[step] for r in per_rank}) != 1:
             return [f"step {step + 1}: the ranks reported different losses"]
         names = ("cross-entropy", "balance loss", "gradient norm")
+        tolerance = TOLERANCE_BEFORE_UPDATE if step == 0 else TOLERANCE
         for name, mine, theirs in zip(names, got[:3], want.reports[step][:3], strict=True):
-            if not _close(mine, theirs):
+            if not _close(mine, theirs, tolerance):
                 return [f"step {step + 1}: {name} {mine!r}, one process {theirs!r}"]
         if got[3] != want.reports[step][3]:
             return [f"step {step + 1}: {got[3]} valid targets, one process {want.reports[step][3]}"]
@@ -333,7 +342,7 @@ def draw_problems(draw: Draw, per_rank: list[RankResult], want: Expected) -> lis
                 for key, values in want.moments[step].items():
                     expected = _piece(values[name], how, parts, tp, result.tp_size)
                     error = _relative(result.moments[step][key][name], expected)
-                    if not error <= TOLERANCE:
+                    if not error <= tolerance:  # step 1's moments come before any update
                         return [f"{where}: AdamW's {key} of {name} off by {error:.2e} (relative)"]
     for name, value in per_rank[0].whole.items():
         error = _relative(value, want.states[-1][name])

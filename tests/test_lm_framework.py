@@ -8,7 +8,6 @@ process; the bytes are compared in one world of 4.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -236,7 +235,7 @@ def checkpointed_run(layout: dict[str, Any], epochs: int, directory: str) -> lis
 def final_checkpoint(directory: Path) -> Any:
     from solutions.phase4_production import lm_checkpoint
 
-    folder = lm_checkpoint.latest(directory)
+    folder = lm_checkpoint.newest_valid(directory, CKPT_MODEL)
     assert folder is not None, f"no checkpoint in {directory}"
     like = {"generator": torch.Generator().get_state(), "global_step": torch.tensor(0)}
     return lm_checkpoint.load(folder, CKPT_MODEL, torch.float64, like)
@@ -282,14 +281,16 @@ def test_a_resume_at_another_layout_equals_an_uninterrupted_run(tmp_path: Path) 
 
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> None:
     from solutions.phase4_production import lm_checkpoint
+    from solutions.phase4_production.checkpoint import write_manifest
 
     folder = tmp_path / "step_00000002"
     folder.mkdir()
-    record = lm_checkpoint.model_record(CKPT_MODEL)
-    (folder / "manifest.json").write_text(json.dumps({"model": {**record, "width": 32}}))
+    (folder / ".metadata").write_bytes(b"never unpickled: the model is refused first")
+    other = lm_checkpoint.manifest_settings(dataclasses.replace(CKPT_MODEL, width=32), "dp1", 2)
+    write_manifest(folder, 2, [".metadata"], other)
     with pytest.raises(lm_checkpoint.CheckpointMismatch,
                        match=r"model.width=32 in the checkpoint, 16 in this run"):  # fmt: skip
-        lm_checkpoint.check_model(folder, CKPT_MODEL)
+        lm_checkpoint.newest_valid(tmp_path, CKPT_MODEL)
 
 
 @pytest.mark.torchrun

@@ -18,9 +18,16 @@ pydantic model with unknown keys refused, and the whole is checked against the w
     activation_checkpointing: true: each layer keeps only its input and recomputes its forward
                     in backward (2.3's checkpoint; not with zero-bubble schedules or MoE)
     train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...
-    checkpoint:     dir, every (steps; 0: none), keep; a run resumes from the newest one in
-                    dir, at whatever layout it runs (lm_checkpoint.py)
+    checkpoint:     dir, every (steps between saves; 0: none), keep; a run resumes from the
+                    newest one in dir that verifies, at whatever layout it runs, with every: 0
+                    too (lm_checkpoint.py)
     planner:        ranks_per_node, memory_per_rank_gib (what ``sharding: auto`` plans for)
+
+Refused as well, by ``course/config_files.py``: a file that holds no settings (it would run on
+every default unseen) and a key given twice (YAML keeps the last: ``train.lr is given twice
+(lines 4 and 6)``); and by the framework before launch: a ``checkpoint.dir`` that cannot be
+written when ``every`` > 0, and its command line's ``--world`` and ``--metrics FILE`` (one JSON
+line per optimizer step, ``lm_trainer.step_record``) when they cannot be used.
 
 ``uv run python -m solutions.phase4_production.lm_config --config lm-8gpu`` prints a config as
 the framework reads it (or its refusal).
@@ -220,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.set)
+        if args.world is not None and args.world < 1:
+            raise ConfigError(f"--world {args.world}: a world has at least 1 rank (e.g. --world 4)")
         if args.world is not None:
             check_world(config, args.world)
     except ConfigError as err:

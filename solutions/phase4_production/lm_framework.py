@@ -15,27 +15,41 @@ With ``sharding: auto`` the planner (``lm_planner.py``) ranks every legal layout
 from rates measured on the machine (compute in one process, the links in the running world; rank
 0's rates are broadcast so that every rank plans the same) and the run takes its first choice.
 ``--plan-only`` prints the ranked table and stops; outside torchrun it plans for ``--world``
-ranks, measuring the links in a world of its own.
+ranks (an even number, default 4: the links are measured by pairs), measuring the links in a
+world of its own (at most 8 ranks). Measuring has a deadline of its own
+(``lm_rates.rates_timeout``, 120 s or ``DTFS_RATES_TIMEOUT``): on a machine too busy to measure
+in time the run ends with one line that says so, the load and the fix.
+
+``--metrics FILE`` writes one JSON object per optimizer step (rank 0; step, loss and its parts,
+tokens, grad norm, lr, seconds, layout: ``lm_trainer.step_record``), so that two runs compare
+exactly; a resumed run keeps the lines up to its checkpoint and appends. Rank 0 says each phase
+as it starts (building the layout, measuring, loading the corpus) and then shows the steps on
+stderr (a bar on a terminal, a line every 10 s otherwise). Whatever is refused (a bad key, a key
+given twice, an empty config file, a ``--world`` below 2, odd or ignored, a checkpoint folder
+or a metrics file that cannot be written) is one ``error:`` line before any process group
+exists, printed so that torchrun cannot swallow it (``course.cli.say_refusal``). A folder that
+holds checkpoints is resumed from even with ``checkpoint.every: 0`` (which saves none), and the
+run says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from course.cli import refuse_before_start, run_main
+from course.cli import RankZeroParser, Refusal, refuse_before_start, refused, run_main
 from course.config_files import ConfigError
 from course.distributed import distributed_session, env_int
 from course.impl import IMPLS
 from course.language_model import LMConfig
 from course.rank_logging import log0
 from course.topology import Topology
+from phase4_production.checkpoint_files import folder_problem
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase4_production.lm_checkpoint import CheckpointPlan
 from solutions.phase4_production.lm_config import (
@@ -51,8 +65,9 @@ from solutions.phase4_production.lm_rates import (
     link_times,
     measure_compute,
     measure_rates,
+    rates_timeout,
 )
-from solutions.phase4_production.lm_trainer import RunOptions, run
+from solutions.phase4_production.lm_trainer import RunOptions, metrics_problem, run, say
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -63,11 +78,23 @@ def machine_of(config: FrameworkConfig, world: int) -> Machine:
     return Machine(world, per_node, config.planner.memory_per_rank_gib * GIB, element)
 
 
-def options_of(config: FrameworkConfig, impl: str) -> RunOptions:
+PLAN_WORLD = 4  # what --plan-only plans for outside torchrun without --world
+MEASURED_AT_MOST = 8  # ranks of the world --plan-only starts to measure the links
+
+
+def options_of(config: FrameworkConfig, impl: str, metrics: str | None = None) -> RunOptions:
     t = config.train
     dtype = "float64" if config.precision == "fp64" else "float32"
     return RunOptions(t.batch, t.epochs, t.steps_per_epoch, t.eval_batches, dtype, t.seed,
-                      t.sample_bytes, impl)  # fmt: skip
+                      t.sample_bytes, impl, metrics=metrics)  # fmt: skip
+
+
+def checkpoint_plan(config: FrameworkConfig) -> CheckpointPlan:
+    """Where the run resumes from and saves: with ``checkpoint.every: 0`` (the shipped default)
+    it still resumes from a folder that holds checkpoints, and saves none (a folder full of
+    checkpoints was ignored without a word before: issue 38)."""
+    c = config.checkpoint
+    return CheckpointPlan(c.dir, c.every, c.keep)
 
 
 def plan_table(predictions: list[Prediction], rates: Rates, limit: int = 12) -> str:
@@ -84,14 +111,18 @@ def plan_table(predictions: list[Prediction], rates: Rates, limit: int = 12) -> 
     return "\n".join(lines) + more + f"\n\nwhere the numbers come from:\n{sources}"
 
 
-def rates_in_world(model: LMConfig, dtype: torch.dtype, per_node: int | None = None) -> Rates:
+def rates_in_world(
+    model: LMConfig, dtype: torch.dtype, per_node: int | None = None, deadline: float | None = None
+) -> Rates:
     """Rates measured inside the running world: compute on rank 0, the links by every rank
     (inside and across nodes apart when the world spans nodes of ``per_node`` ranks); rank 0's
-    broadcast, so that every rank plans alike."""
-    times = link_times(7, per_node)
+    broadcast, so that every rank plans alike. Each measurement within ``deadline`` seconds
+    (default ``lm_rates.rates_timeout``), else ``MachineTooBusy`` (one line, every rank)."""
+    deadline = rates_timeout() if deadline is None else deadline
+    times = link_times(7, per_node, deadline)
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
-        compute = measure_compute(model, dtype)
+        compute = measure_compute(model, dtype, deadline=deadline)
         links = fit_links(times, dist.get_world_size(), per_node)
         payload = [(compute, links, len(os.sched_getaffinity(0)))]
     dist.broadcast_object_list(payload, src=0)
@@ -127,45 +158,107 @@ def choose(config: FrameworkConfig, rates: Rates, world: int) -> list[Prediction
     return predictions
 
 
-def validate(config: FrameworkConfig, world: int) -> None:
-    check_world(config, world)
-    if config.sharding == "auto" and world % 2:
-        raise ConfigError(f"sharding: auto measures links by pairs of ranks: {world} is odd")
+def validate(
+    config: FrameworkConfig, world: int, plan_only: bool = False, metrics: str | None = None
+) -> None:
+    """Everything the run would be refused for on ``world`` ranks, before any process group:
+    the layout, an odd world where links are measured by pairs, and for a training run the
+    folders it writes (a checkpoint folder when ``checkpoint.every`` > 0, the metrics file);
+    every problem at once, in one ConfigError."""
+    problems = []
+    try:
+        check_world(config, world)
+    except ConfigError as err:
+        problems.append(str(err))
+    measures = "--plan-only" if plan_only else "sharding: auto" if config.sharding == "auto" else ""
+    if measures and world % 2:
+        problems.append(f"{measures} measures the links by pairs of ranks: a world of {world} is "
+                        "odd (fix: an even number of ranks)")  # fmt: skip
+    c = config.checkpoint
+    if not plan_only and c.every and (problem := folder_problem(c.dir, "checkpoint.dir")):
+        problems.append(problem)
+    if not plan_only and metrics and (problem := metrics_problem(metrics, "--metrics")):
+        problems.append(problem)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def world_to_plan(world: int | None, plan_only: bool, under_torchrun: bool) -> int:
+    """The world ``--plan-only`` plans for outside torchrun (``--world``, default 4), or
+    ConfigError naming ``--world`` where it is not a world or would be ignored."""
+    if world is None:
+        return PLAN_WORLD
+    if world < 2 or world % 2:
+        raise ConfigError(
+            f"--world {world}: --plan-only plans for an even number of ranks >= 2, as the links "
+            f"are measured by pairs (fix: e.g. --plan-only --world {max(2, world + world % 2)})"
+        )
+    if not plan_only:
+        raise ConfigError(
+            f"--world {world}: only --plan-only reads it (fix: add --plan-only, or train on "
+            f"{world} ranks with torchrun --nproc_per_node={world})"
+        )
+    if under_torchrun and world != int(os.environ["WORLD_SIZE"]):
+        raise ConfigError(
+            f"--world {world}: under torchrun the world is torchrun's {os.environ['WORLD_SIZE']} "
+            f"ranks (fix: drop --world, or run torchrun --nproc_per_node={world})"
+        )
+    return world
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = RankZeroParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and stop")
-    parser.add_argument("--world", type=int, default=None, help="--plan-only outside torchrun")
+    parser.add_argument("--world", type=int, default=None,
+                        help=f"--plan-only outside torchrun: plan for this many ranks (even; "
+                             f"default {PLAN_WORLD})")  # fmt: skip
+    parser.add_argument("--metrics", default=None, metavar="FILE",
+                        help="write one JSON line per optimizer step to FILE (rank 0)")  # fmt: skip
     parser.add_argument("--impl", choices=IMPLS, default="solutions")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def plan_here(config: FrameworkConfig, world: int) -> int:
+    """``--plan-only`` outside torchrun: measure in worlds of this process's own, print the
+    ranked plan for ``world`` ranks."""
+    measured = min(world, MEASURED_AT_MOST)
+    per_node = machine_of(config, world).ranks_per_node
     try:
-        config = load_config(args.config, args.set)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    under_torchrun = "WORLD_SIZE" in os.environ
-    if args.plan_only and not under_torchrun:
-        world = args.world or 4
-        try:
-            validate(config, world)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        measured = min(world, 8)
-        per_node = machine_of(config, world).ranks_per_node
+        say(f"measuring this machine for the planner: one layer's compute, then the links in a "
+            f"world of {measured} ranks (at most {rates_timeout():g} s each)")  # fmt: skip
         rates = measure_rates(config.model.lm(), DTYPES[config.precision], measured, per_node)
         print(plan_table(choose(config, rates, world), rates))
-        return 0
-    if (code := refuse_before_start(lambda world: validate(config, world))) is not None:
+    except Refusal as err:  # MachineTooBusy (exit 1), no layout fits or a bad DTFS_RATES_TIMEOUT
+        return refused(err)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    under_torchrun = "WORLD_SIZE" in os.environ
+    try:
+        config = load_config(args.config, args.set)
+        world = world_to_plan(args.world, args.plan_only, under_torchrun)
+    except ConfigError as err:
+        return refused(err)
+    if args.plan_only and not under_torchrun:
+        try:
+            validate(config, world, plan_only=True)
+        except ConfigError as err:
+            return refused(err)
+        return plan_here(config, world)
+    code = refuse_before_start(lambda world: validate(config, world, args.plan_only, args.metrics))
+    if code is not None:
         return code
     with distributed_session():
         world = dist.get_world_size()
         settings: ParallelSettings = config.settings(world)
         if config.sharding == "auto" or args.plan_only:
             per_node = machine_of(config, world).ranks_per_node
+            say(f"measuring this machine for the planner: the links of the {world} ranks, then "
+                f"one layer's compute on rank 0 (at most {rates_timeout():g} s each)")  # fmt: skip
             rates = rates_in_world(config.model.lm(), DTYPES[config.precision], per_node)
             predictions = choose(config, rates, world)
             log0(plan_table(predictions, rates))
@@ -175,9 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log0(f"\nthe planner's choice: {settings.label()}\n")
         topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp,
                                   ep=settings.ep)  # fmt: skip
-        c = config.checkpoint
-        plan = CheckpointPlan(c.dir, c.every, c.keep) if c.every else None
-        run(config.model.lm(), settings, options_of(config, args.impl), topology, plan)
+        options = options_of(config, args.impl, args.metrics)
+        run(config.model.lm(), settings, options, topology, checkpoint_plan(config))
     return 0
 
 

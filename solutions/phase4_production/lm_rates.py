@@ -22,6 +22,12 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   at once) is ``inter_node``, which the planner charges to any group that spans nodes;
 * **cores**: the CPUs this process may use (``os.sched_getaffinity``): more ranks than cores on
   one machine share them, so each computes ``ranks / cores`` times slower.
+
+Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not
+the tests' 20 s world deadline: a quiet 2-core machine measures the compute in about 1 s and the
+links of a world of 4 in about 3 s, but on a busy one a world that measures slowly is not hung,
+and was reported as "another rank skipped or reordered a collective" (issue 38). Past the
+deadline, :class:`MachineTooBusy` says so with the machine's load and the fixes.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from course.cli import Refusal
 from course.language_model import (
     Block,
     LMConfig,
@@ -45,10 +52,46 @@ from course.language_model import (
 )
 from course.memory import SavedTensorMeter
 from course.topology import RankGrid
-from course.world import run_world
+from course.world import WorldHung, run_world
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
 
 SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]  # bytes per collective / message
+RATES_TIMEOUT_ENV = "DTFS_RATES_TIMEOUT"
+DEFAULT_RATES_TIMEOUT = 120.0
+
+
+def rates_timeout() -> float:
+    """Seconds each measurement (the compute, the links) may take: ``DTFS_RATES_TIMEOUT`` or
+    120, about 40 times what a quiet 2-core machine needs."""
+    raw = os.environ.get(RATES_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_RATES_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise Refusal(
+            f"{RATES_TIMEOUT_ENV}={raw!r}: not a positive number of seconds (fix: e.g. "
+            f"{RATES_TIMEOUT_ENV}=600, or unset it for {DEFAULT_RATES_TIMEOUT:g})"
+        )
+    return value
+
+
+class MachineTooBusy(Refusal):
+    """A measurement ran past :func:`rates_timeout`: the machine is too busy to measure, which
+    is not a bug of the program (exit status 1, one line, no traceback)."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, seconds: float) -> None:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0))
+        super().__init__(
+            f"the machine was too busy to measure {what} within {seconds:g} s: load {load:.1f} "
+            f"on {cores} cores (fix: measure when the machine is quieter, or allow longer with "
+            f"{RATES_TIMEOUT_ENV}={max(4 * seconds, DEFAULT_RATES_TIMEOUT):g})"
+        )
 
 
 @dataclass(frozen=True)
@@ -101,8 +144,14 @@ def _line(points: Sequence[tuple[float, float]]) -> Line:
     return Line(max(mean_s - per_token * mean_t, 0.0), per_token)
 
 
-def measure_compute(config: LMConfig, dtype: torch.dtype, repeats: int = 5) -> dict[str, Any]:
-    """Layer and head times and activation bytes, one process, from ``config``'s shapes."""
+def measure_compute(
+    config: LMConfig, dtype: torch.dtype, repeats: int = 5, deadline: float | None = None
+) -> dict[str, Any]:
+    """Layer and head times and activation bytes, one process, from ``config``'s shapes;
+    :class:`MachineTooBusy` when they take more than ``deadline`` seconds (default
+    :func:`rates_timeout`; checked between token counts)."""
+    deadline = rates_timeout() if deadline is None else deadline
+    began = time.monotonic()
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank computes (torchrun and the harness set one thread)
@@ -135,6 +184,9 @@ def measure_compute(config: LMConfig, dtype: torch.dtype, repeats: int = 5) -> d
         with SavedTensorMeter(exclude=list(block.parameters())) as meter:
             norm(x)
         norm_saved = meter.peak_bytes // tokens
+        if time.monotonic() - began > deadline:
+            torch.set_num_threads(threads)
+            raise MachineTooBusy("one layer's compute", deadline)
     layer_forward, layer_backward = _line(forward), _line(backward)
     big = counts[-1] * config.seq_len
     whole = layer_forward.seconds(big) + layer_backward.seconds(big)
@@ -166,10 +218,23 @@ def two_kinds(world: int, per_node: int | None) -> bool:
     return per_node is not None and 2 <= per_node < world and world % per_node == 0
 
 
-def link_times(repeats: int, per_node: int | None = None) -> dict[str, list[float]]:
+def out_of_time(began: float, deadline: float) -> bool:
+    """Whether any rank has measured for more than ``deadline`` seconds (a MAX all-reduce of
+    one flag, so that every rank stops after the same size)."""
+    late = torch.tensor([float(time.monotonic() - began > deadline)])
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def link_times(
+    repeats: int, per_node: int | None = None, deadline: float | None = None
+) -> dict[str, list[float]]:
     """On every rank: median seconds of an all-reduce over the world (over this rank's node
     when the world spans nodes, see :func:`two_kinds`, and then also across nodes), and of a
-    send/recv exchange with the neighbouring rank (every pair at once), per size."""
+    send/recv exchange with the neighbouring rank (every pair at once), per size. With a
+    ``deadline`` (seconds; torchrun's world, where no harness watches the clock) every rank
+    raises :class:`MachineTooBusy` after the size during which it passed."""
+    began = time.monotonic()
     out: dict[str, list[float]] = {"all_reduce": [], "point_to_point": []}
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
@@ -208,6 +273,8 @@ def link_times(repeats: int, per_node: int | None = None) -> dict[str, list[floa
         if across_group is not None:
             dist.barrier()
             out["inter_node"].append(_median_seconds(across, repeats))
+        if deadline is not None and out_of_time(began, deadline):
+            raise MachineTooBusy(f"the links of {world} ranks", deadline)
     return out
 
 
@@ -231,12 +298,22 @@ def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = 
     return Links(ring, p2p, inter)
 
 
-def measure_links(world: int = 2, repeats: int = 7, per_node: int | None = None) -> Links:
+def measure_links(
+    world: int = 2, repeats: int = 7, per_node: int | None = None, deadline: float | None = None
+) -> Links:
     """The links' alpha and beta, fitted in a world of ``world`` ranks (even), as nodes of
-    ``per_node`` ranks when that makes two kinds (:func:`two_kinds`)."""
+    ``per_node`` ranks when that makes two kinds (:func:`two_kinds`). The world runs under
+    ``deadline`` (default :func:`rates_timeout`), not the tests' world deadline; running past it
+    is :class:`MachineTooBusy` (a deadlock the harness sees is still reported as one)."""
     if world < 2 or world % 2:
         raise ValueError(f"world={world}: the links are measured by pairs, in an even world")
-    times = run_world(link_times, world, (repeats, per_node), {})[0]
+    deadline = rates_timeout() if deadline is None else deadline
+    try:
+        times = run_world(link_times, world, (repeats, per_node), {}, timeout=deadline)[0]
+    except WorldHung as hung:
+        if hung.deadlocked_after is not None:
+            raise
+        raise MachineTooBusy(f"the links of {world} ranks", deadline) from None
     return fit_links(times, world, per_node)
 
 
@@ -245,10 +322,12 @@ def measure_rates(
     dtype: torch.dtype = torch.float32,
     world: int = 2,
     per_node: int | None = None,
+    deadline: float | None = None,
 ) -> Rates:
-    """Every rate, on this machine (a world of ``world`` ranks is started for the links)."""
-    compute = measure_compute(config, dtype)
-    links = measure_links(world, per_node=per_node)
+    """Every rate, on this machine (a world of ``world`` ranks is started for the links); each
+    measurement within ``deadline`` seconds (default :func:`rates_timeout`)."""
+    compute = measure_compute(config, dtype, deadline=deadline)
+    links = measure_links(world, per_node=per_node, deadline=deadline)
     cores = len(os.sched_getaffinity(0))
     name = str(dtype).removeprefix("torch.")
     sources = {

@@ -18,17 +18,28 @@ Every setting is checked before the process group exists (degrees that do not fi
 heads or widths tp does not divide, a sequence that does not cut into 2 x cp chunks, experts
 that ep does not divide, more stages than layers), each refused by name with its fix.
 ``lm_record.py`` records two layouts' curves side by side.
+
+While it runs, rank 0 says each phase on stderr as it starts (building the model, loading the
+corpus) and then shows the steps (:class:`StepProgress`: a bar on a terminal, a line every
+10 s elsewhere); ``--metrics FILE`` writes one JSON line per optimizer step
+(:func:`step_record`), so that two runs can be compared exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 
 from course.cli import parse_config, refuse_before_start, run_main
 from course.distributed import distributed_session
@@ -44,6 +55,7 @@ from solutions.phase4_production.lm_checkpoint import CheckpointPlan
 
 PHASE = "phase4_production"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+PROGRESS_SECONDS = 10.0  # when stderr is not a terminal: a progress line at most this often
 
 
 @dataclass
@@ -148,6 +160,13 @@ class TrainConfig:
     impl: str = field(
         default="solutions", metadata={"choices": IMPLS, "help": "the reference or your templates"}
     )
+    metrics: str = field(
+        default="", metadata={"help": "write one JSON line per optimizer step to this file"}
+    )
+    progress: bool = field(
+        default=True,
+        metadata={"help": "a progress bar on a terminal, else a line every 10 s (rank 0, stderr)"},
+    )
 
     def model(self) -> LMConfig:
         layers = tuple(int(x) for x in self.moe_layers.split(",") if x.strip())
@@ -160,7 +179,8 @@ class TrainConfig:
     def options(self) -> RunOptions:
         return RunOptions(
             self.batch, self.epochs, self.steps_per_epoch, self.eval_batches, self.dtype,
-            self.seed, self.sample_bytes, self.impl,
+            self.seed, self.sample_bytes, self.impl, metrics=self.metrics or None,
+            progress=self.progress,
         )  # fmt: skip
 
     def settings(self, world_size: int) -> ParallelSettings:
@@ -200,8 +220,29 @@ def validate(config: TrainConfig, world_size: int) -> None:
                 f"{settings.label()} = {settings.world_size} ranks, but the world has "
                 f"{world_size}: run torchrun with --nproc_per_node={settings.world_size}"
             )
+    if config.metrics and (problem := metrics_problem(config.metrics, "--metrics")):
+        problems.append(problem)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def metrics_problem(path: str, what: str) -> str | None:
+    """Why the metrics file cannot be written at ``path`` (one line naming ``what``, the flag,
+    and the fix), or None: checked before any process group, not after the first step."""
+    file = Path(path)
+    fix = "(fix: a file in a folder you can write, e.g. runs/metrics.jsonl)"
+    if file.is_dir():
+        return f"{what} {path}: a folder, not a file {fix}"
+    if file.exists() and not os.access(file, os.W_OK):
+        return f"{what} {path}: the file is not writable {fix}"
+    for ancestor in file.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                return f"{what} {path}: {ancestor} is a file, not a folder {fix}"
+            if not os.access(ancestor, os.W_OK | os.X_OK):
+                return f"{what} {path}: {ancestor} is not writable {fix}"
+            return None
+    return None
 
 
 @dataclass
@@ -228,6 +269,141 @@ class RunOptions:
     seed: int
     sample_bytes: int
     impl: str = "solutions"
+    metrics: str | None = None  # a JSONL file: one line per optimizer step (:func:`step_record`)
+    progress: bool = True  # rank 0 shows the steps on stderr (:class:`StepProgress`)
+
+
+def say(line: str) -> None:
+    """What the run is doing now, on rank 0's stderr (a phase that may take seconds: the user
+    sees it start, instead of silence)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+def open_metrics(path: str, start: int) -> TextIO:
+    """Rank 0's metrics file, opened to append one line per step after ``start`` steps.
+
+    The file keeps the lines of steps 1..``start`` and drops the rest: a run that starts afresh
+    (``start`` 0) begins the file anew; a run resumed from a checkpoint of step ``start`` keeps the
+    record up to it and drops what the interrupted run did after it (which is done again, and
+    a line cut short by a kill), so the file holds each step of the run's history once. Lines
+    are written whole and flushed as they are finished (line buffering).
+    """
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if start and file.exists():
+        for line in file.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and step <= start:
+                kept.append(line + "\n")
+    file.write_text("".join(kept))
+    return file.open("a", buffering=1)
+
+
+def step_record(
+    step: int, epoch: int, report: Any, tokens: int, settings: ParallelSettings, seconds: float
+) -> dict[str, Any]:
+    """One optimizer step as the metrics file records it (a JSON object, one line).
+
+    ``step`` counts optimizer steps from 1 over the whole run (a resumed run continues the
+    count), ``epoch`` from 1; ``loss`` (what the step minimized), ``cross_entropy`` and
+    ``balance`` (MoE's load-balancing term, 0 without experts) are the global batch's, the same
+    on every rank, as Python floats (``json`` writes the shortest text that reads back as the
+    same float: two runs compare exactly); ``tokens`` the global batch's inputs,
+    ``valid_tokens`` the targets the loss counts; ``grad_norm`` before clipping (null without
+    clipping); ``lr`` AdamW's learning rate (constant: the runtime has no schedule);
+    ``seconds`` the step's wall time on rank 0; ``layout`` the settings' label (a run resumed at
+    another layout says so on its lines).
+    """
+    grad_norm = None if report.grad_norm is None else float(report.grad_norm)
+    return {"step": step, "epoch": epoch, "loss": float(report.loss),
+            "cross_entropy": float(report.cross_entropy), "balance": float(report.balance),
+            "tokens": tokens, "valid_tokens": int(report.valid_tokens), "grad_norm": grad_norm,
+            "lr": settings.lr, "seconds": seconds, "layout": settings.label()}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class StepProgress:
+    """Rank 0's view of the steps while they run, on stderr.
+
+    On a terminal, a tqdm bar over the run's steps with the last step's loss and the tokens per
+    second of the steps so far (training steps only: evaluation and checkpoints excluded).
+    Elsewhere (a CI log, a file, torchrun's ``--redirects``) a bar would write a line of
+    carriage returns per step, so instead one plain line after the first step and then at most
+    every :data:`PROGRESS_SECONDS`, and after the last: slow never looks hung, and a log stays
+    short. Disabled, it shows nothing.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        done: int,
+        tokens_per_step: int,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total, self.done, self.tokens_per_step = total, done, tokens_per_step
+        self.stream = sys.stderr if stream is None else stream
+        self.clock = clock
+        self.enabled = enabled
+        self.steps = 0  # steps timed by this run (a resumed run starts at ``done``)
+        self.step_seconds = 0.0
+        self.last_line: float | None = None
+        self.bar: Any = None
+        if enabled and self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, desc="training", unit="step",
+                            file=self.stream, dynamic_ncols=True, leave=False)  # fmt: skip
+
+    def tokens_per_second(self) -> float:
+        return self.steps * self.tokens_per_step / self.step_seconds if self.step_seconds else 0.0
+
+    def step(self, loss: float, seconds: float) -> None:
+        """One more step done, whose loss was ``loss`` and which took ``seconds``."""
+        self.done += 1
+        self.steps += 1
+        self.step_seconds += seconds
+        if not self.enabled:
+            return
+        rate = f"{self.tokens_per_second():,.0f}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {rate} tokens/s", refresh=False)
+            self.bar.update(1)
+            return
+        now = self.clock()
+        due = self.last_line is None or now - self.last_line >= PROGRESS_SECONDS
+        if due or self.done == self.total:
+            self.last_line = now
+            print(f"step {self.done}/{self.total}: loss {loss:.4f}, {rate} tokens/s",
+                  file=self.stream, flush=True)  # fmt: skip
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Print other lines (the epoch's table row) without the bar drawn through them."""
+        if self.bar is not None:
+            self.bar.clear()
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def evaluate(model: Any, corpus: Corpus, options: RunOptions, seq_len: int) -> float:
@@ -257,8 +433,13 @@ def run(
     checkpoint: CheckpointPlan | None = None,
 ) -> History:
     """The whole run on this rank, inside an initialised process group. With ``checkpoint``
-    it saves every ``checkpoint.every`` steps and at the end, and first resumes from the newest
-    checkpoint in its folder, whatever layout saved it (lm_checkpoint.py)."""
+    it first resumes from the newest checkpoint in its folder, whatever layout saved it
+    (lm_checkpoint.py), and saves every ``checkpoint.every`` steps and at the end (none when
+    ``every`` is 0). Rank 0 says each phase as it starts and shows the steps on stderr
+    (:class:`StepProgress`), and with ``options.metrics`` writes one line per step."""
+    looking = f", looking for a checkpoint in {checkpoint.directory}" if checkpoint else ""
+    ranks = f" on {topology.world_size} ranks" if topology.world_size > 1 else ""
+    say(f"building the model at {settings.label()}{ranks}{looking}")
     lm = load_impl(PHASE, "lm_parallel", options.impl)
     dtype = DTYPES[options.dtype]
     generator = torch.Generator().manual_seed(options.seed)
@@ -268,7 +449,7 @@ def run(
     def make_runtime(weights: torch.nn.Module) -> Any:
         return lm.ParallelLanguageModel(weights, topology, settings)
 
-    folder = lm_checkpoint.latest(checkpoint.directory) if checkpoint else None
+    folder = lm_checkpoint.resume_folder(checkpoint, model_config) if checkpoint else None
     start = 0
     if checkpoint and checkpoint.resume and folder is not None:
         restored = lm_checkpoint.load(folder, model_config, dtype, progress_of(generator, 0))
@@ -279,6 +460,9 @@ def run(
              f"{settings.label()}")  # fmt: skip
     else:
         model = make_runtime(dense)
+    if checkpoint and not checkpoint.every and start:
+        log0("checkpoint.every is 0: this run continues from that checkpoint and saves none")
+    say("loading the corpus (the Python documentation, pydoc_data.topics)")
     corpus = Corpus.load()
     seq_len = model_config.seq_len
     log0(
@@ -289,24 +473,44 @@ def run(
     )
     log0("\n| epoch | train loss (nats) | held-out bits/byte | tokens/s |\n|---:|---:|---:|---:|")
     total = options.epochs * options.steps_per_epoch
-    for epoch in range(start // options.steps_per_epoch, options.epochs):
-        started, loss = time.perf_counter(), math.nan
-        first = max(0, start - epoch * options.steps_per_epoch)  # resumed mid-epoch
-        for step in range(first, options.steps_per_epoch):
-            tokens, targets = random_windows(corpus.train, options.batch, seq_len, generator)
-            loss = model.train_step(tokens.contiguous(), targets.contiguous()).loss
-            history.step_losses.append(loss)
-            done = epoch * options.steps_per_epoch + step + 1
-            maybe_fail(done)  # DTFS_FAIL=kill:rank=1:step=3 (course/failure_injection.py)
-            if checkpoint and checkpoint.every and (done % checkpoint.every == 0 or done == total):
-                lm_checkpoint.save(checkpoint, model, progress_of(generator, done), model_config,
-                                   settings)  # fmt: skip
-        seconds = time.perf_counter() - started
-        tokens_per_second = (options.steps_per_epoch - first) * options.batch * seq_len / seconds
-        bpb = evaluate(model, corpus, options, seq_len)
-        history.epochs.append({"epoch": epoch + 1, "train_loss": loss, "bits_per_byte": bpb,
-                               "tokens_per_second": tokens_per_second})  # fmt: skip
-        log0(f"| {epoch + 1} | {loss:.4f} | {bpb:.4f} | {tokens_per_second:,.0f} |")
+    tokens_per_step = options.batch * seq_len
+    rank0 = topology.rank == 0
+    say(f"training: {total - start} steps of {tokens_per_step:,} tokens")
+    progress = StepProgress(total, start, tokens_per_step, enabled=options.progress and rank0)
+    record = open_metrics(options.metrics, start) if options.metrics and rank0 else None
+    try:
+        for epoch in range(start // options.steps_per_epoch, options.epochs):
+            started, loss = time.perf_counter(), math.nan
+            first = max(0, start - epoch * options.steps_per_epoch)  # resumed mid-epoch
+            for step in range(first, options.steps_per_epoch):
+                tokens, targets = random_windows(corpus.train, options.batch, seq_len, generator)
+                began = time.perf_counter()
+                report = model.train_step(tokens.contiguous(), targets.contiguous())
+                step_seconds = time.perf_counter() - began
+                loss = report.loss
+                history.step_losses.append(loss)
+                done = epoch * options.steps_per_epoch + step + 1
+                if record is not None:
+                    line = step_record(done, epoch + 1, report, tokens_per_step, settings,
+                                       step_seconds)  # fmt: skip
+                    record.write(json.dumps(line) + "\n")
+                progress.step(loss, step_seconds)
+                maybe_fail(done)  # DTFS_FAIL=kill:rank=1:step=3 (course/failure_injection.py)
+                if checkpoint and checkpoint.every and (done % checkpoint.every == 0
+                                                        or done == total):  # fmt: skip
+                    lm_checkpoint.save(checkpoint, model, progress_of(generator, done),
+                                       model_config, settings)  # fmt: skip
+            seconds = time.perf_counter() - started
+            tokens_per_second = (options.steps_per_epoch - first) * tokens_per_step / seconds
+            bpb = evaluate(model, corpus, options, seq_len)
+            history.epochs.append({"epoch": epoch + 1, "train_loss": loss, "bits_per_byte": bpb,
+                                   "tokens_per_second": tokens_per_second})  # fmt: skip
+            with progress.paused():
+                log0(f"| {epoch + 1} | {loss:.4f} | {bpb:.4f} | {tokens_per_second:,.0f} |")
+    finally:
+        progress.close()
+        if record is not None:
+            record.close()
     if options.sample_bytes:
         state = model.full_state()
         if topology.rank == 0:
