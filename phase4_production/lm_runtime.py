@@ -417,9 +417,22 @@ def _same_replica(name: str, a: torch.Tensor, b: torch.Tensor, rank_a: int, rank
     if a.shape == b.shape and torch.equal(a, b):
         return
     gap = float((a.double() - b.double()).abs().max()) if a.shape == b.shape else math.inf
+    scale = max(float(a.double().abs().max()), 1e-300) if a.numel() else 1.0
+    if gap <= 1e3 * torch.finfo(a.dtype).eps * scale:
+        why = (
+            "they differ in their last bits only: the same sums were added in a different order "
+            "on each copy (for a tied weight, a hand-made all-reduce rounds each element by "
+            "where it falls in the buffer, which differs between the stages), so the copies "
+            "drift apart as training goes on; let the last reduction of the copies be one "
+            "collective they share"
+        )
+    else:
+        why = (
+            "every copy of a weight must receive the same reduced gradient: a reduction left "
+            "out a group that holds copies (data, context, tensor-parallel replicas or the tied "
+            "embedding's stages)"
+        )
     raise ReplicasDiffer(
         f"{name}: rank {rank_a} and rank {rank_b} hold copies that differ (largest difference "
-        f"{gap:.3e}): every copy of a weight must receive the same reduced gradient; a gradient "
-        "reduction left out a group that holds copies (data, context, tensor-parallel replicas "
-        "or the tied embedding's stages). Refusing to assemble one model from them"
+        f"{gap:.3e}): {why}. Refusing to assemble one model from them"
     )

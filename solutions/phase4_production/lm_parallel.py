@@ -190,13 +190,14 @@ def finish_gradients(
     # >>> solution
     if sequence_parallel:
         all_reduce_flat([h.grad for h in held if h.tp_replicated], topology.tp_group)
-    all_reduce_flat([h.grad for h in held if h.tied], topology.group("embedding"))
     dense = [h.grad for h in held if not h.expert and not h.reduced]
     all_reduce_flat(dense, topology.group("dp_cp"), all_reduce_fn=all_reduce_fn)
     experts = [h.grad for h in held if h.expert]
     all_reduce_flat(experts, topology.group("edp"), all_reduce_fn=all_reduce_fn)
     for grad in dense + experts:
         grad.div_(topology.size_of("dp_cp"))
+    # last, so both copies end on one shared sum (a hand-made all-reduce rounds by position)
+    all_reduce_flat([h.grad for h in held if h.tied], topology.group("embedding"))
     # <<< solution
 
 
