@@ -1,6 +1,6 @@
 """YAML configuration files with ``key=value`` overrides, validated by pydantic before launch.
 
-The capstone (``imagenet_config.py``) and the language-model framework (``lm_config.py``)
+The capstone (``imagenet/config.py``) and the language-model framework (``lm/config.py``)
 describe a run by one YAML file plus command-line overrides, and refuse a bad one before any
 process group exists: a typo in a key, a value outside the allowed set, a number out of range is
 one message naming the key, the bad value and what is allowed. What is the same for both lives

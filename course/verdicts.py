@@ -4,7 +4,7 @@ A guide's speed goal compares your code with a baseline (your ring with ``dist.a
 your DDP with torch's). On a shared machine one set of medians is not enough: a burst of other
 work during your half of the run makes a correct ring look slow. So every timed goal is judged
 the same way, by ``tests.bench`` (tests/benches/) and by the benchmarks whose results the
-guides quote (``solutions/phase3_multi_node/benchmark_collectives.py``, ``benchmark_ddp.py``):
+guides quote (``solutions/phase3_multi_node/benchmarks/collectives.py``, ``benchmarks/ddp.py``):
 
 1. **Interleaved repeats** (:func:`interleave`): A, B, A, B, ... in the same processes, so that
    load which comes and goes hits both alike.

@@ -17,7 +17,7 @@ backward, as in torch's pipelining (``stage.py``: the first stage skips the inpu
 input branch goes through a parameter, so that W sleeps ``input_s + weight_s``.
 
 Used by ``uv run python -m tests.bench 2.5`` and by the timeline command
-``uv run python -m solutions.phase2_advanced.pipeline_timeline``, on the implementation chosen
+``uv run python -m solutions.phase2_advanced.pipeline_study.timeline``, on the implementation chosen
 by ``impl`` (your templates or the reference), through ``course.impl.load_impl``.
 """
 

@@ -25,9 +25,9 @@ input does (the reentrant version silently drops the parameters' gradients in th
 PyTorch now recommends its non-reentrant variant, built on ``saved_tensors_hooks``.
 
 Checkpointing has no communication of its own: a checkpointed model trains under DDP unchanged.
-The demo (memory measured, then data-parallel training) is checkpointing_demo.py:
+The demo (memory measured, then data-parallel training) is demos/checkpointing.py:
 
-    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.checkpointing_demo
+    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.demos.checkpointing
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ whole world by default). Phase 1's ``average_gradients`` is simply called once;
 ``DistributedDataParallel`` needs ``no_sync()`` around all but the last micro-batch
 (torch/nn/parallel/distributed.py), otherwise its hooks fire every backward.
 
-The demo (DDP, counting bucket all-reduces) is accumulation_demo.py:
+The demo (DDP, counting bucket all-reduces) is demos/accumulation.py:
 
-    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.accumulation_demo
+    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.demos.accumulation
 """
 
 from __future__ import annotations

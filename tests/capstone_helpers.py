@@ -16,12 +16,12 @@ import torch.distributed as dist
 from PIL import Image
 
 from course.world import DEFAULT_WORLD_TIMEOUT, world_timeout
-from solutions.phase4_production.imagenet_config import CapstoneConfig, load_config
-from solutions.phase4_production.imagenet_data import check_imagefolder
+from solutions.phase4_production.imagenet.config import CapstoneConfig, load_config
+from solutions.phase4_production.imagenet.data import check_imagefolder
 
 CLASSES = ("n01440764", "n01443537", "n01484850")
 TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 5
-MODULE = "solutions.phase4_production.imagenet_trainer"
+MODULE = "solutions.phase4_production.imagenet.trainer"
 
 
 def slow_machine_limit(seconds: float) -> float:
@@ -78,7 +78,7 @@ def config(data_root: Path, checkpoint_dir: Path, **extra: Any) -> CapstoneConfi
 
 
 def _trainer(cfg: CapstoneConfig) -> Any:
-    from solutions.phase4_production.imagenet_trainer import CapstoneTrainer
+    from solutions.phase4_production.imagenet.trainer import CapstoneTrainer
 
     root = cfg.data.root
     folders = check_imagefolder(root) if root and cfg.data.source == "imagefolder" else None

@@ -238,7 +238,7 @@ def fabricated_ring_run(
     ring's ``ring_s`` give or take 5%; the load reads ``loads`` (before, after)."""
     from benches import bench_3_1_ring
 
-    from solutions.phase3_multi_node import benchmark_collectives as collectives
+    from solutions.phase3_multi_node.benchmarks import collectives as collectives
 
     def run_benchmark(worlds: list[int], sizes: list[int], *args: object, **kwargs: object):
         rows = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from solutions.phase1_data_parallel import benchmark_all_reduce as bench
+from solutions.phase1_data_parallel.benchmarks import all_reduce as bench
 
 pytestmark = pytest.mark.harness
 
@@ -46,7 +46,7 @@ def test_all_reduce_benchmark_command_line(capsys: pytest.CaptureFixture[str]) -
 def test_memory_benchmark_rows_and_table() -> None:
     import torch
 
-    from solutions.phase2_advanced import benchmark_memory as memory
+    from solutions.phase2_advanced.benchmarks import memory as memory
 
     rows = memory.run(depth=4, width=16, batch=8, repeats=1, device=torch.device("cpu"))
     names = [row.name for row in rows]
@@ -67,7 +67,7 @@ def test_memory_benchmark_rows_and_table() -> None:
 
 
 def test_memory_benchmark_refuses_every_bad_flag_at_once() -> None:
-    from solutions.phase2_advanced import benchmark_memory as memory
+    from solutions.phase2_advanced.benchmarks import memory as memory
 
     config = memory.BenchmarkConfig(depth=1, batch=2, device="cpu")
     with pytest.raises(ValueError) as caught:

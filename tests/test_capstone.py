@@ -43,10 +43,10 @@ from capstone_helpers import (
 from grading import assert_bitwise_equal, world
 
 from course.torchrun_runner import alive, run_torchrun
-from solutions.phase4_production import imagenet_config as cfgmod
-from solutions.phase4_production import imagenet_data as data
-from solutions.phase4_production import imagenet_recipe as recipe
-from solutions.phase4_production.imagenet_eval import correct_at_k
+from solutions.phase4_production.imagenet import config as cfgmod
+from solutions.phase4_production.imagenet import data as data
+from solutions.phase4_production.imagenet import recipe as recipe
+from solutions.phase4_production.imagenet.eval import correct_at_k
 
 pytestmark = pytest.mark.reference
 _CACHE: dict[str, Any] = {}
@@ -152,7 +152,7 @@ def test_an_unknown_config_name_lists_the_shipped_ones() -> None:
 def test_the_trainer_refuses_before_any_process_group(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from solutions.phase4_production import imagenet_trainer
+    from solutions.phase4_production.imagenet import trainer as imagenet_trainer
 
     assert imagenet_trainer.main(["--set", "optim.momentum=1.5"]) == 2
     err = capsys.readouterr().err
@@ -449,7 +449,7 @@ def test_fp16_scaler_clipping_accumulation_compression_hook_and_monitor(
     if saved["scaler"] is None or "scale" not in saved["scaler"]:
         fail("capstone fp16: the loss scaler's state must be in the checkpoint")
     assert all(torch.isfinite(v.float()).all() for v in out[0]["weights"].values())
-    # 4.5's monitor, wired in through imagenet_monitoring.py
+    # 4.5's monitor, wired in through imagenet/monitoring.py
     lines = (tmp_path / "runs" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert sorted((r["step"], r["rank"]) for r in records) == [(1, 0), (1, 1), (2, 0), (2, 1)]
@@ -457,7 +457,7 @@ def test_fp16_scaler_clipping_accumulation_compression_hook_and_monitor(
 
 
 def test_the_benchmark_prints_its_tables_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    from solutions.phase4_production import benchmark_imagenet as bench
+    from solutions.phase4_production.imagenet import benchmark as bench
 
     argv = ["--steps", "1", "--warmup", "0", "--batch", "2", "--jpegs", "2", "--cpu-smoke"]
     assert bench.main([*argv, "--decode-images", "2", "--workers", "1"]) == 0

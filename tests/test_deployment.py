@@ -28,12 +28,12 @@ from typing import Any, NoReturn
 import pytest
 import yaml
 
-from solutions.phase4_production.imagenet_config import load_config
+from solutions.phase4_production.imagenet.config import load_config
 
 pytestmark = pytest.mark.reference
 ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "solutions" / "phase4_production" / "deployment"
-MODULE = "solutions.phase4_production.imagenet_trainer"
+DEPLOY = ROOT / "solutions" / "phase4_production" / "imagenet" / "deployment"
+MODULE = "solutions.phase4_production.imagenet.trainer"
 
 
 def fail(message: str) -> NoReturn:
@@ -88,7 +88,7 @@ def flag(command: list[str], name: str) -> str | None:
 
 def trainer_config(args: list[str]) -> Any:
     """The trainer's own validation of the arguments a manifest passes (no data, no GPUs)."""
-    from solutions.phase4_production.imagenet_trainer import parse_args
+    from solutions.phase4_production.imagenet.trainer import parse_args
 
     name, overrides, _ = parse_args(args)
     return load_config(name, overrides)

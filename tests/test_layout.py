@@ -100,3 +100,92 @@ def test_imports_run_from_later_phases_to_earlier(top: str) -> None:
         "imports run from later phases to earlier ones (and course/ imports no phase): "
         f"{backwards}"
     )
+
+
+# ----------------------------------------------------------------------------- answers, programs
+
+
+def solutions_layout_problems(root: Path) -> list[str]:
+    """What breaks "a solutions phase folder holds the answers; programs live in packages named
+    for what they are" under ``root`` (a checkout): a top-level module that answers no template,
+    a template without its answer, an answer that imports a program (``demos/ddp.py``, the
+    demo of the answer ``ddp.py``, may share its stem: its package says what it is)."""
+    problems = []
+    for folder in sorted((root / "solutions").glob("phase*_*")):
+        phase = folder.name
+        wanted = {p.name.removeprefix("template_") for p in (root / phase).glob("template_*.py")}
+        top = {p.name for p in folder.glob("*.py")} - {"__init__.py"}
+        for name in sorted(top - wanted):
+            problems.append(
+                f"solutions/{phase}/{name} answers no template (no {phase}/template_{name}): a "
+                "program belongs in a package named for what it is (benchmarks/, demos/, lm/, "
+                "...), given code outside solutions/"
+            )
+        for name in sorted(wanted - top):
+            problems.append(f"{phase}/template_{name} has no answer solutions/{phase}/{name}")
+        for name in sorted(top & wanted):
+            for line, module in imported_modules(folder / name):
+                pieces = module.split(".")
+                if len(pieces) >= 4 and pieces[0] == "solutions" and pieces[2] != "__init__":
+                    package = root / "solutions" / pieces[1] / pieces[2]
+                    if package.is_dir():
+                        problems.append(
+                            f"solutions/{phase}/{name}:{line} imports the program {module}: "
+                            "programs import answers, never the other way"
+                        )
+    return problems
+
+
+def test_answers_stand_apart_from_programs() -> None:
+    problems = solutions_layout_problems(ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layout_check_finds_a_program_dropped_among_the_answers(tmp_path: Path) -> None:
+    """The check itself, on a small tree: a benchmark at a phase folder's top level, an answer
+    that imports a program and a template without its answer are each named."""
+    (tmp_path / "phase1_data_parallel").mkdir()
+    for name in ("all_reduce", "sampler"):
+        (tmp_path / "phase1_data_parallel" / f"template_{name}.py").write_text("")
+    answers = tmp_path / "solutions" / "phase1_data_parallel"
+    (answers / "benchmarks").mkdir(parents=True)
+    (answers / "benchmarks" / "__init__.py").write_text("")
+    (answers / "benchmarks" / "speed.py").write_text("")
+    (answers / "all_reduce.py").write_text(
+        "from solutions.phase1_data_parallel.benchmarks.speed import x\n"
+    )
+    (answers / "benchmark_all_reduce.py").write_text("")
+    problems = "\n".join(solutions_layout_problems(tmp_path))
+    assert "solutions/phase1_data_parallel/benchmark_all_reduce.py answers no template" in problems
+    assert "all_reduce.py:1 imports the program solutions.phase1_data_parallel.benchmarks" in problems
+    assert "template_sampler.py has no answer" in problems
+
+
+COMMAND_MODULE = re.compile(r"-m\s+((?:solutions|course|tests)(?:\.\w+)+)")
+
+
+def command_sources() -> list[Path]:
+    """Where people copy commands from: the README, the guides, CI, the deployment files, the
+    notebooks and the results files' recorded commands."""
+    found = [ROOT / "README.md", *ROOT.glob("phase*_*/guidelines.md"), *ROOT.glob(".ci/*"),
+             *ROOT.glob(".ci/gpu-runs/README.md"), *ROOT.glob("notebooks/*.ipynb"),
+             *ROOT.glob("phase*_*/results/*.json"),
+             *(p for p in ROOT.glob("solutions/**/deployment/**/*") if p.is_file())]  # fmt: skip
+    return sorted(p for p in found if p.is_file())
+
+
+def module_exists(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+
+
+def test_every_command_runs_a_module_that_exists() -> None:
+    """``python -m``/``torchrun -m`` in every place a reader copies a command from names a
+    module at its current path (after the house move the old paths are gone, not aliased)."""
+    missing = [
+        f"{rel(path)}: -m {module}"
+        for path in command_sources()
+        for module in COMMAND_MODULE.findall(path.read_text(errors="replace"))
+        if not module_exists(module)
+    ]
+    assert not missing, "commands that name no module: " + "; ".join(sorted(set(missing)))

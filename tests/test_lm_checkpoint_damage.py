@@ -5,7 +5,7 @@ and ``step_00000004``) are copied, the newest is damaged one way per test, and t
 choice is checked: it falls back to ``step_00000002`` and says in one line which folder it
 skipped and why, or, for a checkpoint of another model, refuses by name. With every folder
 damaged it refuses in one line naming the folder. Not an exercise: it runs the reference
-framework (``lm_checkpoint.py``, 4.1's manifest code underneath).
+framework (``lm/checkpoint.py``, 4.1's manifest code underneath).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from course.topology import Topology
 from course.world import run_world
 from phase4_production.checkpoint_files import manifest_json, read_manifest
 from phase4_production.lm_layout import ParallelSettings
-from solutions.phase4_production import lm_checkpoint
 from solutions.phase4_production.checkpoint import write_manifest
+from solutions.phase4_production.lm import checkpoint as lm_checkpoint
 
 pytestmark = pytest.mark.harness
 
@@ -58,7 +58,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
 
 def wider_run(directory: str) -> None:
     """One rank trains WIDER for 4 steps and saves once, at the end (step_00000004)."""
-    from solutions.phase4_production.lm_trainer import RunOptions, run
+    from solutions.phase4_production.lm.trainer import RunOptions, run
 
     settings = ParallelSettings(lr=1e-2, max_norm=1.0)
     options = RunOptions(batch=4, epochs=2, steps_per_epoch=2, eval_batches=1,
@@ -331,7 +331,7 @@ def test_under_torchrun_a_folder_of_damaged_checkpoints_is_refused_in_one_line(
         "train.sample_bytes=0", "precision=fp64", f"checkpoint.dir={directory}",
         "checkpoint.every=2",
     ]  # fmt: skip
-    run = run_torchrun("solutions.phase4_production.lm_framework", ["--set", *overrides],
+    run = run_torchrun("solutions.phase4_production.lm.framework", ["--set", *overrides],
                        nproc_per_node=2, time_limit=60, fork_workers=True)  # fmt: skip
     what = f"lm_framework at dp2 over {directory} with every checkpoint damaged"
     assert not run.ok and not run.timed_out, f"{what}: expected a refusal; {run.describe(800)}"

@@ -22,9 +22,11 @@ from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule, peak_in_flight
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta
-from solutions.phase4_production import lm_config, lm_memory, lm_planner
-from solutions.phase4_production.lm_planner_check import spearman, spread
-from solutions.phase4_production.lm_rates import Line, Rates
+from solutions.phase4_production.lm import config as lm_config
+from solutions.phase4_production.lm import memory as lm_memory
+from solutions.phase4_production.lm import planner as lm_planner
+from solutions.phase4_production.lm.planner_check import spearman, spread
+from solutions.phase4_production.lm.rates import Line, Rates
 
 pytestmark = pytest.mark.harness
 
@@ -98,7 +100,7 @@ TINY = LMConfig(width=16, heads=4, layers=4, ffn=32, seq_len=16, tied=True)
 
 
 def _held(layouts: list[dict[str, Any]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    from solutions.phase3_multi_node.zero_accounting import held_bytes
+    from solutions.phase3_multi_node.references.zero_accounting import held_bytes
     from solutions.phase4_production.lm_parallel import ParallelLanguageModel
 
     out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -191,7 +193,7 @@ def test_spearman_and_the_spread_of_checked_layouts() -> None:
 
 
 def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() -> None:
-    from solutions.phase4_production import lm_throughput
+    from solutions.phase4_production.lm import throughput as lm_throughput
 
     config = lm_throughput.ThroughputConfig(width=32, heads=4, layers=2, ffn=64, seq_len=16,
                                             batch=2, steps=3, warmup=1)  # fmt: skip
@@ -221,8 +223,8 @@ CKPT_MODEL = LMConfig(width=16, heads=2, layers=2, ffn=32, seq_len=8, tied=True)
 def checkpointed_run(layout: dict[str, Any], epochs: int, directory: str) -> list[float]:
     """The trainer's run (2 steps per epoch, float64) at ``layout``, saving every 2 steps into
     ``directory`` and first resuming from its newest checkpoint; the losses of its steps."""
-    from solutions.phase4_production.lm_checkpoint import CheckpointPlan
-    from solutions.phase4_production.lm_trainer import RunOptions, run
+    from solutions.phase4_production.lm.checkpoint import CheckpointPlan
+    from solutions.phase4_production.lm.trainer import RunOptions, run
 
     settings = ParallelSettings(lr=1e-2, max_norm=1.0, **layout)
     topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
@@ -233,7 +235,7 @@ def checkpointed_run(layout: dict[str, Any], epochs: int, directory: str) -> lis
 
 
 def final_checkpoint(directory: Path) -> Any:
-    from solutions.phase4_production import lm_checkpoint
+    from solutions.phase4_production.lm import checkpoint as lm_checkpoint
 
     folder = lm_checkpoint.newest_valid(directory, CKPT_MODEL)
     assert folder is not None, f"no checkpoint in {directory}"
@@ -280,8 +282,8 @@ def test_a_resume_at_another_layout_equals_an_uninterrupted_run(tmp_path: Path) 
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path: Path) -> None:
-    from solutions.phase4_production import lm_checkpoint
     from solutions.phase4_production.checkpoint import write_manifest
+    from solutions.phase4_production.lm import checkpoint as lm_checkpoint
 
     folder = tmp_path / "step_00000002"
     folder.mkdir()
@@ -309,7 +311,7 @@ def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Pat
         f"checkpoint.dir={directory}", "checkpoint.every=2",
     ]  # fmt: skip
     run = run_torchrun(
-        "solutions.phase4_production.lm_framework", ["--set", *overrides], nproc_per_node=2,
+        "solutions.phase4_production.lm.framework", ["--set", *overrides], nproc_per_node=2,
         max_restarts=1, time_limit=120, env={"DTFS_FAIL": "kill:rank=1:step=3"}, fork_workers=True,
     )  # fmt: skip
     what = (
@@ -335,7 +337,7 @@ def test_a_sigkill_under_torchrun_resumes_from_the_last_checkpoint(tmp_path: Pat
 
 def _saved_peak(layouts: list[dict[str, Any]]) -> list[int]:
     """The bytes autograd held at its peak during one step, per layout (this rank)."""
-    from solutions.phase3_multi_node.benchmark_strategies import ActivationMeter
+    from solutions.phase3_multi_node.benchmarks.strategies import ActivationMeter
     from solutions.phase4_production.lm_parallel import ParallelLanguageModel
 
     peaks = []
@@ -370,7 +372,7 @@ def test_recompute_keeps_fewer_activations_and_the_planner_offers_it_when_memory
 def test_the_worked_example_counts_zero_as_the_zero_paper_does() -> None:
     """ZeRO's figure 1 (Rajbhandari et al., 2020): 7.5B parameters, K = 12, 64 GPUs -> 120 GB,
     31.4 GB, 16.6 GB, 1.9 GB per GPU for the baseline, P_os, P_os+g and P_os+g+p."""
-    from solutions.phase4_production import lm_worked_example as ex
+    from solutions.phase4_production.lm import worked_example as ex
 
     got = [round(ex.state_bytes(7_500_000_000, zero, 64) / 1e9, 1) for zero in (0, 1, 2, 3)]
     assert got == [120.0, 31.4, 16.6, 1.9], got
@@ -418,13 +420,13 @@ def test_groups_that_span_nodes_go_at_the_inter_node_links_pace() -> None:
 
 
 def _links(per_node: int) -> dict[str, list[float]]:
-    from solutions.phase4_production.lm_rates import link_times
+    from solutions.phase4_production.lm.rates import link_times
 
     return link_times(1, per_node)
 
 
 def test_links_are_measured_inside_and_across_nodes_when_the_world_spans_nodes() -> None:
-    from solutions.phase4_production.lm_rates import SIZES, fit_links, two_kinds
+    from solutions.phase4_production.lm.rates import SIZES, fit_links, two_kinds
 
     assert two_kinds(4, 2) and not two_kinds(4, 4) and not two_kinds(4, 1)
     times = run_world(_links, 4, (2,))[0]  # two nodes of two ranks
@@ -438,7 +440,7 @@ def test_links_are_measured_inside_and_across_nodes_when_the_world_spans_nodes()
 def test_the_planner_counts_the_worked_examples_bytes_by_hand() -> None:
     """Every hand-made row of the 70B worked example: the planner, given the same published
     figures (mixed-precision AdamW, Korthikanti's activations), holds the same bytes per GPU."""
-    from solutions.phase4_production import lm_worked_example as ex
+    from solutions.phase4_production.lm import worked_example as ex
 
     rates, machine = ex.published_rates(ex.MODEL), ex.PLANNED_MACHINE
     for layout in ex.LAYOUTS:
@@ -450,7 +452,7 @@ def test_the_planner_counts_the_worked_examples_bytes_by_hand() -> None:
 
 
 def _zero1_traffic() -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
-    from solutions.phase4_production import lm_traffic
+    from solutions.phase4_production.lm import traffic as lm_traffic
     from solutions.phase4_production.lm_parallel import ParallelLanguageModel
 
     settings = ParallelSettings(dp=2, zero=1, lr=1e-3)

@@ -2,7 +2,7 @@
 cannot be lost; a record of every step; the run says what it is doing (issues 38 and 41).
 
 * refusals: an empty config file, a key given twice, ``--world`` < 1 or odd or ignored, a
-  checkpoint folder or metrics file that cannot be written: ``lm_framework.main`` returns 2
+  checkpoint folder or metrics file that cannot be written: ``lm.framework.main`` returns 2
   with one line naming the key or flag, before any process group; under real torchrun the line
   appears even when rank 0 is too slow to say it before another rank exits (it used to be lost);
 * a :class:`course.cli.Refusal` raised inside a program is one line and its exit status, no
@@ -35,7 +35,10 @@ from course.language_model import LMConfig
 from course.topology import Topology
 from course.world import RankFailed, WorldHung, run_world
 from phase4_production.lm_layout import ParallelSettings
-from solutions.phase4_production import lm_framework, lm_rates, lm_trainer
+from solutions.phase4_production.lm import framework as lm_framework
+from solutions.phase4_production.lm import progress as lm_progress
+from solutions.phase4_production.lm import rates as lm_rates
+from solutions.phase4_production.lm import trainer as lm_trainer
 
 pytestmark = pytest.mark.harness
 
@@ -64,7 +67,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
 def refusal(
     argv: list[str], capsys: pytest.CaptureFixture[str], code: int = 2, phases: int = 0
 ) -> str:
-    """Run ``lm_framework.main(argv)``: it must return ``code`` with one ``error:`` line on
+    """Run ``lm.framework.main(argv)``: it must return ``code`` with one ``error:`` line on
     stderr (after ``phases`` lines saying what it started), no traceback, no process group."""
     got = lm_framework.main(argv)
     err = capsys.readouterr().err.strip()
@@ -99,7 +102,7 @@ def test_an_empty_config_file_and_a_key_given_twice_are_refused_by_name(
     line = refusal(["--config", str(twice)], capsys)
     assert "train.lr is given twice (lines 4 and 6)" in line, line
     # the capstone reads its files through the same course/config_files.read_yaml
-    from solutions.phase4_production import imagenet_config
+    from solutions.phase4_production.imagenet import config as imagenet_config
 
     with pytest.raises(ConfigError, match=r"train\.lr is given twice"):
         imagenet_config.load_config(str(twice))
@@ -232,7 +235,7 @@ def recorded_run(metrics: str, epochs: int, directory: str, every: int) -> tuple
     """lm_trainer.run at dp2 (2 steps per epoch, float64) writing ``metrics``, with checkpoints
     in ``directory`` every ``every`` steps (0: resumes, saves none); its step losses and what
     rank 0 wrote on stderr."""
-    from solutions.phase4_production.lm_checkpoint import CheckpointPlan
+    from solutions.phase4_production.lm.checkpoint import CheckpointPlan
 
     settings = ParallelSettings(dp=2, lr=1e-2, max_norm=1.0)
     topology = Topology.build(2, 1, 1)
@@ -296,7 +299,7 @@ class Terminal(io.StringIO):
 def test_progress_is_a_bar_on_a_terminal_and_a_line_every_few_seconds_elsewhere() -> None:
     now = [0.0]
     log = io.StringIO()
-    progress = lm_trainer.StepProgress(100, 0, 512, stream=log, clock=lambda: now[0])
+    progress = lm_progress.StepProgress(100, 0, 512, stream=log, clock=lambda: now[0])
     for _ in range(99):  # a step every 0.5 s: the first, then one line per PROGRESS_SECONDS
         now[0] += 0.5
         progress.step(2.5, 0.25)
@@ -304,17 +307,17 @@ def test_progress_is_a_bar_on_a_terminal_and_a_line_every_few_seconds_elsewhere(
     lines = log.getvalue().splitlines()
     assert lines[0] == "step 1/100: loss 2.5000, 2,048 tokens/s", lines[0]
     assert lines[-1] == "step 100/100: loss 2.2500, 2,048 tokens/s", lines[-1]
-    assert len(lines) == 2 + 49 // lm_trainer.PROGRESS_SECONDS, lines
+    assert len(lines) == 2 + 49 // lm_progress.PROGRESS_SECONDS, lines
     assert "\r" not in log.getvalue()
     terminal = Terminal()
-    bar = lm_trainer.StepProgress(10, 4, 512, stream=terminal)  # resumed after 4 steps
+    bar = lm_progress.StepProgress(10, 4, 512, stream=terminal)  # resumed after 4 steps
     bar.step(2.5, 0.25)
     shown = str(bar.bar)  # what tqdm draws (at most every 0.1 s on the terminal)
     bar.close()
     assert "5/10" in shown and "loss 2.5000, 2,048 tokens/s" in shown, shown
     assert terminal.getvalue().startswith("\rtraining:"), terminal.getvalue()
     quiet = io.StringIO()
-    lm_trainer.StepProgress(10, 0, 512, enabled=False, stream=quiet).step(2.5, 0.25)
+    lm_progress.StepProgress(10, 0, 512, enabled=False, stream=quiet).step(2.5, 0.25)
     assert quiet.getvalue() == ""
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from solutions.phase3_multi_node import benchmark_collectives as bench
+from solutions.phase3_multi_node.benchmarks import collectives as bench
 
 pytestmark = pytest.mark.harness
 

@@ -1,4 +1,4 @@
-"""The live recovery demo's own lines (solutions/phase4_production/resilient_trainer.py).
+"""The live recovery demo's own lines (solutions/phase4_production/resilience/trainer.py).
 
 A rank whose peer was killed sees gloo's error with its source location and generic advice: the
 demo says it in one line, and ``--compare`` ends with whether the final weights equal an
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from solutions.phase4_production import resilient_trainer as trainer
+from solutions.phase4_production.resilience import trainer as trainer
 
 pytestmark = pytest.mark.reference
 

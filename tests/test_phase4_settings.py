@@ -86,7 +86,7 @@ def test_the_resilient_trainer_refuses_bad_flags_before_starting(
     capsys: pytest.CaptureFixture[str],
     world_of_2: None,
 ) -> None:
-    from solutions.phase4_production import resilient_trainer
+    from solutions.phase4_production.resilience import trainer as resilient_trainer
 
     refused(resilient_trainer.main, [*argv, "--checkpoint-dir", str(tmp_path)], capsys, expected)
 
@@ -94,7 +94,7 @@ def test_the_resilient_trainer_refuses_bad_flags_before_starting(
 def test_the_resilient_trainer_refuses_a_checkpoint_folder_below_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], world_of_2: None
 ) -> None:
-    from solutions.phase4_production import resilient_trainer
+    from solutions.phase4_production.resilience import trainer as resilient_trainer
 
     below = str(a_file(tmp_path) / "ckpt")
     refused(
@@ -108,7 +108,8 @@ def test_the_resilient_trainer_refuses_a_checkpoint_folder_below_a_file(
 def test_a_checkpoint_of_other_settings_is_refused_by_name_before_anything_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], world_of_2: None
 ) -> None:
-    from solutions.phase4_production import checkpoint, resilient_trainer
+    from solutions.phase4_production import checkpoint
+    from solutions.phase4_production.resilience import trainer as resilient_trainer
 
     made = resilient_trainer.ResilientConfig(checkpoint_dir=str(tmp_path))
     settings = resilient_trainer.checkpoint_settings(made, 2)
@@ -132,7 +133,7 @@ def test_under_torchrun_another_rank_speaks_only_as_a_backstop(
     has printed and exited by then and torchrun has ended rank 1, so the line appears once; when
     rank 0 is slow, torchrun can no longer end it before anyone spoke (issue 38)."""
     from course import cli
-    from solutions.phase4_production import resilient_trainer
+    from solutions.phase4_production.resilience import trainer as resilient_trainer
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
@@ -166,7 +167,7 @@ def test_the_capstone_refuses_bad_keys_before_starting(
     capsys: pytest.CaptureFixture[str],
     world_of_2: None,
 ) -> None:
-    from solutions.phase4_production import imagenet_trainer
+    from solutions.phase4_production.imagenet import trainer as imagenet_trainer
 
     argv = [*overrides, f"checkpoint.dir={tmp_path}"]
     try:
@@ -182,8 +183,9 @@ def test_the_capstone_refuses_bad_keys_before_starting(
 def test_the_capstone_refuses_a_checkpoint_dir_below_a_file_and_other_settings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], world_of_2: None
 ) -> None:
-    from solutions.phase4_production import checkpoint, imagenet_trainer
-    from solutions.phase4_production.imagenet_config import checkpoint_settings, load_config
+    from solutions.phase4_production import checkpoint
+    from solutions.phase4_production.imagenet import trainer as imagenet_trainer
+    from solutions.phase4_production.imagenet.config import checkpoint_settings, load_config
 
     below = a_file(tmp_path) / "ckpt"
     refused(
@@ -224,7 +226,7 @@ def test_the_monitoring_demo_refuses_bad_flags(
     capsys: pytest.CaptureFixture[str],
     world_of_2: None,
 ) -> None:
-    from solutions.phase4_production import monitoring_demo
+    from solutions.phase4_production.demos import monitoring as monitoring_demo
 
     refused(monitoring_demo.main, [*argv, "--output-dir", str(tmp_path)], capsys, expected)
 
@@ -232,23 +234,23 @@ def test_the_monitoring_demo_refuses_bad_flags(
 def test_the_monitoring_demo_refuses_an_output_dir_below_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], world_of_2: None
 ) -> None:
-    from solutions.phase4_production import monitoring_demo
+    from solutions.phase4_production.demos import monitoring as monitoring_demo
 
     below = str(a_file(tmp_path) / "runs")
     refused(monitoring_demo.main, ["--output-dir", below], capsys, ["--output-dir", "a file"])
 
 
 BENCHMARK_CASES = [
-    ("benchmark_checkpoint", ["--saves", "0"], ["--saves 0"]),
-    ("benchmark_checkpoint", ["--width", "0"], ["--width 0"]),
-    ("benchmark_checkpoint", ["--directory", "{file}/x"], ["--directory", "a file"]),
-    ("benchmark_compression", ["--lr", "-1"], ["--lr -1.0"]),
-    ("benchmark_compression", ["--momentum", "1.5"], ["--momentum 1.5"]),
-    ("benchmark_compression", ["--epochs", "0"], ["--epochs 0"]),
-    ("benchmark_compression", ["--world", "1"], ["--world 1"]),
-    ("benchmark_imagenet", ["--steps", "0"], ["--steps 0"]),
-    ("benchmark_imagenet", ["--batch", "0"], ["--batch 0"]),
-    ("benchmark_imagenet", ["--workers", "-1"], ["--workers -1"]),
+    ("benchmarks.checkpoint", ["--saves", "0"], ["--saves 0"]),
+    ("benchmarks.checkpoint", ["--width", "0"], ["--width 0"]),
+    ("benchmarks.checkpoint", ["--directory", "{file}/x"], ["--directory", "a file"]),
+    ("benchmarks.compression", ["--lr", "-1"], ["--lr -1.0"]),
+    ("benchmarks.compression", ["--momentum", "1.5"], ["--momentum 1.5"]),
+    ("benchmarks.compression", ["--epochs", "0"], ["--epochs 0"]),
+    ("benchmarks.compression", ["--world", "1"], ["--world 1"]),
+    ("imagenet.benchmark", ["--steps", "0"], ["--steps 0"]),
+    ("imagenet.benchmark", ["--batch", "0"], ["--batch 0"]),
+    ("imagenet.benchmark", ["--workers", "-1"], ["--workers -1"]),
 ]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from phase3_multi_node import ps_launcher, ps_probes
-from solutions.phase3_multi_node import benchmark_parameter_server
+from solutions.phase3_multi_node.benchmarks import parameter_server as benchmark_parameter_server
 
 pytestmark = pytest.mark.harness
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """``notebooks/ring_allreduce.ipynb`` says nothing about its results that its outputs contradict.
 
 The notebook prints every conclusion it draws, computed from the run's own data by the
-``*_lines`` functions of ``solutions/phase3_multi_node/ring_notebook.py``. This test reads the
+``*_lines`` functions of ``solutions/phase3_multi_node/ring_study/notebook.py``. This test reads the
 committed outputs, parses the data the notebook printed (the recorded grid of chunks, the busbw
 table, the fitted alpha-beta table), computes the conclusions again from it, and fails when a
 printed conclusion differs: a notebook re-executed on another machine stays consistent, and an
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from solutions.phase3_multi_node import ring_notebook as rn
-from solutions.phase3_multi_node.benchmark_collectives import Fit, Row, crossovers
+from solutions.phase3_multi_node.benchmarks.collectives import Fit, Row, crossovers
+from solutions.phase3_multi_node.ring_study import notebook as rn
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "ring_allreduce.ipynb"

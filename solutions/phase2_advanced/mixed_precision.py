@@ -19,10 +19,10 @@ with model-parallel shards (or ZeRO) each rank sees different gradients, so the 
 all-reduced (MAX) over the scaler's ``group`` (the ranks that step together; the whole world by
 default) before deciding.
 
-The demo (data-parallel training in fp32, bf16 or fp16) is mixed_precision_demo.py:
+The demo (data-parallel training in fp32, bf16 or fp16) is demos/mixed_precision.py:
 
     uv run torchrun --standalone --nproc_per_node=2 \
-        -m solutions.phase2_advanced.mixed_precision_demo --precision fp16
+        -m solutions.phase2_advanced.demos.mixed_precision --precision fp16
 """
 
 from __future__ import annotations

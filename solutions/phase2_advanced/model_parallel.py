@@ -18,9 +18,10 @@ micro-batches to fill that idle time.
 Everything here runs on a process group, the default one unless ``group=`` names another (a
 pipeline group of a 3D layout, say): "rank" means the rank *within* that group, and the stages
 are laid out over the group's ranks 0, 1, ... The demo that trains with it, beside the
-single-device model, is ``model_parallel_demo.py``:
+single-device model, is ``demos/model_parallel.py``:
 
-    uv run torchrun --standalone --nproc_per_node=2 -m solutions.phase2_advanced.model_parallel_demo
+    uv run torchrun --standalone --nproc_per_node=2 \\
+        -m solutions.phase2_advanced.demos.model_parallel
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A pipeline cuts a model into p stages, one per rank, and the batch into m micro-
 schedule is a pure function of (p, m): for each rank, the ordered list of actions "forward of
 micro-batch i" (F), "backward of micro-batch i" (B) and, in zero-bubble schedules, "weight
 gradients of micro-batch i" (W). Nothing here touches a process group, so schedules can be
-tested, simulated (``pipeline_simulation.py``) and drawn without processes;
+tested, simulated (``pipeline_study/simulation.py``) and drawn without processes;
 ``pipeline_executor.py`` runs any of them over point-to-point messages.
 
 * **GPipe** (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
@@ -30,7 +30,7 @@ tested, simulated (``pipeline_simulation.py``) and drawn without processes;
 The bubble formulas assume fixed costs per action and free messages: GPipe and 1F1B idle
 (p-1)/(m+p-1) of the step on every stage, interleaved (p-1)/(v·m+p-1), ZB-H1
 (p-1)(F+B-W)/(m(F+B+W) + (p-1)(F+B-W)) (m >= p), ZB-V (p-1)F/(2m(F+B+W) + (p-1)F) with the
-costs of one chunk, all equal (m >= 2p); ``pipeline_simulation.py`` computes each.
+costs of one chunk, all equal (m >= 2p); ``pipeline_study/simulation.py`` computes each.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ values. Every all-reduce runs on the tensor-parallel ``group`` (the whole world 
   this rank's heads only; the output projection is row-parallel. Its dense reference is PyTorch's
   own ``nn.MultiheadAttention``.
 
-The library way (``torch.distributed.tensor.parallel``) is tensor_parallel_library.py; the demo
-that compares all three with their dense references is tensor_parallel_demo.py:
+The library way (``torch.distributed.tensor.parallel``) is library/tensor_parallel.py; the demo
+that compares all three with their dense references is demos/tensor_parallel.py:
 
     uv run torchrun --standalone --nproc_per_node=2 \
-        -m solutions.phase2_advanced.tensor_parallel_demo
+        -m solutions.phase2_advanced.demos.tensor_parallel
 """
 
 from __future__ import annotations

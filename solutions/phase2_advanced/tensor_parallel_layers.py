@@ -21,7 +21,7 @@ Both layers are built from a dense ``nn.Linear`` (``from_dense``) so that tests 
 compare them with it. Every layer works on its tensor-parallel ``group`` (None: the whole world):
 the shard it holds is picked by ``dist.get_rank(group)``, and its collectives stay in the group.
 PyTorch's counterparts are ``ColwiseParallel`` / ``RowwiseParallel`` in
-``torch.distributed.tensor.parallel`` (see tensor_parallel_library.py).
+``torch.distributed.tensor.parallel`` (see library/tensor_parallel.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ of the step (first forward of any stage to last backward or W) in which the stag
 running a forward, a backward or a W. The formula is the papers' (p-1)/(m+p-1) for GPipe and
 1F1B, (p-1)/(v·m+p-1) for interleaved 1F1B with v chunks per rank, and for the zero-bubble
 schedules, whose backward is split into B (input) and W (weights) of equal cost, ZB-H1's
-(p-1)/(3m+p-1) and ZB-V's (p-1)/(6m+p-1) (Qi et al. 2024; ``pipeline_simulation.py``).
+(p-1)/(3m+p-1) and ZB-V's (p-1)/(6m+p-1) (Qi et al. 2024; ``pipeline_study/simulation.py``).
 
 The stages are *timed* stages (``phase2_advanced/pipeline_timed_stages.py``): each forward sleeps
 ``--forward-ms``, each B and each W as long (a full backward twice that; an interleaved or V
@@ -23,7 +23,7 @@ the stages - formula|: ``goal met`` when the middle half of those steps is withi
 tolerance, ``goal not met`` when it is all outside on a machine that is not busy, and
 ``inconclusive`` otherwise: a sleeping stage that wakes late on a busy machine looks like a
 bubble, so a busy machine cannot fail the goal, and a spread across it asks for more steps.
-(``uv run torchrun ... -m solutions.phase2_advanced.pipeline_parallel`` measures a real MLP,
+(``uv run torchrun ... -m solutions.phase2_advanced.demos.pipeline`` measures a real MLP,
 where the machine's cores and messages decide: see the guide's measured section.)
 
     uv run python -m tests.bench 2.5                    # your code (the templates)
@@ -53,7 +53,7 @@ from phase2_advanced.pipeline_timed_stages import (
     summarise,
     timed_run_worker,
 )
-from solutions.phase2_advanced.pipeline_simulation import formula_bubble
+from solutions.phase2_advanced.pipeline_study.simulation import formula_bubble
 
 PHASE = "phase2_advanced"
 TOLERANCE = 0.08

@@ -32,7 +32,7 @@ from course.cli import todo_line
 from course.impl import load_impl
 from course.world import RankFailed, WorldError, run_world
 from phase2_advanced.ring_attention_blocks import block_attention
-from solutions.phase2_advanced.context_parallel_benchmark import BenchmarkConfig, balance_worker
+from solutions.phase2_advanced.benchmarks.context_parallel import BenchmarkConfig, balance_worker
 
 PHASE = "phase2_advanced"
 TARGET = 1.15

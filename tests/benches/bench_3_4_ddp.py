@@ -12,7 +12,7 @@ median and middle half against the goal, and the machine's load (tests/benches/v
 ``goal met``, ``goal not met``, or ``inconclusive`` (a busy machine, or a spread across the
 goal: re-run, ``--repeats N`` for more pairs). It needs only exercise 3.4 (``ddp_buckets`` and
 ``ddp``). The detailed table (overlap, communication alone, other bucket caps) is
-``solutions.phase3_multi_node.benchmark_ddp``'s.
+``solutions.phase3_multi_node.benchmarks.ddp``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from benches import verdict
 from course.impl import unwritten_todo
 from course.world import WorldError
-from solutions.phase3_multi_node import benchmark_ddp as bench
+from solutions.phase3_multi_node.benchmarks import ddp as bench
 
 GOAL = "3.4: step time with your DDP <= 1.05x torch DDP's (2 ranks, 64 MiB of gradients)"
 REPEATS = 20

@@ -28,8 +28,8 @@ from benches import verdict
 from course.impl import unwritten_todo
 from course.results import Table
 from course.world import WorldError, run_world
-from solutions.phase3_multi_node import benchmark_zero_memory as bench
-from solutions.phase3_multi_node import zero_fsdp_measure as fsdp
+from solutions.phase3_multi_node.benchmarks import fsdp_measure as fsdp
+from solutions.phase3_multi_node.benchmarks import zero_memory as bench
 
 GOAL = "3.5: ZeRO stages 1-3: bytes held by every rank == the paper's formulas (0 bytes off)"
 MODULES = ("zero_partition", "zero_units", "zero")

@@ -10,7 +10,7 @@ k = 2, 8 of hidden size, float32), each rank with its own number of tokens, draw
 that the router sends them unevenly: with capacity factor 1.0 some choices are dropped, with
 capacity factor 8.0 none. A ``CommCounter`` counts the bytes each rank hands to
 ``all_to_all_single`` in that step (an all-to-all's input, this rank's own piece included), and
-they are compared with the census formula (``solutions/phase3_multi_node/strategies_moe.py``):
+they are compared with the census formula (``solutions/phase3_multi_node/benchmarks/strategies_moe.py``):
 
     K_r = the choices rank r keeps;  R_r = the kept choices of every rank for r's experts
     all-to-all bytes = 8·E  +  2 · 4h · (K_r + R_r)      counts; dispatch and combine, fwd and bwd
@@ -39,7 +39,7 @@ from course.results import Table
 from course.world import RankFailed, WorldError, run_world
 from phase3_multi_node.moe_experts import MoEConfig, build_moe
 from phase3_multi_node.moe_layout import ExpertLayout
-from solutions.phase3_multi_node.strategies_moe import kept_choices, traffic_formula
+from solutions.phase3_multi_node.benchmarks.strategies_moe import kept_choices, traffic_formula
 
 PHASE = "phase3_multi_node"
 MODULES = ("moe_routing", "expert_parallel")

@@ -25,7 +25,7 @@ from benches import verdict
 from course.impl import unwritten_todo
 from course.results import Table
 from course.world import WorldError, run_world
-from solutions.phase4_production import benchmark_compression as bench
+from solutions.phase4_production.benchmarks import compression as bench
 
 GOAL = "compression hooks: bytes per step per rank == the guide's formula (0 bytes off)"
 MODULES = ("compression", "compression_topk", "compression_powersgd")

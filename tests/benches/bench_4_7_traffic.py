@@ -7,7 +7,7 @@ Right values are not the whole story: a composition that all-reduces where a red
 would do, gathers the sequence twice, or sums a gradient on a group too many trains the same
 model and pays for it on every step. Each layout here takes one warm-up step, then one step
 under ``CommCounter``; every rank's messages, by group and op (calls and bytes), are compared
-with the formulas of ``solutions/phase4_production/lm_traffic.py`` (the guide's cost table,
+with the formulas of ``solutions/phase4_production/lm/traffic.py`` (the guide's cost table,
 applied to the model's sizes), and the MoE rows, whose split follows the routing, per ep group.
 The goal is exact: no byte and no call off. Counted bytes do not depend on the machine's load.
 """
@@ -44,7 +44,7 @@ def layout_worker(impl: str, layouts: list[tuple[str, dict[str, Any], bool]]) ->
     from course.language_model import LMConfig, build_language_model
     from course.topology import Topology
     from phase4_production.lm_layout import ParallelSettings
-    from solutions.phase4_production import lm_traffic
+    from solutions.phase4_production.lm import traffic as lm_traffic
 
     lm = load_impl("phase4_production", "lm_parallel", impl)
     base = LMConfig(width=32, heads=4, layers=4, ffn=64, seq_len=32, expert_ffn=32)

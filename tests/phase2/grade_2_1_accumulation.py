@@ -224,7 +224,7 @@ def test_data_parallel_accumulation_stays_inside_its_group() -> None:
 
 def ddp_accumulation_worker(steps: int, global_batch: int, micro: int) -> dict[str, Any]:
     accumulation = accumulation_module()
-    demo = demo_module("accumulation_demo")
+    demo = demo_module("demos.accumulation")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     per_rank = global_batch // world_size
     # a tiny bucket cap gives several buckets, so "once per bucket" is visible
@@ -295,7 +295,7 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch() -> None:
 
 
 def accumulation_demo_worker(impl_args: list[str]) -> int:
-    demo = demo_module("accumulation_demo")
+    demo = demo_module("demos.accumulation")
     args = ["--epochs", "1", "--train-samples", "512", "--global-batch-size", "128"]
     return int(demo.main([*args, *impl_args]))
 
@@ -310,7 +310,7 @@ def test_accumulation_demo_runs_on_two_ranks() -> None:
 @exercise("2.1")
 @pytest.mark.reference
 def test_accumulation_demo_refuses_bad_flags_all_at_once() -> None:
-    demo = demo_module("accumulation_demo")
+    demo = demo_module("demos.accumulation")
     config = demo.AccumulationConfig(global_batch_size=100, micro_batch_size=0)
     with pytest.raises(ValueError) as caught:
         demo.validate(config, 3)

@@ -447,7 +447,7 @@ def test_bf16_training_ends_close_to_fp32() -> None:
 
 
 def precision_demo_worker(impl_args: list[str]) -> int:
-    demo = demo_module("mixed_precision_demo")
+    demo = demo_module("demos.mixed_precision")
     args = ["--epochs", "1", "--train-samples", "256", "--global-batch-size", "64"]
     return int(demo.main([*args, "--precision", "fp16", *impl_args]))
 

@@ -240,7 +240,7 @@ def test_checkpointed_model_trains_under_ddp() -> None:
 
 
 def checkpointing_demo_worker(impl_args: list[str]) -> int:
-    demo = demo_module("checkpointing_demo")
+    demo = demo_module("demos.checkpointing")
     args = ["--epochs", "1", "--train-samples", "256", "--global-batch-size", "64"]
     return int(demo.main([*args, "--depth", "4", "--width", "64", *impl_args]))
 

@@ -98,7 +98,7 @@ def test_split_is_as_even_as_possible_with_the_extra_layers_first() -> None:
 
 @exercise("2.4")
 def test_more_ranks_than_layers_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from solutions.phase2_advanced import model_parallel_demo
+    from solutions.phase2_advanced.demos import model_parallel as model_parallel_demo
 
     with pytest.raises(ValueError) as caught:
         mp().split_sizes(3, 4)
@@ -425,7 +425,7 @@ def test_model_parallel_runs_inside_a_subgroup() -> None:
 
 
 def demo_worker(impl_name: str) -> list[Any]:
-    from solutions.phase2_advanced import model_parallel_demo
+    from solutions.phase2_advanced.demos import model_parallel as model_parallel_demo
 
     config = model_parallel_demo.DemoConfig(steps=2, batch_size=8, dtype="float64", impl=impl_name)
     return model_parallel_demo.run_demo(config)

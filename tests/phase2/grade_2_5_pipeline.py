@@ -28,8 +28,8 @@ from torch import nn
 
 from course.comm_counter import CommCounter, CommRecord
 from phase2_advanced.pipeline_layout import rank_chunks, stage_rank, virtual_stage
-from solutions.phase2_advanced import pipeline_parallel
-from solutions.phase2_advanced.pipeline_simulation import (
+from solutions.phase2_advanced.demos import pipeline as pipeline_parallel
+from solutions.phase2_advanced.pipeline_study.simulation import (
     ScheduleDeadlock,
     gpipe_bubble,
     interleaved_bubble,

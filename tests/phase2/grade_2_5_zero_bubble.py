@@ -42,8 +42,9 @@ from grading import exercise
 from p2p_grading import fail, remarks, run
 
 from phase2_advanced.pipeline_layout import stage_chunk, virtual_stage
-from solutions.phase2_advanced import pipeline_parallel, pipeline_timeline
-from solutions.phase2_advanced.pipeline_simulation import (
+from solutions.phase2_advanced.demos import pipeline as pipeline_parallel
+from solutions.phase2_advanced.pipeline_study import timeline as pipeline_timeline
+from solutions.phase2_advanced.pipeline_study.simulation import (
     ScheduleDeadlock,
     simulate,
     zero_bubble_h1_bubble,

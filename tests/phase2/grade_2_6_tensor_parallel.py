@@ -620,7 +620,7 @@ def test_tensor_parallel_blocks_work_inside_a_group_and_stay_there() -> None:
 
 
 def library_subgroup_worker() -> dict[str, Any]:
-    library = demo_module("tensor_parallel_library")
+    library = demo_module("library.tensor_parallel")
     info = split_into_groups(SUBGROUP_SIZE)
     model = library.library_parallel_mlp(make_dense_mlp(), group=info.group)
     out = model(seeded(3 + 10 * info.index, BATCH, SEQ, HIDDEN))
@@ -691,7 +691,7 @@ def test_sizes_that_do_not_divide_are_refused_before_any_communication() -> None
 
 
 def library_worker() -> dict[str, Any]:
-    library = demo_module("tensor_parallel_library")
+    library = demo_module("library.tensor_parallel")
     model = library.library_parallel_mlp(make_dense_mlp())
     x = seeded(3, BATCH, SEQ, HIDDEN).requires_grad_()
     out = model(x)
@@ -742,7 +742,7 @@ def test_library_tensor_parallel_mlp_equals_dense() -> None:
 
 
 def tp_demo_worker(impl_name: str, world_size: int, tp_size: int) -> dict[str, Any]:
-    demo = demo_module("tensor_parallel_demo")
+    demo = demo_module("demos.tensor_parallel")
     config = demo.DemoConfig(
         hidden=16, ffn_hidden=32, heads=4, batch_size=2, seq_len=4, tp_size=tp_size, impl=impl_name
     )
@@ -773,7 +773,7 @@ def test_instructor_demo_reports_dense_equality_and_one_all_reduce_each_way(
 @exercise("2.6")
 @pytest.mark.reference
 def test_demo_refuses_every_size_that_does_not_divide_at_once() -> None:
-    demo = demo_module("tensor_parallel_demo")
+    demo = demo_module("demos.tensor_parallel")
     config = demo.DemoConfig(hidden=60, ffn_hidden=256, heads=8)
     with pytest.raises(ValueError) as caught:
         demo.validate_config(config, 3)

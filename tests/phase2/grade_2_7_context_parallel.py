@@ -894,7 +894,7 @@ def test_a_ring_attention_block_trains_like_one_process(cp: int) -> None:
 def library_worker() -> dict[str, Any]:
     from course.distributed import current_info
 
-    library = demo_module("context_parallel_library")
+    library = demo_module("library.context_parallel")
     if current_info().device.type == "cuda":
         return {"skipped": "a GPU world: the library runs there; this test documents CPU"}
     mesh = library.cp_mesh(None, "cpu")
@@ -940,7 +940,7 @@ def test_library_ring_attention_cannot_run_on_cpu() -> None:
 
 
 def demo_worker(impl_name: str) -> dict[str, Any]:
-    demo = demo_module("context_parallel_demo")
+    demo = demo_module("demos.context_parallel")
     config = demo.DemoConfig(batch_size=1, heads=2, seq_len=8, head_dim=4, steps=2, impl=impl_name)
     return demo.run_demo(config)
 
@@ -984,7 +984,7 @@ def test_instructor_demo_reports_equality_bytes_and_balance() -> None:
 def test_demo_refuses_bad_settings_before_starting(
     argv: list[str], world: int, expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    demo = demo_module("context_parallel_demo")
+    demo = demo_module("demos.context_parallel")
     try:
         config = parse_config(demo.DemoConfig, argv, demo.__doc__)
     except SystemExit as exit_:
@@ -1011,7 +1011,7 @@ def test_demo_refuses_bad_settings_before_starting(
 def test_benchmark_refuses_bad_settings_before_starting(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    benchmark = demo_module("context_parallel_benchmark")
+    benchmark = demo_module("benchmarks.context_parallel")
     try:
         code = benchmark.main(argv)
     except SystemExit as exit_:
@@ -1023,7 +1023,7 @@ def test_benchmark_refuses_bad_settings_before_starting(
 @exercise("2.7")
 @pytest.mark.reference
 def test_benchmark_tables_compute_the_values_the_guide_quotes() -> None:
-    benchmark = demo_module("context_parallel_benchmark")
+    benchmark = demo_module("benchmarks.context_parallel")
 
     def rank(pairs: int, cpu: float) -> dict[str, dict[str, float]]:
         return {

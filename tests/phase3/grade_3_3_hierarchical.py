@@ -19,9 +19,9 @@ from phase3_helpers import fail, first_problems, module, small_world
 from course.topology import Topology
 from course.torchrun_runner import run_torchrun
 from course.world import WorldError
-from solutions.phase3_multi_node.hierarchical_demo import check_hierarchical
+from solutions.phase3_multi_node.demos.hierarchical import check_hierarchical
 
-DEMO = "solutions.phase3_multi_node.hierarchical_demo"
+DEMO = "solutions.phase3_multi_node.demos.hierarchical"
 
 
 def simulated_worker(numel: int) -> dict[str, Any]:

@@ -735,7 +735,7 @@ def test_construction_broadcasts_and_mirrors_torchs_interface() -> None:
 
 
 def demo_worker(impl_args: list[str]) -> int:
-    demo = program("ddp_demo")
+    demo = program("demos.ddp")
     return int(demo.main(["--epochs", "1", "--train-samples", "256", *impl_args]))
 
 
@@ -749,7 +749,7 @@ def test_ddp_demo_runs_on_two_ranks() -> None:
 @exercise("3.4")
 @pytest.mark.reference
 def test_demo_refuses_bad_flags_all_at_once() -> None:
-    demo = program("ddp_demo")
+    demo = program("demos.ddp")
     with pytest.raises(ValueError) as caught:
         demo.validate(demo.DemoConfig(epochs=0, bucket_cap_mb=-1.0, global_batch_size=7), 2)
     for word in ("--epochs 0", "--bucket-cap-mb -1.0", "--global-batch-size"):
@@ -761,7 +761,7 @@ def test_demo_refuses_bad_flags_all_at_once() -> None:
 def test_benchmark_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
     raise_unwritten_todo(buckets_module())  # reported as the TODO, not as a failed benchmark
     raise_unwritten_todo(ddp_module())
-    benchmark = program("benchmark_ddp")
+    benchmark = program("benchmarks.ddp")
     args = ["--width", "64", "--layers", "2", "--steps", "2", "--caps", "0.01"]
     assert benchmark.main([*args, *impl_flag()]) == 0
     table = capsys.readouterr().out

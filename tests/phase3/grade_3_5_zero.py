@@ -44,7 +44,7 @@ from zero_helpers import (
     zero_run,
 )
 
-from solutions.phase3_multi_node import zero_accounting as acc
+from solutions.phase3_multi_node.references import zero_accounting as acc
 
 CASES = [(stage, world) for stage in (1, 2, 3) for world in (2, 3, 4)]
 _RUNS: dict[tuple[int, int], list[ZeroRun] | BaseException] = {}

@@ -52,7 +52,7 @@ from torch import nn
 from zero_helpers import needs_partition
 
 from phase3_multi_node.zero_fsdp_support import POLICIES
-from solutions.phase3_multi_node import zero_accounting as acc
+from solutions.phase3_multi_node.references import zero_accounting as acc
 
 WORLDS = (2, 3)
 # the policies each world compares with fully_shard, and the largest difference allowed
@@ -503,7 +503,7 @@ def test_the_demo_refuses_bad_fsdp_settings_before_starting(
 
     import torch.distributed as dist
 
-    demo = importlib.import_module("solutions.phase3_multi_node.zero_demo")
+    demo = importlib.import_module("solutions.phase3_multi_node.demos.zero")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
 
@@ -524,7 +524,7 @@ def test_the_demo_refuses_bad_fsdp_settings_before_starting(
 def demo_worker(impl_name: str) -> int:
     import importlib
 
-    demo = importlib.import_module("solutions.phase3_multi_node.zero_demo")
+    demo = importlib.import_module("solutions.phase3_multi_node.demos.zero")
     return int(demo.main(["--fsdp", "--steps", "2", "--hidden", "16", "--impl", impl_name]))
 
 

@@ -32,7 +32,7 @@ from zero_helpers import (
 def library_worker(kind: str) -> float:
     import torch.distributed as dist
 
-    from solutions.phase3_multi_node import zero_library as lib
+    from solutions.phase3_multi_node.library import zero as lib
 
     rank, world = dist.get_rank(), dist.get_world_size()
     kwargs: dict[str, Any] = {"lr": 0.05, "weight_decay": 0.1, "eps": 1e-6}
@@ -65,7 +65,7 @@ def test_the_library_way_gives_the_same_parameters(kind: str) -> None:
 def demo_worker(impl_name: str) -> int:
     import importlib
 
-    demo = importlib.import_module("solutions.phase3_multi_node.zero_demo")
+    demo = importlib.import_module("solutions.phase3_multi_node.demos.zero")
     return int(demo.main(["--stage", "3", "--steps", "3", "--impl", impl_name]))
 
 
@@ -85,7 +85,7 @@ def test_the_benchmark_table_has_every_row_and_zero_rows_equal_their_formula(
     needs_partition()
     import importlib
 
-    bench = importlib.import_module("solutions.phase3_multi_node.benchmark_zero_memory")
+    bench = importlib.import_module("solutions.phase3_multi_node.benchmarks.zero_memory")
     assert bench.main(["--worlds", "2", "--hidden", "8", "--steps", "1", "--impl", impl()]) == 0
     out = capsys.readouterr().out
     memory, _, rest = out.partition("ZeRO with the first Linear frozen")

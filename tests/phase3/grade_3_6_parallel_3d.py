@@ -568,7 +568,7 @@ def program(name: str) -> Any:
 
 
 def demo_worker(impl_name: str) -> dict[str, Any]:
-    demo = program("parallel_3d_demo")
+    demo = program("demos.parallel_3d")
     config = demo.DemoConfig(dp=1, tp=2, pp=2, steps=2, impl=impl_name)
     return demo.run_demo(config)
 
@@ -591,7 +591,7 @@ def test_the_demo_matches_one_process_and_reports_every_rank() -> None:
 @exercise("3.6")
 @pytest.mark.reference
 def test_the_demo_refuses_bad_degrees_before_starting() -> None:
-    demo = program("parallel_3d_demo")
+    demo = program("demos.parallel_3d")
     with pytest.raises(ValueError) as caught:
         demo.validate(demo.DemoConfig(dp=2, tp=2, pp=2), 4)
     assert "dp=2 x tp=2 x pp=2 = 8 != world size 4" in str(caught.value)
@@ -606,7 +606,7 @@ def test_the_demo_refuses_bad_degrees_before_starting() -> None:
 def test_the_strategies_benchmark_trains_one_model_every_way(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bench = program("benchmark_strategies")
+    bench = program("benchmarks.strategies")
     measured: list[Any] = []
 
     def measure(config: Any) -> Any:  # keep the ranks' numbers to check the bytes

@@ -1,7 +1,7 @@
 """Exercise 3.8, expert parallelism: ``uv run pytest tests/test_phase3.py -m ex3_8``.
 
 Everything is compared with one process that holds every expert and sees every rank's tokens
-(``solutions/phase3_multi_node/moe_reference.py``: a plain loop over tokens), in float64:
+(``solutions/phase3_multi_node/references/moe.py``: a plain loop over tokens), in float64:
 
 * in this process, the three decisions of part 1 on their own: ``route`` (the k most probable
   experts, weights renormalized), ``keep_within_capacity`` (first come first served over the whole
@@ -953,7 +953,7 @@ def after_the_graded_worlds() -> None:
 
 
 def demo_worker(impl_name: str) -> dict[str, Any]:
-    demo = program("moe_demo")
+    demo = program("demos.moe")
     config = demo.DemoConfig(ep=2, dp=2, tokens=6, steps=2, impl=impl_name)
     return demo.run_demo(config)
 
@@ -983,7 +983,7 @@ def test_the_demo_matches_one_process_on_an_ep_x_dp_layout() -> None:
 def test_the_programs_refuse_bad_settings_before_starting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    demo = program("moe_demo")
+    demo = program("demos.moe")
     with pytest.raises(ValueError, match="ep=2 does not divide num_experts=3"):
         demo.validate(demo.DemoConfig(experts=3), 2)
     with pytest.raises(ValueError, match="does not fill the world of 4"):
@@ -992,7 +992,7 @@ def test_the_programs_refuse_bad_settings_before_starting(
     with pytest.raises(SystemExit) as caught:
         demo.main(["--capacity-factor", "0"])
     assert caught.value.code == 2
-    bench = program("moe_benchmark")
+    bench = program("benchmarks.moe")
     assert bench.main(["--aux-coefs", "x", "--ep", "3"]) == 2
     err = capsys.readouterr().err
     for part in ("--aux-coefs 'x'", "ep=3 does not divide num_experts=8"):
@@ -1007,7 +1007,7 @@ def test_the_programs_refuse_bad_settings_before_starting(
 @pytest.mark.reference
 def test_the_benchmark_reports_balance_and_cost(capsys: pytest.CaptureFixture[str]) -> None:
     after_the_graded_worlds()
-    bench = program("moe_benchmark")
+    bench = program("benchmarks.moe")
     args = ["--ep", "2", "--tokens", "16", "--steps", "2", "--aux-coefs", "0,0.1"]
     args += ["--capacity-factors", "1.0", "--a2a-worlds", "2", "--a2a-kib", "4", "--reps", "1"]
     code = bench.main([*args, "--impl", impl()])

@@ -35,7 +35,7 @@ from phase3_multi_node.moe_experts import (
     experts_of_rank,
 )
 from phase3_multi_node.moe_layout import ExpertLayout
-from solutions.phase3_multi_node.moe_reference import ReferenceRank, capacity_of, reference_group
+from solutions.phase3_multi_node.references.moe import ReferenceRank, capacity_of, reference_group
 
 PHASE = "phase3_multi_node"
 HIDDEN, FFN = 4, 8

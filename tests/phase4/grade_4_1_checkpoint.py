@@ -345,7 +345,7 @@ def test_no_file_of_the_project_loads_with_weights_only_false() -> None:
 
 
 def dcp_save_worker(path: str) -> dict[str, dict[str, torch.Tensor]]:
-    import solutions.phase4_production.sharded_checkpoint as sharded
+    import solutions.phase4_production.library.sharded_checkpoint as sharded
 
     model, optimizer = sharded.build_sharded(seed=0)
     sharded.train_steps(model, optimizer, steps=2)
@@ -357,7 +357,7 @@ def dcp_save_worker(path: str) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def dcp_load_worker(path: str) -> dict[str, Any]:
-    import solutions.phase4_production.sharded_checkpoint as sharded
+    import solutions.phase4_production.library.sharded_checkpoint as sharded
 
     model, optimizer = sharded.build_sharded(seed=1)  # different weights before the load
     sharded.load(model, optimizer, path)
@@ -394,7 +394,7 @@ def test_dcp_state_saved_by_2_ranks_loads_resharded_at_1_and_4(tmp_path: Path) -
 
 
 def benchmark_worker(impl_args: list[str]) -> int:
-    import solutions.phase4_production.benchmark_checkpoint as bench
+    import solutions.phase4_production.benchmarks.checkpoint as bench
 
     args = ["--width", "64", "--layers", "2", "--saves", "2", "--steps", "1"]
     return int(bench.main([*args, *impl_args]))

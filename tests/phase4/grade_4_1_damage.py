@@ -290,7 +290,7 @@ class Payload:
 
 
 def tampered_dcp_worker(root: str) -> dict[str, str]:
-    import solutions.phase4_production.sharded_checkpoint as sharded
+    import solutions.phase4_production.library.sharded_checkpoint as sharded
 
     model, optimizer = sharded.build_sharded(seed=0)
     outcomes: dict[str, str] = {}

@@ -1,6 +1,6 @@
 """Grader of exercise 4.2, automatic recovery: ``uv run pytest tests/test_phase4.py -m ex4_2``.
 
-The reference is the trainer (solutions/phase4_production/resilient_trainer.py) run once without
+The reference is the trainer (solutions/phase4_production/resilience/trainer.py) run once without
 failures in a forked world of 2. Every recovered run must end with the same weights, bit for bit
 (``torch.equal`` on CPU): resumed in a fresh world from a mid-epoch checkpoint; under real
 ``torchrun --max-restarts`` after a SIGKILL, an exception and a hang (one after the other, the

@@ -310,7 +310,7 @@ def expected_bytes(model: torch.nn.Module) -> dict[str, int]:
 def test_benchmark_counts_the_bytes_of_each_method(model: str) -> None:
     import importlib
 
-    bench = importlib.import_module("solutions.phase4_production.benchmark_compression")
+    bench = importlib.import_module("solutions.phase4_production.benchmarks.compression")
     config = bench.BenchmarkConfig(
         model=model, epochs=1, train_samples=512, test_samples=64, start_iter=2, impl=impl()
     )

@@ -606,7 +606,7 @@ def test_the_demo_names_the_slow_rank_and_plots(tmp_path: Path) -> None:
 @exercise("4.5")
 @pytest.mark.reference
 def test_the_demo_refuses_bad_flags_all_at_once() -> None:
-    from solutions.phase4_production import monitoring_demo as demo
+    from solutions.phase4_production.demos import monitoring as demo
 
     config = demo.DemoConfig(slow_rank=2, slow_ms=-1.0, every_n_steps=0)
     with pytest.raises(ValueError) as err:
@@ -622,7 +622,7 @@ def test_the_demo_refuses_bad_flags_all_at_once() -> None:
 @exercise("4.5")
 @pytest.mark.reference
 def test_plot_metrics_draws_a_png(tmp_path: Path) -> None:
-    from solutions.phase4_production import plot_metrics
+    from solutions.phase4_production.demos import plot_metrics
 
     path = tmp_path / "metrics.jsonl"
     lines = []

@@ -1,6 +1,6 @@
 """Exercise 4.7, the library way beside it (reference checks, not on the scoreboard).
 
-``solutions/phase4_production/lm_library.py`` trains the language model with PyTorch's own
+``solutions/phase4_production/lm/library.py`` trains the language model with PyTorch's own
 composition (a DeviceMesh with named dims, ``parallelize_module`` with Colwise/Rowwise/
 SequenceParallel, FSDP2's ``fully_shard``, ``torch.distributed.pipelining``) from the same
 one-process weights as exercise 4.7's ``ParallelLanguageModel``. One world of 4 runs, one after
@@ -34,9 +34,9 @@ from course.impl import unwritten_todo
 from course.world import world_timeout
 from phase4_production.lm_functions import COMPOSITION_MODULES
 from phase4_production.lm_layout import ParallelSettings
-from solutions.phase4_production import lm_library_compare
-from solutions.phase4_production.lm_library import CP_ERROR, unsupported
-from solutions.phase4_production.lm_library_compare import Case
+from solutions.phase4_production.lm import library_compare as lm_library_compare
+from solutions.phase4_production.lm.library import CP_ERROR, unsupported
+from solutions.phase4_production.lm.library_compare import Case
 
 BASE = replace(DENSE, expert_ffn=16)
 LR, CLIP = 3e-3, 0.05

@@ -1,6 +1,6 @@
 """Exercise 4.7's programs (reference checks): the real-text trainer and its two-layout record.
 
-* ``lm_trainer``'s settings are refused before any process starts, each by name (a layout for
+* ``lm.trainer``'s settings are refused before any process starts, each by name (a layout for
   another world size says which ``--nproc_per_node`` it needs);
 * the same tiny run on real text at two layouts (tp2 with sequence parallelism, and pp2 1F1B)
   gives the same loss at every step and the same held-out bits per byte, to float32 precision
@@ -24,7 +24,7 @@ TINY = {
 
 
 def trainer() -> object:
-    from solutions.phase4_production import lm_trainer
+    from solutions.phase4_production.lm import trainer as lm_trainer
 
     return lm_trainer
 
@@ -54,7 +54,7 @@ def test_the_trainer_refuses_bad_settings_before_launch(
 @pytest.mark.reference
 @exercise("4.7")
 def test_the_defaults_and_the_recorded_layouts_are_accepted() -> None:
-    from solutions.phase4_production import lm_record
+    from solutions.phase4_production.lm import record as lm_record
 
     lm_trainer = trainer()
     lm_trainer.validate(lm_trainer.TrainConfig(dp=2, tp=2, pp=2), 8)  # type: ignore[attr-defined]

@@ -235,7 +235,7 @@ def demo_worker(args: list[str], output_dir: str) -> str:
     import contextlib
     import io
 
-    from solutions.phase4_production import monitoring_demo
+    from solutions.phase4_production.demos import monitoring as monitoring_demo
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):

@@ -25,7 +25,7 @@ from course.torchrun_runner import TorchrunRun, alive, run_torchrun
 from course.world import DEFAULT_WORLD_TIMEOUT, world_timeout
 
 PHASE = "phase4_production"
-TRAINER = "solutions.phase4_production.resilient_trainer"
+TRAINER = "solutions.phase4_production.resilience.trainer"
 STATE_FILE = "train_state.pt"
 # elastic: settle a join in ~2 s, notice a lost agent after 3 missed 1 s heartbeats
 ELASTIC_RDZV = (
@@ -48,7 +48,7 @@ def module(name: str) -> ModuleType:
 
 
 def trainer_module() -> ModuleType:
-    import solutions.phase4_production.resilient_trainer as trainer
+    import solutions.phase4_production.resilience.trainer as trainer
 
     return trainer
 

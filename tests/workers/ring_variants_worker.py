@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from solutions.phase3_multi_node.ring_variants import (
+from solutions.phase3_multi_node.ring_study.variants import (
     one_connection_ring_all_reduce,
     plain_ring_all_reduce,
     unfused_ring_all_reduce,

@@ -1,0 +1,38 @@
+"""The language-model framework of exercise 4.7: one validated YAML config picks every strategy or
+the planner does; its checkpoints, planner, rates, memory and traffic models, benchmarks,
+library comparison and records.
+
+* ``benchmark``: Benchmark of exercise 4.7: tokens/s, held bytes and each axis's traffic, layout
+  by layout.
+* ``checkpoint``: The language-model framework's checkpoints: saved at one layout, resumed at
+  any other, and never resumed from damage.
+* ``config``: The language-model framework's configuration: one YAML file that picks every
+  strategy.
+* ``framework``: The language-model framework: one YAML config picks every strategy, or the
+  planner does.
+* ``library``: The library way beside exercise 4.7: the same language model and layout with
+  PyTorch's own APIs.
+* ``library_compare``: The library way beside exercise 4.7, compared: PyTorch's composition and
+  the course's.
+* ``memory``: The bytes one rank holds under a layout of the language model, from the model's
+  shapes alone.
+* ``metrics``: The language model's record of every step: one JSON line per optimizer step
+  (``--metrics``).
+* ``planner``: The layout planner: every legal layout of a world, its bytes per rank and its
+  step time, predicted from the course's own cost models and this machine's measured rates.
+* ``planner_check``: The layout planner checked against reality: predicted and measured, layout
+  by layout.
+* ``progress``: What the language model's run shows while it runs: the steps on rank 0's stderr.
+* ``rates``: The measured rates the layout planner predicts from: compute, activations, links,
+  this machine.
+* ``record``: Record exercise 4.7's real-text run: one model, one seed, two layouts, the same
+  curve.
+* ``throughput``: The language model at one rank: tokens/s and model FLOPs utilisation (MFU),
+  beside PyTorch.
+* ``traffic``: What each axis of exercise 4.7's composition sends in a step: formulas, and
+  CommCounter's count.
+* ``trainer``: Train the byte-level language model on real text, on every axis at once (exercise
+  4.7).
+* ``worked_example``: A 70B-class model on 1,024 GPUs, from the formulas alone: computed, not
+  measured.
+"""

@@ -1,0 +1,257 @@
+"""The layout planner: every legal layout of a world, its bytes per rank and its step time,
+predicted from the course's own cost models and this machine's measured rates.
+
+Given the model, the global batch, the world (ranks, ranks per node, memory per rank) and the
+rates ``lm.rates`` measured, :func:`plan` enumerates the layouts the settings accept (degrees of
+dp, cp, tp, pp that fill the world, with sequence parallelism or not, ZeRO stages, pipeline
+schedules and micro-batches), predicts for each
+
+* **the bytes held per rank** (``lm.memory``): parameters, gradients and optimizer state from the
+  exact shapes and 3.5's padding; activations from the measured bytes per token and layer and
+  2.5's peak of micro-batches in flight;
+* **the step time**: one micro-batch's forward ``F`` and backward ``B`` on the busiest chunk
+  (the measured per-token compute of a layer, divided by tp and slowed by ranks sharing cores,
+  plus each layer's tensor-parallel collectives and ring-attention passes in the fitted
+  alpha-beta model of 3.2, plus the pipeline's activation messages), the schedule played on
+  paper with those costs (2.5's ``simulate``: its makespan holds the bubble), then the
+  data-parallel gradient reduction of the stage's parameters (ring costs; ZeRO's
+  reduce-scatters and all-gathers per unit), the optimizer's step on the elements the rank owns,
+  and the step's small all-reduces,
+
+adds, for each layout that does not fit, the same layout with activation checkpointing (each
+layer keeps its input and recomputes its forward in backward: less memory, one more forward),
+drops the layouts that still do not fit the memory, and ranks the rest, fastest first. Every
+number in its table says where it came from (:attr:`Prediction.notes`, ``Rates.sources``). The
+predictions are checked against measured runs by ``lm/planner_check.py``, whatever they turn
+out to be.
+
+What the model leaves out, on purpose and said here: compute and communication never overlap
+(the course's executor waits for each message; a GPU run would hide some of it), the backward of
+attention costs what the measured layer's did at this sequence length, an MoE layer costs what a
+dense one does.
+
+Two kinds of links, when the machine says so (``Machine.inter_node``): a group whose ranks sit on
+one node (the topology's rank order puts tp innermost, then cp, dp, pp, and ranks fill nodes in
+order) talks over the measured links; a group that spans nodes (any of its ranks on another
+node) goes at the slower link's pace, since every step of a ring waits for its slowest hop. That
+is what makes Megatron-LM and torchtitan keep tp inside a node. Without it, every group costs
+what the measured links cost (one machine, or a plan that does not know better). The states'
+bytes per element can be given apart from the activations' (``Machine.states``: mixed-precision
+AdamW holds 2 + 2 + 12 bytes per parameter, ``lm.memory.MIXED_ADAMW``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+
+from course.language_model import LMConfig
+from course.topology import RankGrid
+from phase4_production.lm_layout import ParallelSettings
+from solutions.phase2_advanced.pipeline_schedules import make_schedule, placement_of
+from solutions.phase2_advanced.pipeline_study.simulation import simulate
+from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
+from solutions.phase4_production.lm.memory import HeldBytes, StateBytes, held_bytes, rank_units
+from solutions.phase4_production.lm.rates import Rates
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the plan is for: ranks, ranks per node, the bytes each rank may hold, and (for a
+    cluster) the link between nodes and the states' bytes per element."""
+
+    world: int
+    ranks_per_node: int
+    memory_per_rank: float  # bytes
+    element: int = 4  # bytes per element computed and sent: activations, gradients (fp32)
+    states: StateBytes | None = None  # bytes per element held; None: AdamW in ``element``
+    inter_node: AlphaBeta | None = None  # None: the rates' (measured) one, if any
+
+
+def spans_nodes(settings: ParallelSettings, ranks_per_node: int, group: str) -> bool:
+    """Whether any ``group`` (a :class:`RankGrid` group name) of this layout has ranks on two
+    nodes, ranks filling nodes in the topology's order."""
+    s = settings
+    grid = RankGrid(s.dp, s.tp, s.pp, ranks_per_node, s.cp, s.ep)
+    return any(len({rank // ranks_per_node for rank in g}) > 1 for g in grid.groups(group))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One layout's predicted step and bytes, and what they are made of."""
+
+    settings: ParallelSettings
+    seconds: float
+    pipeline: float  # the schedule's makespan: forward and backward, bubble included
+    gradients: float  # the data-parallel reduction after the step
+    optimizer: float
+    other: float  # the step's small all-reduces (count, report, clipping norm)
+    held: HeldBytes
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    config: LMConfig,
+    world: int,
+    batch: int,
+    *,
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1"),
+    zeros: tuple[int | str, ...] = (0, 2, 3),
+    lr: float = 1e-3,
+    max_norm: float | None = None,
+    per_stage: tuple[int, ...] = (1, 2, 4),
+    accumulation: tuple[int, ...] = (1,),
+    degrees: Mapping[str, Collection[int]] | None = None,
+) -> Iterator[ParallelSettings]:
+    """Every layout of ``world`` ranks the settings accept for this model and batch: dp x cp x
+    tp x pp = world (ep over dp x cp for an MoE model, the largest that divides the experts),
+    sequence parallelism with tp, each schedule with pp and m = k·pp micro-batches for k in
+    ``per_stage`` (without pipeline: m in ``accumulation``, gradient accumulation), each ZeRO
+    stage with more than one data-parallel rank. ``degrees`` may narrow tp, cp and pp to the
+    values a large world is worth searching (``{"tp": (1, 2, 4, 8), "cp": (1,)}``)."""
+    allowed = degrees or {}
+
+    def choices(axis: str, n: int) -> list[int]:
+        return [d for d in _divisors(n) if axis not in allowed or d in allowed[axis]]
+
+    for tp in choices("tp", world):
+        for cp in choices("cp", world // tp):
+            for pp in choices("pp", world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                ep = 1
+                if config.moe_layers:
+                    ep = max(d for d in _divisors(dp * cp) if config.num_experts % d == 0)
+                for sp in (False, True) if tp > 1 else (False,):
+                    for schedule in schedules if pp > 1 else ("1f1b",):
+                        for m in [k * pp for k in per_stage] if pp > 1 else accumulation:
+                            for zero in zeros if dp * cp > 1 and not config.moe_layers else (0,):
+                                settings = ParallelSettings(
+                                    dp=dp, cp=cp, tp=tp, pp=pp, ep=ep, sequence_parallel=sp,
+                                    schedule=schedule, microbatches=m, zero=zero, lr=lr,
+                                    max_norm=max_norm,
+                                )  # fmt: skip
+                                if not settings.problems(config, batch):
+                                    yield settings
+
+
+def _collective(link: AlphaBeta, cost: Cost) -> float:
+    return cost.time(link.alpha, link.beta)
+
+
+def _gather_cost(full_bytes: float, n: int) -> Cost:
+    """An all-gather or a reduce-scatter of ``full_bytes`` over n ranks on a ring: n - 1 steps,
+    (n - 1)/n of the bytes through each link (half of a ring all-reduce)."""
+    return Cost(n - 1, (n - 1) / n * full_bytes) if n > 1 else Cost(0, 0)
+
+
+def predict(
+    config: LMConfig,
+    settings: ParallelSettings,
+    rates: Rates,
+    machine: Machine,
+    batch: int,
+) -> Prediction:
+    """The busiest rank's step time and bytes under ``settings`` (see the module doc)."""
+    s, e, h = settings, machine.element, config.width
+    tp, cp, m = s.tp, s.cp, s.microbatches
+    tokens = batch // (s.dp * m) * config.seq_len // cp  # one micro-batch, one rank
+    between = tokens // tp if s.sequence_parallel else tokens
+    slowdown = max(1.0, min(machine.ranks_per_node, machine.world) / rates.cores)
+    whole = rates.norm_share if not s.sequence_parallel else 0.0
+    share = (1 - rates.norm_share) / tp + (rates.norm_share / tp if s.sequence_parallel else whole)
+    slow = machine.inter_node if machine.inter_node is not None else rates.inter_node
+
+    def link(group: str, measured: AlphaBeta) -> AlphaBeta:
+        if slow is not None and spans_nodes(s, machine.ranks_per_node, group):
+            return slow
+        return measured
+
+    ar, p2p = rates.all_reduce, rates.point_to_point
+    activation = tokens * h * e
+    tp_region = _collective(link("tp", ar), ring_cost(activation, tp)) if tp > 1 else 0.0
+    block = activation // tp  # one K or V block of the ring
+    cp_pass = 2 * _collective(link("cp", p2p), Cost(1, block)) if cp > 1 else 0.0  # K and V
+    layers = math.ceil(config.layers / s.virtual_stages)
+    forward = layers * (
+        rates.layer_forward.seconds(tokens) * share * slowdown + 2 * tp_region + (cp - 1) * cp_pass
+    )
+    backward = layers * (
+        rates.layer_backward.seconds(tokens) * share * slowdown
+        + 2 * tp_region
+        + 2 * (cp - 1) * cp_pass
+    )
+    head = rates.head_per_token * tokens * m * slowdown  # the last stage's, on the critical path
+    if s.activation_checkpointing:  # backward recomputes the chunk's forward first
+        backward += forward
+    if s.pp > 1:
+        message = _collective(link("pp", p2p), Cost(1, between * h * e))
+        forward += message
+        backward += message
+    schedule = make_schedule(s.schedule, s.pp, m, s.chunks)
+    weight = backward / 2 if s.schedule in ("zb-h1", "zb-v") else None
+    pipeline = head + (
+        simulate(schedule, forward, backward, weight, placement=placement_of(s.schedule)).makespan
+        if s.pp > 1
+        else m * (forward + backward)
+    )
+    units = max((rank_units(config, s, r) for r in range(s.pp)), key=sum)
+    params = sum(units)
+    shards = s.dp * cp
+    dp_link = link("dp_cp", ar) if shards > 1 else ar
+    if shards == 1:
+        gradients = 0.0
+    elif s.zero == 0:
+        gradients = _collective(dp_link, ring_cost(params * e, shards))
+    elif s.zero == 1:  # one reduce-scatter after backward, one all-gather after the step
+        gradients = sum(2 * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
+    elif s.zero == 2:
+        gradients = sum((m + 1) * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
+    else:
+        gradients = sum(3 * m * _collective(dp_link, _gather_cost(u * e, shards)) for u in units)
+    owned = params if s.zero == 0 else math.ceil(params / shards)
+    optimizer = rates.optimizer_per_element * owned * slowdown
+    small = 3 + (4 if s.max_norm is not None else 0)  # count, reports; the norm on each axis
+    other = small * ar.alpha
+    held = held_bytes(
+        config, s, batch, e, rates.activation_bytes_per_token,
+        rates.norm_activation_bytes_per_token, machine.states,
+    )  # fmt: skip
+    notes = [
+        f"F {forward * 1e3:.1f} ms, B {backward * 1e3:.1f} ms per micro-batch and chunk "
+        f"({tokens} tokens, {layers} layers, compute x{share * slowdown:.2f} of one rank's)",
+    ]
+    return Prediction(
+        s,
+        pipeline + gradients + optimizer + other,
+        pipeline,
+        gradients,
+        optimizer,
+        other,
+        held,
+        held.total <= machine.memory_per_rank,
+        notes,
+    )
+
+
+def plan(
+    config: LMConfig, rates: Rates, machine: Machine, batch: int, **options: object
+) -> list[Prediction]:
+    """Every candidate predicted, the ones that fit first, each group fastest first."""
+    predictions = [
+        predict(config, settings, rates, machine, batch)
+        for settings in candidates(config, machine.world, batch, **options)  # type: ignore[arg-type]
+    ]
+    # recompute only where memory asks for it: a layout that does not fit, with checkpointing
+    for p in list(predictions):
+        recomputed = replace(p.settings, activation_checkpointing=True)
+        if not p.fits and not recomputed.problems(config, batch):
+            predictions.append(predict(config, recomputed, rates, machine, batch))
+    return sorted(predictions, key=lambda p: (not p.fits, p.seconds))

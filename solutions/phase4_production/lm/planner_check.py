@@ -1,0 +1,183 @@
+"""The layout planner checked against reality: predicted and measured, layout by layout.
+
+For each world size (4 and 8 ranks on this machine), the planner (``lm/planner.py``) ranks every
+legal layout of the language model from the rates ``lm.rates`` measured here; this program then
+runs a spread of them (the planner's first choices, and layouts from the whole length of its
+ranking) in one world, their steps interleaved round after round (``lm.benchmark``), and prints
+for each the predicted and measured step time and bytes held per rank (model states, and the
+activations autograd saved during a step), then two verdicts:
+
+* the rank correlation (Spearman) between the predicted and the measured order of the layouts;
+* whether the planner's first choice is within 10% of the fastest layout measured.
+
+Both are stated as measured, met or not; the guide says where the model misses and why::
+
+    uv run python -m solutions.phase4_production.lm.planner_check            # print
+    uv run python -m solutions.phase4_production.lm.planner_check --record   # and record
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from course.cli import benchmark_main, run_main
+from course.results import Table, write_results
+from course.world import run_world
+from phase4_production.lm_layout import ParallelSettings
+from solutions.phase4_production.lm.benchmark import BenchConfig, measure_layouts
+from solutions.phase4_production.lm.planner import GIB, Machine, Prediction, plan
+from solutions.phase4_production.lm.rates import Rates, measure_rates
+
+RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
+TOP_CHOICE = 1.10  # the first choice must be within 10% of the fastest measured
+
+
+@dataclass
+class CheckConfig(BenchConfig):
+    """The benchmark's flags, plus how many layouts to measure per world."""
+
+    layouts: int = field(default=8, metadata={"ge": 3, "le": 40, "fix": "e.g. 8"})
+    worlds: str = field(default="4,8", metadata={"help": "world sizes, comma separated"})
+
+
+def spread(predictions: list[Prediction], count: int) -> list[Prediction]:
+    """The planner's first three choices, then layouts evenly spaced along the rest of its
+    ranking (the last one included), ``count`` in all."""
+    fitting = [p for p in predictions if p.fits]
+    if len(fitting) <= count:
+        return fitting
+    chosen = fitting[:3]
+    rest = fitting[3:]
+    step = (len(rest) - 1) / max(1, count - 4)
+    chosen += [rest[round(i * step)] for i in range(count - 3)]
+    return chosen
+
+
+def _options(settings: ParallelSettings) -> dict[str, Any]:
+    names = ("dp", "cp", "tp", "pp", "ep", "sequence_parallel", "schedule", "microbatches",
+             "chunks", "zero")  # fmt: skip
+    return {name: getattr(settings, name) for name in names}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Rank correlation of two sequences (average ranks for ties)."""
+
+    def ranks(values: Sequence[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    mean = (n - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb, strict=True))
+    var = sum((x - mean) ** 2 for x in ra) ** 0.5 * sum((y - mean) ** 2 for y in rb) ** 0.5
+    return cov / var if var else 0.0
+
+
+def worlds_of(config: CheckConfig) -> list[int]:
+    return [int(w) for w in config.worlds.split(",") if w.strip()]
+
+
+def check(config: CheckConfig) -> None:
+    problems = [f"--worlds {config.worlds}: 4 or 8" for w in worlds_of(config) if w not in (4, 8)]
+    problems += [f"model: {p}" for p in config.model(False).problems()]
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+@dataclass
+class WorldCheck:
+    world: int
+    chosen: list[Prediction]
+    rows: list[dict[str, Any]]  # rank 0's measured rows, in the order of ``chosen``
+    activations: list[int]  # the busiest rank's measured activation peak, per layout
+    rates: Rates  # measured for this world (its links in a world of its size)
+
+
+def measure(config: CheckConfig) -> tuple[Rates, list[WorldCheck]]:
+    model = config.model(False)
+    out = []
+    rates = None
+    for world in worlds_of(config):
+        rates = measure_rates(model, torch.float32, world)
+        machine = Machine(world, world, 16 * GIB)
+        chosen = spread(plan(model, rates, machine, config.batch), config.layouts)
+        layouts = {p.settings.label(): (_options(p.settings), False) for p in chosen}
+        base = {f.name: getattr(config, f.name) for f in fields(BenchConfig)}
+        bench = BenchConfig(**{**base, "world": world, "library": False})
+        per_rank = run_world(measure_layouts, world, (bench, layouts, False), {}, timeout=3600)
+        names = list(layouts)
+        rows = [per_rank[0][n] for n in names]
+        peaks = [max(r[n]["activations"] for r in per_rank) for n in names]
+        out.append(WorldCheck(world, chosen, rows, peaks, rates))
+    assert rates is not None
+    return rates, out
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
+    rates, checks = result
+    text = []
+    for check_ in checks:
+        table = Table(["planner's rank", "layout", "predicted ms", "measured ms", "measured / "
+                       "predicted", "states MiB predicted / measured", "activations MiB "
+                       "predicted / measured"])  # fmt: skip
+        predicted, measured = [], []
+        for rank, (p, row, act) in enumerate(
+            zip(check_.chosen, check_.rows, check_.activations, strict=True), 1
+        ):
+            seconds = row["seconds"]
+            predicted.append(p.seconds)
+            measured.append(seconds)
+            states = sum(row["held"])
+            table.add(rank, p.settings.label(), f"{p.seconds * 1e3:.1f}", f"{seconds * 1e3:.1f}",
+                      f"{seconds / p.seconds:.2f}x", f"{_mib(p.held.states)} / {_mib(states)}",
+                      f"{_mib(p.held.activations)} / {_mib(act)}")  # fmt: skip
+        rho = spearman(predicted, measured)
+        fastest = min(measured)
+        first = measured[0] / fastest
+        met = first <= TOP_CHOICE
+        verdict = (
+            f"world {check_.world}: rank correlation {rho:.2f}; the first choice measured "
+            f"{first:.2f}x the fastest layout measured ({'within' if met else 'not within'} 10%)"
+        )
+        table.note = verdict
+        values = {
+            "rank_correlation": f"{rho:.2f}",
+            "first_choice_ratio": f"{first:.2f}x",
+            "first_choice_met": "met" if met else "not met",
+            "first_choice": check_.chosen[0].settings.label(),
+            "fastest": check_.chosen[measured.index(fastest)].settings.label(),
+        }
+        if config.record:
+            write_results(RESULTS / f"lm_planner_w{check_.world}.json",
+                          tables={"check": table}, values=values)  # fmt: skip
+        text.append(f"{table.to_markdown()}\n\n{verdict}")
+    sources = "; ".join(f"{k}: {v}" for k, v in rates.sources.items())
+    return "\n\n".join(text) + f"\n\nrates ({sources})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return benchmark_main(CheckConfig, argv, __doc__, validate=check, measure=measure,
+                          report=report)  # fmt: skip
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,360 @@
+"""The measured rates the layout planner predicts from: compute, activations, links, this machine.
+
+The planner (``lm/planner.py``) never guesses a speed: every rate it uses is measured here, on
+the machine it plans for, and carries the sentence that says how (``Rates.sources``):
+
+* **compute**: one dense layer of the model (``course/language_model.py``'s ``Block``) timed
+  forward, and forward + backward, in one process with one thread (as every rank computes) on
+  four token counts; a least-squares line ``c0 + c1·tokens`` through each (medians of
+  repeats). The RMSNorms' share is timed apart: it is the part tensor parallelism does not divide
+  when sequence parallelism is off. The embedding, final norm, head and loss are timed the same
+  way, per token;
+* **activations**: the bytes autograd saves for one layer's backward, per token
+  (``SavedTensorMeter``, parameters excluded), and the part of them the two norms save (whole on
+  every tp rank without sequence parallelism);
+* **the optimizer**: AdamW's step per parameter element;
+* **links**: 3.2's alpha-beta model fitted (``fit_alpha_beta``) on all-reduces of 1 KiB to 4 MiB
+  over a world of the planned size (gloo here, NCCL on GPUs: ranks that share cores slow each
+  other's collectives too, and the fit sees it), and on point-to-point messages of the same sizes
+  exchanged by every pair of ranks at once. When the world spans nodes (``per_node`` ranks each,
+  at least 2), two kinds: the all-reduce inside each node (every node at once) is the measured
+  link, and the all-reduce across nodes among the ranks of the same local rank (every such group
+  at once) is ``inter_node``, which the planner charges to any group that spans nodes;
+* **cores**: the CPUs this process may use (``os.sched_getaffinity``): more ranks than cores on
+  one machine share them, so each computes ``ranks / cores`` times slower.
+
+Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not
+the tests' 20 s world deadline: a quiet 2-core machine measures the compute in about 1 s and the
+links of a world of 4 in about 3 s, but on a busy one a world that measures slowly is not hung,
+and was reported as "another rank skipped or reordered a collective" (issue 38). Past the
+deadline, :class:`MachineTooBusy` says so with the machine's load and the fixes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from course.cli import Refusal
+from course.language_model import (
+    Block,
+    LMConfig,
+    build_language_model,
+    causal_attention,
+    rotary_tables,
+)
+from course.memory import SavedTensorMeter
+from course.topology import RankGrid
+from course.world import WorldHung, run_world
+from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
+
+SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]  # bytes per collective / message
+RATES_TIMEOUT_ENV = "DTFS_RATES_TIMEOUT"
+DEFAULT_RATES_TIMEOUT = 120.0
+
+
+def rates_timeout() -> float:
+    """Seconds each measurement (the compute, the links) may take: ``DTFS_RATES_TIMEOUT`` or
+    120, about 40 times what a quiet 2-core machine needs."""
+    raw = os.environ.get(RATES_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_RATES_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise Refusal(
+            f"{RATES_TIMEOUT_ENV}={raw!r}: not a positive number of seconds (fix: e.g. "
+            f"{RATES_TIMEOUT_ENV}=600, or unset it for {DEFAULT_RATES_TIMEOUT:g})"
+        )
+    return value
+
+
+class MachineTooBusy(Refusal):
+    """A measurement ran past :func:`rates_timeout`: the machine is too busy to measure, which
+    is not a bug of the program (exit status 1, one line, no traceback)."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, seconds: float) -> None:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0))
+        super().__init__(
+            f"the machine was too busy to measure {what} within {seconds:g} s: load {load:.1f} "
+            f"on {cores} cores (fix: measure when the machine is quieter, or allow longer with "
+            f"{RATES_TIMEOUT_ENV}={max(4 * seconds, DEFAULT_RATES_TIMEOUT):g})"
+        )
+
+
+@dataclass(frozen=True)
+class Line:
+    """``fixed + per_token · tokens`` seconds."""
+
+    fixed: float
+    per_token: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Everything the planner multiplies, each measured on this machine."""
+
+    layer_forward: Line
+    layer_backward: Line  # backward alone (forward + backward minus forward)
+    norm_share: float  # of a layer's compute, the part tensor parallelism leaves whole (no SP)
+    head_per_token: float  # embedding + final norm + head + loss, forward and backward
+    activation_bytes_per_token: float  # one layer
+    norm_activation_bytes_per_token: float  # of which the two norms save
+    optimizer_per_element: float
+    all_reduce: AlphaBeta
+    point_to_point: AlphaBeta
+    cores: int
+    dtype: str
+    sources: dict[str, str] = field(default_factory=dict)
+    inter_node: AlphaBeta | None = None  # measured across nodes; None: one node, one kind
+
+
+def _median_seconds(work: Callable[[], object], repeats: int) -> float:
+    work()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _line(points: Sequence[tuple[float, float]]) -> Line:
+    """Least squares ``seconds = fixed + per_token · tokens`` through (tokens, seconds)."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_s = sum(s for _, s in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    per_token = max(sum((t - mean_t) * (s - mean_s) for t, s in points) / spread, 0.0)
+    return Line(max(mean_s - per_token * mean_t, 0.0), per_token)
+
+
+def measure_compute(
+    config: LMConfig, dtype: torch.dtype, repeats: int = 5, deadline: float | None = None
+) -> dict[str, Any]:
+    """Layer and head times and activation bytes, one process, from ``config``'s shapes;
+    :class:`MachineTooBusy` when they take more than ``deadline`` seconds (default
+    :func:`rates_timeout`; checked between token counts)."""
+    deadline = rates_timeout() if deadline is None else deadline
+    began = time.monotonic()
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank computes (torchrun and the harness set one thread)
+    block = Block(config, 0).to(dtype)
+    positions = torch.arange(config.seq_len)
+    cos, sin = rotary_tables(positions, config.head_dim, config.rope_base, dtype)
+    counts = (2, 4, 8, 16)
+    forward, backward, norms = [], [], []
+    saved = norm_saved = 0
+    for batch in counts:
+        x = torch.randn(batch, config.seq_len, config.width, dtype=dtype, requires_grad=True)
+        tokens = batch * config.seq_len
+
+        def fwd(x: torch.Tensor = x) -> torch.Tensor:
+            return block(x, cos, sin, causal_attention)[0]
+
+        def both(x: torch.Tensor = x) -> None:
+            fwd(x).sum().backward()
+
+        def norm(x: torch.Tensor = x) -> None:
+            (block.attention_norm(x) + block.mlp_norm(x)).sum().backward()
+
+        f = _median_seconds(fwd, repeats)
+        forward.append((tokens, f))
+        backward.append((tokens, max(_median_seconds(both, repeats) - f, 0.0)))
+        norms.append(_median_seconds(norm, repeats))
+        with SavedTensorMeter(exclude=list(block.parameters())) as meter:
+            fwd(x).sum().backward()
+        saved = meter.peak_bytes // tokens
+        with SavedTensorMeter(exclude=list(block.parameters())) as meter:
+            norm(x)
+        norm_saved = meter.peak_bytes // tokens
+        if time.monotonic() - began > deadline:
+            torch.set_num_threads(threads)
+            raise MachineTooBusy("one layer's compute", deadline)
+    layer_forward, layer_backward = _line(forward), _line(backward)
+    big = counts[-1] * config.seq_len
+    whole = layer_forward.seconds(big) + layer_backward.seconds(big)
+    model = build_language_model(config, 0, dtype)
+    data = torch.randint(0, config.vocab, (counts[-1], config.seq_len))
+
+    def head() -> None:
+        logits = model.head(model.final_norm(model.embedding(data)))
+        torch.nn.functional.cross_entropy(logits.view(-1, config.vocab), data.view(-1)).backward()
+
+    flat = torch.zeros(1 << 20, dtype=dtype, requires_grad=True)
+    flat.grad = torch.randn_like(flat)
+    optimizer = torch.optim.AdamW([flat], lr=1e-3)
+    result = {
+        "layer_forward": layer_forward,
+        "layer_backward": layer_backward,
+        "norm_share": min(norms[-1] / whole, 1.0) if whole > 0 else 0.0,
+        "head_per_token": _median_seconds(head, repeats) / big,
+        "activation_bytes_per_token": float(saved),
+        "norm_activation_bytes_per_token": float(norm_saved),
+        "optimizer_per_element": _median_seconds(optimizer.step, repeats) / flat.numel(),
+    }
+    torch.set_num_threads(threads)
+    return result
+
+
+def two_kinds(world: int, per_node: int | None) -> bool:
+    """Whether a world is measured as two kinds of links: several nodes of >= 2 ranks each."""
+    return per_node is not None and 2 <= per_node < world and world % per_node == 0
+
+
+def out_of_time(began: float, deadline: float) -> bool:
+    """Whether any rank has measured for more than ``deadline`` seconds (a MAX all-reduce of
+    one flag, so that every rank stops after the same size)."""
+    late = torch.tensor([float(time.monotonic() - began > deadline)])
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def link_times(
+    repeats: int, per_node: int | None = None, deadline: float | None = None
+) -> dict[str, list[float]]:
+    """On every rank: median seconds of an all-reduce over the world (over this rank's node
+    when the world spans nodes, see :func:`two_kinds`, and then also across nodes), and of a
+    send/recv exchange with the neighbouring rank (every pair at once), per size. With a
+    ``deadline`` (seconds; torchrun's world, where no harness watches the clock) every rank
+    raises :class:`MachineTooBusy` after the size during which it passed."""
+    began = time.monotonic()
+    out: dict[str, list[float]] = {"all_reduce": [], "point_to_point": []}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    node_group: Any = None  # the world; new_group types non-members as a sentinel
+    across_group: Any = None
+    if per_node is not None and two_kinds(world, per_node):
+        grid = RankGrid.for_world(world, ranks_per_node=per_node)
+        for ranks in grid.intra_node_groups():  # every rank creates every group, in order
+            group = dist.new_group(list(ranks))
+            node_group = group if rank in ranks else node_group
+        for ranks in grid.inter_node_groups():
+            group = dist.new_group(list(ranks))
+            across_group = group if rank in ranks else across_group
+        out["inter_node"] = []
+    for size in SIZES:
+        tensor = torch.zeros(size // 4, dtype=torch.float32)
+
+        def reduce(tensor: torch.Tensor = tensor) -> None:
+            dist.all_reduce(tensor, group=node_group)
+
+        def across(tensor: torch.Tensor = tensor) -> None:
+            dist.all_reduce(tensor, group=across_group)
+
+        def exchange(tensor: torch.Tensor = tensor) -> None:
+            if rank % 2 == 0:
+                dist.send(tensor, peer)
+                dist.recv(tensor, peer)
+            else:
+                dist.recv(tensor, peer)
+                dist.send(tensor, peer)
+
+        dist.barrier()
+        out["all_reduce"].append(_median_seconds(reduce, repeats))
+        dist.barrier()
+        out["point_to_point"].append(_median_seconds(exchange, repeats) / 2)  # one way
+        if across_group is not None:
+            dist.barrier()
+            out["inter_node"].append(_median_seconds(across, repeats))
+        if deadline is not None and out_of_time(began, deadline):
+            raise MachineTooBusy(f"the links of {world} ranks", deadline)
+    return out
+
+
+@dataclass(frozen=True)
+class Links:
+    all_reduce: AlphaBeta  # inside a node when the world spans nodes
+    point_to_point: AlphaBeta
+    inter_node: AlphaBeta | None
+
+
+def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = None) -> Links:
+    """3.2's alpha and beta through :func:`link_times`' medians (ring costs for each group's
+    size, one message for point to point)."""
+    inside = per_node if per_node is not None and two_kinds(world, per_node) else world
+    ring = fit_alpha_beta([ring_cost(size, inside) for size in SIZES], times["all_reduce"])
+    p2p = fit_alpha_beta([Cost(1, size) for size in SIZES], times["point_to_point"])
+    inter = None
+    if "inter_node" in times:
+        nodes = world // inside
+        inter = fit_alpha_beta([ring_cost(size, nodes) for size in SIZES], times["inter_node"])
+    return Links(ring, p2p, inter)
+
+
+def measure_links(
+    world: int = 2, repeats: int = 7, per_node: int | None = None, deadline: float | None = None
+) -> Links:
+    """The links' alpha and beta, fitted in a world of ``world`` ranks (even), as nodes of
+    ``per_node`` ranks when that makes two kinds (:func:`two_kinds`). The world runs under
+    ``deadline`` (default :func:`rates_timeout`), not the tests' world deadline; running past it
+    is :class:`MachineTooBusy` (a deadlock the harness sees is still reported as one)."""
+    if world < 2 or world % 2:
+        raise ValueError(f"world={world}: the links are measured by pairs, in an even world")
+    deadline = rates_timeout() if deadline is None else deadline
+    try:
+        times = run_world(link_times, world, (repeats, per_node), {}, timeout=deadline)[0]
+    except WorldHung as hung:
+        if hung.deadlocked_after is not None:
+            raise
+        raise MachineTooBusy(f"the links of {world} ranks", deadline) from None
+    return fit_links(times, world, per_node)
+
+
+def measure_rates(
+    config: LMConfig,
+    dtype: torch.dtype = torch.float32,
+    world: int = 2,
+    per_node: int | None = None,
+    deadline: float | None = None,
+) -> Rates:
+    """Every rate, on this machine (a world of ``world`` ranks is started for the links); each
+    measurement within ``deadline`` seconds (default :func:`rates_timeout`)."""
+    compute = measure_compute(config, dtype, deadline=deadline)
+    links = measure_links(world, per_node=per_node, deadline=deadline)
+    cores = len(os.sched_getaffinity(0))
+    name = str(dtype).removeprefix("torch.")
+    sources = {
+        "compute": f"one dense layer (width {config.width}, seq {config.seq_len}, {name}) timed "
+        "forward and backward at 2-16 sequences in one process, one thread, a line through each",
+        "activations": "SavedTensorMeter on one layer's forward and backward, per token",
+        "links": f"3.2's alpha-beta fitted on all-reduces and send/recv of 1 KiB-4 MiB, "
+        f"{world} ranks"
+        + (
+            f", nodes of {per_node}: inside and across apart"
+            if links.inter_node is not None
+            else ""
+        ),
+        "cores": f"{cores} cores this process may use (os.sched_getaffinity)",
+    }
+    return Rates(
+        layer_forward=compute["layer_forward"],
+        layer_backward=compute["layer_backward"],
+        norm_share=float(compute["norm_share"]),
+        head_per_token=float(compute["head_per_token"]),
+        activation_bytes_per_token=float(compute["activation_bytes_per_token"]),
+        norm_activation_bytes_per_token=float(compute["norm_activation_bytes_per_token"]),
+        optimizer_per_element=float(compute["optimizer_per_element"]),
+        all_reduce=links.all_reduce,
+        point_to_point=links.point_to_point,
+        cores=cores,
+        dtype=name,
+        sources=sources,
+        inter_node=links.inter_node,
+    )
