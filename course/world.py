@@ -340,6 +340,17 @@ def torchrun_env(rank: int, world_size: int, nodes: int, store_port: int) -> dic
     )
 
 
+_RANK_CONN: Connection | None = None  # inside a rank of run_world: its pipe to the caller
+
+
+def report_progress(done: int, total: int, what: str) -> None:
+    """Inside a world: tell the caller how far this rank got (``3/8 layouts``), so that a long
+    world shows it is moving. Only rank 0's reports are shown; outside a world, nothing."""
+    if _RANK_CONN is None or not dist.is_initialized() or dist.get_rank() != 0:
+        return
+    _RANK_CONN.send_bytes(pickle.dumps(("progress", (done, total, what))))
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -363,6 +374,8 @@ def _rank_main(
     os.environ.update(env)
     if backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    global _RANK_CONN
+    _RANK_CONN = conn
     dump = open(stack_file, "w")  # noqa: SIM115 - must stay open for the signal handler
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=False)
     torch.set_num_threads(1)
@@ -583,6 +596,18 @@ def run_world(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+ProgressSink = Callable[[int, int, int, str], None]
+_progress_sink: ProgressSink | None = None
+
+
+def set_progress_sink(sink: ProgressSink | None) -> None:
+    """Where the caller shows a world's progress: ``sink(world_size, done, total, what)`` for
+    each :func:`report_progress` of its rank 0 (tests/conftest.py prints a line per report in
+    a one-exercise run: ``world of 4: 3/8 layouts``); None: nowhere."""
+    global _progress_sink
+    _progress_sink = sink
+
+
 def _collect(members: list[_Rank], timeout: float) -> None:
     started = time.monotonic()
     deadline = started + timeout
@@ -619,6 +644,10 @@ def _collect(members: list[_Rank], timeout: float) -> None:
             except EOFError:
                 member.process.join(1.0)
                 raise RankDied(member.rank, member.process.exitcode) from None
+            if status == "progress":
+                if _progress_sink is not None:
+                    _progress_sink(len(members), *payload)
+                continue
             if status == "error":
                 exc_type, message, frames = payload
                 if _PEER_GONE.search(message):

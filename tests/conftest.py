@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from exercises import BY_ID, EXERCISES, Exercise
 from grading import IMPL_ENV, LoadError, block_worlds
+from learner_sites import todo_site
 from parallel_runs import check_work_units, order_for_workers
 from scoreboard import TODO_PROPERTY
 
@@ -213,6 +214,23 @@ def _blocked(item: pytest.Item, report: pytest.TestReport, reason: str) -> None:
     report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {reason}")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """A judged failure of an exercise (values, counts, order: ``pytest.fail``) without a line of
+    the learner's gets one: the function its first lines name (tests/learner_sites.py)."""
+    try:
+        return (yield)
+    except pytest.fail.Exception as exc:
+        ex = _exercise_of(item)
+        if ex is not None and not _is_reference(item):
+            from learner_sites import judged_site
+
+            site = judged_site(exc.msg or "", ex, item.config.getoption("--impl"))
+            if site:
+                exc.msg = f"{exc.msg}\n  at {site}"
+        raise
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
@@ -243,6 +261,8 @@ def pytest_runtest_makereport(
         where = _where(call.excinfo) if isinstance(exc, NotImplementedError) else ""
         if isinstance(exc, RankFailed) and exc.frames:
             where = f"rank {exc.rank}, {exc.frames[-1].location}"
+        if not where.removeprefix(f"rank {getattr(exc, 'rank', '')}, ").startswith("phase"):
+            where = todo_site(todo) or where  # re-raised by harness code: the raise itself
         report.longrepr = f"[{label}] not written yet: {todo}" + (
             f"\n  at {where}" if where else ""
         )

@@ -13,6 +13,13 @@ command, as a learner meets it, in two scratch copies of the working tree (``.ve
   first message is the first line naming that raise (printed live by tests/preflight.py when the
   test that meets it fails).
 
+For exercise 4.7, whose functions are judged by their values rather than stopped by a raise, a
+third table plants one realistic wrong VALUE in each function of the completed templates
+(:data:`WRONG_4_7`: contiguous positions, a count over dp only, a missing dp x cp factor, ...)
+and times the first failure the run streams (tests/preflight.py's line "the first failure, in
+...") and the whole grading; beside it, the collection alone (``--collect-only``). Issue 41's
+goals on 2 quiet cores: the first real failure within 10 s, collection within 5 s.
+
 Each time is from starting the interpreter to the line (or to its exit), with
 ``python -m pytest`` run directly (``uv run`` adds the time it takes to check the environment,
 about 0.05 s here). Repeats of the two cases alternate; the table shows medians, the slowest
@@ -21,6 +28,7 @@ repeat beside them, and the machine's load.
     uv run python -m tests.learner_loop_bench                   # 3.1 2.7 3.8 2.5 4.2, 3 repeats
     uv run python -m tests.learner_loop_bench --exercises 3.1 --repeats 1
     uv run python -m tests.learner_loop_bench --record tests/results/learner_loop.json
+    uv run python -m tests.learner_loop_bench --exercises 4.7 --repeats 1   # with the 4.7 table
 """
 
 from __future__ import annotations
@@ -48,7 +56,33 @@ from first_failure import PLANTED, Plant, make_scratch, planted, plants  # noqa:
 from course.results import Table, write_results  # noqa: E402
 from course.verdicts import LoadMeter  # noqa: E402
 
-DEFAULT_EXERCISES = ("3.1", "2.7", "3.8", "2.5", "4.2")
+DEFAULT_EXERCISES = ("3.1", "2.7", "3.8", "2.5", "4.2", "4.7")
+FIRST_FAILURE_LINE = "the first failure, in"  # tests/preflight.py's note under a live failure
+WRONG_GOAL = 10.0  # seconds to 4.7's first real failure (issue 41)
+COLLECTION_GOAL = 5.0  # seconds to collect 4.7's tests (issue 41)
+LM = "phase4_production/template_lm_parallel.py"
+LSP = "phase4_production/template_lm_sequence_parallel.py"
+# one realistic wrong value per 4.7 function: (function, template, the reference's text, the
+# mistake's); the text is the reference's own, which a completed template holds
+WRONG_4_7: tuple[tuple[str, str, str, str], ...] = (
+    ("token_positions", LM, "cp, zigzag=True, dim=0)", "cp, zigzag=False, dim=0)"),
+    ("count_valid_tokens", LM, 'dist.all_reduce(count, group=topology.group("dp_cp"))',
+     "dist.all_reduce(count, group=topology.dp_group)"),
+    ("loss_share", LM, 'return summed * topology.size_of("dp_cp") / global_valid',
+     "return summed / global_valid"),
+    ("balance_loss_share", LM, "dist.all_reduce(counts, group=topology.cp_group)\n", ""),
+    ("finish_gradients", LM, 'all_reduce_flat(dense, topology.group("dp_cp"),',
+     "all_reduce_flat(dense, topology.dp_group,"),
+    ("gradient_placements", LM, 'axes.add("tp")', "pass"),
+    ("all_gather_sequence", LSP, "return torch.cat(parts, dim=SEQUENCE_DIM)",
+     "return torch.cat(parts, dim=0)"),
+    ("reduce_scatter_sequence", LSP, "dist.reduce_scatter_tensor(out, front, group=group)",
+     "dist.reduce_scatter_tensor(out, front)"),
+    ("enter_tensor_parallel", LSP, "return GatherSequence.apply(x, group)",
+     "return copy_to_tensor_parallel_region(x, group)"),
+    ("leave_tensor_parallel", LSP, "return ReduceScatterSequence.apply(y, group)",
+     "return reduce_from_tensor_parallel_region(y, group)"),
+)  # fmt: skip
 FIRST_MESSAGE_GOAL = 5.0  # seconds, issue 29 part 1
 WHOLE_GRADING_GOAL = 15.0  # seconds, "where its worlds allow"
 RUN_TIMEOUT = 300.0
@@ -66,14 +100,16 @@ def command(exercise: str) -> list[str]:
     return [sys.executable, "-m", "pytest", f"tests/test_phase{major}.py", "-m", marker]
 
 
-def timed_run(scratch: Path, exercise: str, needle: str) -> Timing:
+def timed_run(
+    scratch: Path, exercise: str, needle: str, extra: Sequence[str] = ()
+) -> Timing:
     """Run the learner's command in ``scratch``; when the first line holding ``needle`` came."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_XDIST_AUTO_NUM_WORKERS", None)
     start = time.perf_counter()
     first = float("inf")
     with subprocess.Popen(
-        [*command(exercise), "-p", "no:cacheprovider"],
+        [*command(exercise), "-p", "no:cacheprovider", *extra],
         cwd=scratch,
         env=env,
         stdout=subprocess.PIPE,
@@ -89,6 +125,47 @@ def timed_run(scratch: Path, exercise: str, needle: str) -> Timing:
                 break
         process.wait()
     return Timing(first, time.perf_counter() - start)
+
+
+def wrong_value_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str]]:
+    """4.7's first real failure and whole grading with one wrong value planted per function,
+    and the collection alone, in the completed ``scratch``; the table and its summary values."""
+    table = Table(
+        ["planted in", "the mistake", "first failure, s", "whole grading, s"],
+        note="median (slowest); one wrong value per 4.7 function, the rest of the templates "
+        "completed with the reference's code",
+    )
+    collect = [timed_run(scratch, "4.7", "tests collected", ["--collect-only", "-q"]).first
+               for _ in range(repeats)]  # fmt: skip
+    table.add("(collection only)", "-", seconds(collect), "-")
+    firsts: list[float] = []
+    for function, template, right, wrong in WRONG_4_7:
+        path = scratch / template
+        original = path.read_text()
+        if right not in original:
+            raise SystemExit(f"4.7 plant for {function}: {right!r} is not in {template}")
+        path.write_text(original.replace(right, wrong, 1))
+        try:
+            runs = [timed_run(scratch, "4.7", FIRST_FAILURE_LINE) for _ in range(repeats)]
+        finally:
+            path.write_text(original)
+        firsts.append(statistics.median(t.first for t in runs))
+        shown = wrong.strip() or f"(removed) {right.strip()}"
+        table.add(function, f"`{shown[:60]}`", seconds([t.first for t in runs]),
+                  seconds([t.whole for t in runs]))  # fmt: skip
+        print(f"4.7 {function}: {seconds([t.first for t in runs])} s", flush=True)
+    slowest, collection = max(firsts), statistics.median(collect)
+    values = {
+        "wrong_first_4_7": span(firsts),
+        "collection_4_7": f"{collection:.1f} s",
+        "wrong_verdict_4_7": (
+            f"4.7's first real failure within {WRONG_GOAL:.0f} s: "
+            f"{'met' if slowest <= WRONG_GOAL else 'not met'} (slowest median {slowest:.1f} s); "
+            f"collection within {COLLECTION_GOAL:.0f} s: "
+            f"{'met' if collection <= COLLECTION_GOAL else 'not met'} ({collection:.1f} s)"
+        ),
+    }
+    return table, values
 
 
 def first_plant(exercise: str) -> Plant:
@@ -172,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 worst_first = max(worst_first, medians["first_untouched"][-1],
                                   medians["first_broken"][-1])  # fmt: skip
                 print(f"{exercise}: " + " | ".join(cells), flush=True)
+            wrong_table, wrong_values = (
+                wrong_value_times(broken, args.repeats) if "4.7" in args.exercises else (None, {})
+            )
     load = meter.read()
     print()
     print(table.to_markdown())
@@ -181,14 +261,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'met' if met else 'not met'} (slowest median {worst_first:.1f} s); {load.text()}"
     )
     print(verdict)
+    tables = {"loop": table}
+    if wrong_table is not None:
+        print()
+        print(wrong_table.to_markdown())
+        tables["wrong_4_7"] = wrong_table
+        print(wrong_values.get("wrong_verdict_4_7", ""))
     if args.record:
         path = write_results(
             args.record,
-            tables={"loop": table},
+            tables=tables,
             values={
                 "slowest_first_message": f"{worst_first:.1f} s",
                 "verdict": verdict,
                 **{key: span(found) for key, found in medians.items()},
+                **wrong_values,
             },
         )
         print(f"recorded {path.relative_to(ROOT) if ROOT in path.parents else path}")

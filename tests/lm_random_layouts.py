@@ -267,10 +267,11 @@ class RankResult:
 def run_draws(draws: list[Draw], impl: str = "solutions") -> list[RankResult]:
     """Train every draw in turn on this rank (a new Topology each)."""
     from course.impl import load_impl
+    from course.world import report_progress
 
     lm = load_impl("phase4_production", "lm_parallel", impl)
     out = []
-    for draw in draws:
+    for index, draw in enumerate(draws):
         s = draw.settings
         topology = Topology.build(s.dp, s.tp, s.pp, cp=s.cp, ep=s.ep)
         result = RankResult(tuple(topology.coords), topology.tp_size)  # type: ignore[arg-type]
@@ -289,6 +290,7 @@ def run_draws(draws: list[Draw], impl: str = "solutions") -> list[RankResult]:
             result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         dist.barrier()
         out.append(result)
+        report_progress(index + 1, len(draws), "layouts")
     return out
 
 

@@ -15,8 +15,8 @@ reads the exercise's templates as text at session start and prints, before the f
 With ``--impl solutions`` (an instructor's run of one exercise) only the live first failure below
 is printed.
 
-The grading then runs as before, and its first failure is printed the moment it happens (in two
-lines; in full at the end, with the scoreboard), unless it is an unwritten TODO and the line
+The grading then runs as before, and its first failure is printed the moment it happens (a
+grader's verdict whole, an error in two lines; in full at the end, with the scoreboard), unless it is an unwritten TODO and the line
 above already named one (issue 29, part 1). Nothing here imports torch, and neither does tests/conftest.py at
 import time, so the message comes about 1 s after the command on 2 cores.
 """
@@ -24,6 +24,7 @@ import time, so the message comes about 1 s after the command on 2 cores.
 from __future__ import annotations
 
 import ast
+import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -63,11 +64,16 @@ def first_message(ex: Exercise, root: Path = ROOT) -> str | None:
 STUCK_CAUSE = " never entered"  # course/world.py's line for a collective a member skipped
 
 
+FIRST_FAILURE_LINES = 14  # a grader's whole first message, as a rule; longer ones are cut
+
+
 def failure_headline(report: pytest.TestReport) -> str:
-    """A failure in at most two lines: the harness's short message (``[3.1 ...] ...`` and its
-    ``at`` line, plus, for a deadlock in a collective, the line naming the rank that never
-    entered it), or the exception's first line and, when it was raised in the course's code
-    (a template, a solution, the given modules), where."""
+    """The first failure as the learner should see it at once: the harness's short message
+    (``[3.1 ...] ...`` and its ``at`` line, plus, for a deadlock in a collective, the line naming
+    the rank that never entered it); a grader's judgement (``pytest.fail``) whole, its header
+    and every line under it up to :data:`FIRST_FAILURE_LINES` (a header alone, such as
+    ``4.7 token_positions:``, says nothing); or an exception's first line and, when it was
+    raised in the course's code (a template, a solution, the given modules), where."""
     text = report.longreprtext.strip()
     if text.startswith("["):
         lines = text.splitlines()
@@ -77,20 +83,50 @@ def failure_headline(report: pytest.TestReport) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is None:
         return text.splitlines()[-1] if text else "(no message)"
-    headline = crash.message.splitlines()[0] if crash.message else "(no message)"
+    message = crash.message or ""
+    if message.startswith("Failed: "):  # a grader's verdict: all of it
+        lines = message.removeprefix("Failed: ").splitlines() or ["(no message)"]
+        if len(lines) > FIRST_FAILURE_LINES:
+            cut = len(lines) - FIRST_FAILURE_LINES
+            lines = [*lines[:FIRST_FAILURE_LINES], f"  ... ({cut} more lines when the run ends)"]
+        return "\n".join(lines)
+    headline = message.splitlines()[0] if message else "(no message)"
     path = Path(crash.path)
     if ROOT in path.parents and path.relative_to(ROOT).parts[0] not in ("tests", ".venv"):
         headline += f"\n  at {path.relative_to(ROOT)}:{crash.lineno}"
     return headline
 
 
+PROGRESS_EVERY = 2.0  # seconds between two progress lines of one world
+
+
 class FirstMessages:
-    """Prints what a one-exercise run of the templates has to say as soon as it is known."""
+    """Prints what a one-exercise run of the templates has to say as soon as it is known, and
+    how far a long world has got (``world of 4: 3/8 layouts``), so that slow never looks hung."""
 
     def __init__(self, reporter: Any) -> None:
         self.reporter = reporter
         self.named_a_todo = False  # the preflight's line went out
         self.failure_shown = False
+        self.listening = False
+        self.last_progress = 0.0
+
+    def progress(self, world_size: int, done: int, total: int, what: str) -> None:
+        """A world's rank 0 got ``done`` of ``total``: a line every PROGRESS_EVERY s, and the last."""
+        now = time.monotonic()
+        if now - self.last_progress < PROGRESS_EVERY and done != total:
+            return
+        self.last_progress = now
+        self.reporter.ensure_newline()
+        self.reporter.write_line(f"  world of {world_size}: {done}/{total} {what}")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if not self.listening:  # course.world imports torch: only once the tests run
+            from course.world import set_progress_sink
+
+            set_progress_sink(self.progress)
+            self.listening = True
 
     def say(self, text: str, note: str) -> None:
         self.reporter.ensure_newline()

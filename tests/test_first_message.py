@@ -94,6 +94,21 @@ def test_a_deadlock_in_a_collective_is_told_with_the_rank_that_never_entered_it(
     ]
 
 
+@pytest.mark.harness
+def test_a_graders_verdict_is_streamed_whole_not_as_its_header() -> None:
+    """A judged failure's first line is often a header ("4.7 token_positions:"); the lines under
+    it are the substance, and they are streamed with it (issue 41: 3 of 8 planted mistakes
+    showed the header alone for 37-150 s)."""
+    verdict = "4.7 token_positions:\n  rank 1 of cp=2 returned [0, 1, 2, 3]; expected [4, 5, 10, 11]"
+    crash = SimpleNamespace(message=f"Failed: {verdict}", path="tests/x.py", lineno=1)
+    report = SimpleNamespace(longreprtext=verdict, longrepr=SimpleNamespace(reprcrash=crash))
+    assert failure_headline(report).splitlines() == verdict.splitlines()  # type: ignore[arg-type]
+    long = "header:\n" + "\n".join(f"  line {i}" for i in range(40))
+    crash.message = f"Failed: {long}"
+    lines = failure_headline(report).splitlines()  # type: ignore[arg-type]
+    assert lines[0] == "header:" and lines[-1].endswith("more lines when the run ends)"), lines
+
+
 def test_the_conftests_and_plugins_load_without_torch() -> None:
     # the message is printed at session start: anything imported before it delays it by the
     # seconds torch takes to import
