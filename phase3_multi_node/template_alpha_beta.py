@@ -86,6 +86,7 @@ def ring_cost(nbytes: float, n: int) -> Cost:
     #   only the reduce-scatter reduces. A world of one costs nothing.
     # Hint 1: guidelines.md#the-cost-table has the formulas; Cost(rounds, bytes_sent,
     #   bytes_reduced).
+    # More hints: uv run python -m tests.hint 3.2
     # See guidelines.md#the-alpha-beta-model
     raise NotImplementedError(
         "TODO 3.2: the ring's counts: messages, bytes sent and bytes reduced per rank "
@@ -102,6 +103,7 @@ def halving_doubling_cost(nbytes: float, n: int) -> Cost:
     #   more reduction of S.
     # Hint 1: p is the largest power of two <= n (int.bit_length tells how many bits n has);
     #   math.log2 is exact on a power of two. Cost objects add up (Cost.__add__).
+    # More hints: uv run python -m tests.hint 3.2
     # See guidelines.md#the-alpha-beta-model
     raise NotImplementedError(
         "TODO 3.2: halving-doubling's counts, fold-in included "

@@ -55,6 +55,7 @@ def shard_bounds(padded_numel: int, world_size: int, rank: int) -> tuple[int, in
     #   order (rank 0 first), which is the order all_gather_into_tensor lays pieces out.
     # Hint 1: every slice has the same length, the padded size shared equally among the ranks;
     #   rank r's slice comes after the r slices before it.
+    # More hints: uv run python -m tests.hint 3.5
     # See guidelines.md#35-zero-stages-1-3
     raise NotImplementedError(
         "TODO 3.5: the contiguous slice of the padded buffer owned by `rank` (a rank of the group) "

@@ -136,6 +136,7 @@ class ZeroUnit:
         #   are still views of it (autograd saved them for backward: gather() refills them).
         # Hint 1: free the memory, not the tensor: the storage can be resized in place, and the
         #   parameters (views of flat_param) must stay the same objects.
+        # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
             "TODO 3.5: release the memory of the gathered layer, keeping the parameter objects "

@@ -114,6 +114,7 @@ def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float
     #   rate, ties included (compress only when strictly cheaper).
     # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum
     #   rate says how much cheaper they must be to be worth the approximation.
+    # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
         "TODO 4.4: decide whether the factors are small enough to be worth it "

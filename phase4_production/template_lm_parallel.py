@@ -155,16 +155,13 @@ def finish_gradients(
     as a DDP communication hook would be (3.4): the other reductions keep torch's."""
     # TODO 4.7: the reductions after backward, each on its own group.
     # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
-    #   gradient of the global loss of one process: weights sequence parallelism runs on token
-    #   shares have the parts of every tp rank; the two copies of a tied embedding both hold
-    #   the sum of both uses; every non-expert gradient that ZeRO has not averaged yet is
-    #   averaged over dp x cp; every expert's gradient has every rank's part, divided by the
-    #   dp x cp size (not by the size of the group it was summed over).
-    #   The data-parallel sums (dp x cp, and edp for experts) go through all_reduce_fn.
-    # Hint 1: the HeldGradient flags say what each tensor is; all_reduce_flat reduces a list in
-    #   one collective per dtype, with the all-reduce you hand it. A tp-replicated weight
-    #   outside sequence parallelism was computed from the same tokens on every tp rank:
-    #   already complete.
+    #   gradient of the global loss of one process (every token that used the weight counted
+    #   once, none twice), and every rank holding a copy of that piece holds the same bits.
+    #   The data-parallel sums go through all_reduce_fn, and no other reduction does.
+    # Hint 1: the HeldGradient flags say what each tensor is; for each kind, the guide's two
+    #   rules ask which ranks hold its other copies and whether those saw other tokens.
+    #   all_reduce_flat reduces a list in one collective per dtype, with the all-reduce you
+    #   hand it.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -178,12 +175,12 @@ def gradient_placements(held: list[HeldGradient], topology: Topology) -> list[Gr
     which groups of the topology hold identical copies of it, so that the global norm counts
     every distinct gradient once."""
     # TODO 4.7: where the copies of each complete gradient live.
-    # Invariant: for every gradient, replicated_on names exactly the groups along which every
-    #   rank holds the same tensor: the ranks of dp x cp (unless it is a ZeRO slice: each of
-    #   them holds another slice), the tp ranks for a tp-replicated weight, the embedding
-    #   group for a tied copy, and for an expert the edp group instead of dp x cp.
-    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; axes missing here count
-    #   a copy several times, axes too many drop pieces that are not copies.
+    # Invariant: for every gradient, replicated_on names exactly the groups of the topology
+    #   along which every rank holds the same tensor as this one once finish_gradients is done;
+    #   the global norm then counts every distinct piece once.
+    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; groups missing here
+    #   count a copy several times, groups too many drop pieces that are not copies.
+    # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
         "TODO 4.7: where the copies of each complete gradient live "

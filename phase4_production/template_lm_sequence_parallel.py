@@ -116,6 +116,7 @@ def enter_tensor_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool
     # Hint 1: without sequence parallelism this is 2.6's f; with it, x holds only 1/tp of the
     #   tokens, and one of the two Functions above fits the forward you need. What does its
     #   backward do to the gradient?
+    # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
         "TODO 4.7: the entrance of a tensor-parallel region, with and without sequence parallelism "
@@ -134,6 +135,7 @@ def leave_tensor_parallel(y: torch.Tensor, group: Group, sequence_parallel: bool
     #   of the whole sequence.
     # Hint 1: the transpose of the entrance: 2.6's g without sequence parallelism; with it,
     #   the other Function above.
+    # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
         "TODO 4.7: the exit of a tensor-parallel region, with and without sequence parallelism "

@@ -206,10 +206,14 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     #   message that names the bad value and the fix.
     # Hint 1: unequal per-rank batches break the "mean of means = global mean" argument and
     #   give ranks different step counts; ALL_REDUCE_STRATEGIES lists the valid names.
-    # Hint 2: two checks, each raising ValueError. The batch: refuse a remainder when divided
-    #   by world_size, and a batch smaller than the world; say which flag, the value, and
-    #   "use a multiple of N" with a size that works. The strategy: refuse a name that is not
-    #   a key of ALL_REDUCE_STRATEGIES, quoting it and listing the keys.
+    # Hint 2: Which global batch sizes can every rank share equally, and what about one smaller than
+    #   the world (some ranks would get nothing)? What does a person need from the message to fix
+    #   the command: the flag, the value given, a value that works? Where are the valid strategy
+    #   names kept?
+    # Hint 3: Two checks, each raising ValueError. The batch: refuse a remainder when divided by
+    #   world_size, and a batch smaller than the world; say which flag, the value, and "use a
+    #   multiple of N" with a size that works. The strategy: refuse a name that is not a key of
+    #   ALL_REDUCE_STRATEGIES, quoting it and listing the keys.
     # See guidelines.md#14-the-data-parallel-trainer
     # >>> solution
     if config.global_batch_size < world_size or config.global_batch_size % world_size:
@@ -267,9 +271,11 @@ class DataParallelLoop(TrainingLoop):
         # Invariant: every epoch reshuffles (epoch e's order depends on e) and a resumed run
         #   skips the first start_index samples of this rank's shard.
         # Hint 1: the sampler shuffles with seed + epoch; it only learns the epoch from you.
-        # Hint 2: one call on self.sampler, passing both the epoch and start_index. Forgetting
-        #   it trains every epoch on epoch 0's order, which still "works", so the grader
-        #   records the order each epoch used.
+        # Hint 2: Which object decides the order of the samples, and what must it be told to change
+        #   that order each epoch, and to skip what a resumed run already trained? Forgetting this
+        #   still trains (every epoch on epoch 0's order), so the grader records each epoch's order.
+        # Hint 3: One call of the sampler's set_epoch, with this epoch and with start_index passed
+        #   on as its keyword argument.
         # See guidelines.md#14-the-data-parallel-trainer
         # >>> solution
         self.sampler.set_epoch(epoch, start_index=start_index)

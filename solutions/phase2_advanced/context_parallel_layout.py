@@ -108,9 +108,12 @@ def block_kind(q_chunk: int, k_chunk: int, *, causal: bool) -> BlockKind:
     #   j <= i; chunks are equal, contiguous ranges of positions numbered in sequence order, so
     #   one comparison of the chunk numbers decides the whole block.
     # Hint 1: three outcomes under a causal mask; without one, only one of them happens.
-    # Hint 2: without the mask the whole block is needed; with it, compare the chunk numbers:
-    #   a key chunk after the query chunk is never used, the same chunk needs the mask inside
-    #   it, and a key chunk before it is used whole.
+    # Hint 2: Without a causal mask, is any key of any block ever left out? With one: when does
+    #   every key of the block come before every query, when after every query, and when do the two
+    #   chunks share positions? Which comparison of the chunk numbers tells them apart?
+    # Hint 3: Without the mask the whole block is needed (FULL). With it, compare the chunk numbers:
+    #   a key chunk before the query chunk is used whole (FULL), the same chunk needs the mask
+    #   inside it (DIAGONAL), a key chunk after it is never used (SKIP).
     # See guidelines.md#27-context-parallelism
     # >>> solution
     if not causal or k_chunk < q_chunk:

@@ -102,8 +102,12 @@ def accumulation_step(
     #   concatenation of every group member's batch).
     # Hint 1: the accumulation is local work; communication belongs after the last
     #   micro-batch, when .grad holds the full local gradient.
-    # Hint 2: four steps in order: clear the gradients; accumulate over the micro-batches
-    #   that split_micro_batches makes (the function above); when data_parallel, phase 1's
+    # Hint 2: What must .grad hold before the first micro-batch, and after the last? Which function
+    #   above cuts the batch into micro-batches, and which one runs forward and backward over them?
+    #   When has the group something worth averaging, and how many times per optimizer step may it
+    #   communicate? What does the caller expect back?
+    # Hint 3: Four steps in order: clear the gradients; accumulate over the micro-batches that
+    #   split_micro_batches makes (the function above); when data_parallel, phase 1's
     #   average_gradients once, passing the group on; step. Return the accumulated loss.
     # See guidelines.md#21-gradient-accumulation
     # >>> solution

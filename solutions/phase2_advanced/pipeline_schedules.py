@@ -75,8 +75,12 @@ def gpipe_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> lis
     #   backwards each go through the micro-batches in order 0, 1, ..., m-1.
     # Hint 1: the order is the same on every rank: the rank only decides *when* it can start
     #   (the executor and the simulator wait for the neighbours), not *what* comes next.
-    # Hint 2: two lists concatenated: the m forwards in micro-batch order, then the m
-    #   backwards in the same order (forward(i) and backward(i) build the actions).
+    # Hint 2: Does anything in the list depend on the rank or on the number of stages, or only on
+    #   the micro-batches? Under all-forward-all-backward, when does the first backward come, and in
+    #   which order do the backwards go?
+    # Hint 3: Two lists concatenated: the m forwards in micro-batch order 0 to m − 1 (forward(i)
+    #   builds one), then the m backwards in the same order (backward(i)); rank and num_stages
+    #   change nothing.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     forwards = [forward(mb) for mb in range(num_microbatches)]

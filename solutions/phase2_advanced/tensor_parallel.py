@@ -69,9 +69,12 @@ class ParallelMLP(nn.Module):
         #   shard expects, so nothing is gathered between them; the output is replicated.
         # Hint 1: fc1 keeps its output split (no gather); fc2 is told its input is already
         #   split, so it does not slice it again.
-        # Hint 2: two from_dense calls, one per layer, each given the group: fc1 column-parallel
-        #   with its output left split, fc2 row-parallel told that its input is already split;
-        #   then the class built from the two.
+        # Hint 2: Which layer's output may stay split across the ranks, and which layer's input
+        #   arrives split? Which option of each layer's from_dense says so? Where does the one
+        #   all-reduce of the forward then happen?
+        # Hint 3: Two from_dense calls, one per layer, each given the group: fc1 column-parallel
+        #   with its output left split (gather_output off), fc2 row-parallel told that its input is
+        #   already split (input_is_parallel on); then the class built from the two.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         fc1 = ColumnParallelLinear.from_dense(dense.fc1, group, gather_output=False)

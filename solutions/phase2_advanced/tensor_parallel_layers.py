@@ -87,8 +87,12 @@ def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     # Invariant: result.shape == (out, in // world_size); the ranks' results side by side in
     #   rank order give back the whole weight.
     # Hint 1: the input features of a row-parallel layer are split, and W is [out, in].
-    # Hint 2: the same cut as column_shard's with one block, on the second dimension: all
-    #   rows, this rank's columns, as a copy.
+    # Hint 2: In a weight of shape [out, in], which dimension lists the input features? How wide is
+    #   one rank's piece, and where does rank r's start? Should the result share memory with the
+    #   dense weight?
+    # Hint 3: The same cut as column_shard's with one block, on the second dimension: width = in
+    #   divided by world_size; all rows, columns from rank x width up to (rank + 1) x width, as a
+    #   copy (clone).
     # See guidelines.md#26-tensor-parallelism
     # >>> solution
     width = weight.shape[1] // world_size

@@ -48,8 +48,11 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         # Invariant: the output has the input's values; no communication in forward.
         # Hint 1: every rank already holds the whole activation; autograd still needs a new
         #   output tensor to attach this Function's backward to.
-        # Hint 2: a new tensor object that shares the input's memory (a view of the whole
-        #   tensor), so that autograd has an output to attach this Function to.
+        # Hint 2: Why may a Function's forward not simply hand back the very tensor object it
+        #   received (what would autograd attach this Function's backward to)? What kind of tensor
+        #   is a new object but costs no copy?
+        # Hint 3: Return a view of the whole input with its own shape (view_as with the input
+        #   itself): the same memory, a new tensor object for autograd.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         return tensor.view_as(tensor)
@@ -62,8 +65,12 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
         #   (each rank's weight slice contributed its own part of dL/dx); one all-reduce.
         # Hint 1: all-reduce works in place, and grad_output may be shared with autograd or not
         #   contiguous. backward returns one gradient per forward input, the group included.
-        # Hint 2: a contiguous private copy of grad_output, one all-reduce of it on the group
-        #   saved on ctx (the sum), and the pair (that copy, no gradient for the group).
+        # Hint 2: Each rank's weight slice produced its own part of dL/dx: what combines them? Can
+        #   the all-reduce write into grad_output itself (may autograd still hold it; is it
+        #   contiguous)? Which group: where did forward leave it? How many values must backward
+        #   return?
+        # Hint 3: A contiguous private copy of grad_output, one all-reduce of it on the group saved
+        #   on ctx (the sum), and the pair (that copy, no gradient for the group).
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         grad = grad_output.contiguous().clone()
@@ -81,8 +88,11 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: every rank returns the same tensor, the sum of all ranks' inputs; the
         #   input itself is not modified; one all-reduce.
         # Hint 1: all-reduce works in place: the caller's tensor must stay intact.
-        # Hint 2: a contiguous private copy of the input and one all-reduce of it on the
-        #   group. Nothing to remember on ctx: the backward needs nothing.
+        # Hint 2: An all-reduce writes its result into the tensor it is given: whose tensor would
+        #   that be if you handed it the input? What must be true of the memory a collective works
+        #   on? Does the backward need anything remembered?
+        # Hint 3: A contiguous private copy of the input and one all-reduce of it on the group;
+        #   return the copy. Nothing to remember on ctx: the backward needs nothing.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         total = tensor.contiguous().clone()
@@ -96,7 +106,10 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: no communication; each partial input gets the full output gradient,
         #   since d(sum_r p_r)/d p_r = 1.
         # Hint 1: nothing to reduce: every rank already holds dL/dy.
-        # Hint 2: one gradient per forward input, in order: the tensor's and the group's.
+        # Hint 2: One gradient per forward input, in order: the tensor's and the group's. What is
+        #   the derivative of a sum with respect to one of its terms?
+        # Hint 3: Return grad_output as it is for the tensor, and None for the group: every partial
+        #   fed the sum with weight one.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         return grad_output, None
@@ -113,8 +126,12 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: every rank returns the same tensor, whose last dimension is world_size
         #   times the input's, holding the ranks' inputs side by side in group-rank order.
         # Hint 1: torch's all-gather fills a list of equally shaped buffers, one per rank.
-        # Hint 2: the group's size (tp_rank_and_size) says how many buffers; all-gather on the
-        #   group fills them from a contiguous input; concatenate them along the last dim.
+        # Hint 2: How many buffers, and which size says how many when the group is a subgroup of the
+        #   world? What does an all-gather need of its input's memory? Along which dimension do the
+        #   gathered pieces go together, and in what order does all-gather fill the list?
+        # Hint 3: The group's size (tp_rank_and_size) says how many buffers; each an empty tensor
+        #   like the contiguous input; all-gather on the group fills them in group-rank order;
+        #   concatenate them along the last dimension.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         _, world_size = tp_rank_and_size(group)
@@ -130,8 +147,11 @@ class GatherFromTensorParallelRegion(torch.autograd.Function):
         # Invariant: no communication; the result has the input's shape.
         # Hint 1: every rank holds the full dL/dy (the output was replicated); only the part
         #   that came from this rank's input belongs to it.
-        # Hint 2: this rank's index and the size of the group saved on ctx (not of the world)
-        #   pick the slice; last_dim_slice cuts it; return a contiguous copy and None.
+        # Hint 2: Which part of dL/dy came from this rank's input: which index and which size decide
+        #   it, and of which group (the world's, or the one saved on ctx)? Is a slice of grad_output
+        #   something you may hand back as it is?
+        # Hint 3: This rank's index and the size of the group saved on ctx (not of the world) pick
+        #   the slice; last_dim_slice cuts it; return a contiguous copy and None.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         rank, world_size = tp_rank_and_size(ctx.group)

@@ -83,6 +83,11 @@ def ring_cost(nbytes: float, n: int) -> Cost:
     #   only the reduce-scatter reduces. A world of one costs nothing.
     # Hint 1: guidelines.md#the-cost-table has the formulas; Cost(rounds, bytes_sent,
     #   bytes_reduced).
+    # Hint 2: How many steps does each half of the ring take, and how big is each step's message for
+    #   a tensor of S bytes? Which of the two halves adds numbers, and which only copies them? What
+    #   do the counts become at n = 1?
+    # Hint 3: Rounds 2(n − 1); bytes sent 2(n − 1)/n of S; bytes reduced (n − 1)/n of S, from the
+    #   reduce-scatter only. At n = 1 every term is zero by itself, no special case needed.
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     return Cost(2 * (n - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes)
@@ -98,6 +103,13 @@ def halving_doubling_cost(nbytes: float, n: int) -> Cost:
     #   more reduction of S.
     # Hint 1: p is the largest power of two <= n (int.bit_length tells how many bits n has);
     #   math.log2 is exact on a power of two. Cost objects add up (Cost.__add__).
+    # Hint 2: Which p ranks run the halving and doubling, and how many steps does each phase take
+    #   among them? How much does each step send as the pieces halve? What do the ranks beyond p do
+    #   before and after, and what does that add to rounds, bytes sent and bytes reduced?
+    # Hint 3: p is 1 shifted left by (the bit length of n minus 1). The core costs 2·log2(p) rounds,
+    #   2(p − 1)/p of S sent and (p − 1)/p of S reduced (the ring's fractions at p ranks). When n >
+    #   p, add a Cost of 2 rounds, 2·S sent and S reduced (the folded pair's message in and out, and
+    #   the one extra reduction).
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     p = 1 << (n.bit_length() - 1)

@@ -131,10 +131,14 @@ class DistributedDataParallel(DDPBase):
         # Hint 1: an async all-reduce's result is in the buffer only after its work's wait();
         #   the next backward counts and launches from scratch, so everything _mark_ready
         #   changed must be put back.
-        # Hint 2: for each bucket: wait for its work; for each of its parameters take its
-        #   slot and either make it the .grad (gradient_as_bucket_view), or copy it into
-        #   .grad (a new tensor when .grad is None); then its pending count back to its number
-        #   of parameters and its work forgotten. Finally the next bucket to launch is 0 again.
+        # Hint 2: When is an async all-reduce's result in its buffer? For each parameter, what
+        #   should .grad become: the bucket's slot itself, or a copy of it, and what if .grad is
+        #   None? Which counters and handles did _mark_ready change during this backward, and what
+        #   must the next backward find in them?
+        # Hint 3: For each bucket: wait for its work; for each of its parameters take its slot and
+        #   either make it the .grad (gradient_as_bucket_view), or copy it into .grad (a new tensor
+        #   when .grad is None); then its pending count back to its number of parameters and its
+        #   work forgotten. Finally the next bucket to launch is 0 again.
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         for bucket in self.buckets:
@@ -160,8 +164,12 @@ class DistributedDataParallel(DDPBase):
         # Invariant: forwards run inside the block build backwards that do not communicate;
         #   after the block (also when it raises) synchronization is as it was before.
         # Hint 1: forward reads self.require_backward_grad_sync to decide.
-        # Hint 2: remember the old value, turn it off, yield inside a try, and put the old value
-        #   back in its finally (so no_sync nested in no_sync stays off until the outer one ends).
+        # Hint 2: What if the body of the with-block raises: does synchronization still come back?
+        #   What if no_sync is used inside another no_sync: which value must the inner one restore
+        #   when it ends?
+        # Hint 3: Remember the old value of require_backward_grad_sync, set it to False, yield
+        #   inside a try, and put the old value back in its finally (so no_sync nested in no_sync
+        #   stays off until the outer one ends).
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         previous = self.require_backward_grad_sync

@@ -214,8 +214,11 @@ def replica_batch(batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tens
     #   the whole batch's gradient.
     # Hint 1: the data-parallel rank, not the global rank, picks the slice: the tp ranks and
     #   the stages of one replica work on the same samples.
-    # Hint 2: one slice is the batch size divided by dp_size; replica dp_rank's slice starts
-    #   after the dp_rank slices before it.
+    # Hint 2: Which dimension holds the samples? How large is each replica's slice, and how many
+    #   samples come before replica dp_rank's? Why the dp rank and not the global rank?
+    # Hint 3: One slice is the first dimension's size divided by dp_size; replica dp_rank takes the
+    #   samples from dp_rank times that size up to (dp_rank + 1) times it (a slice of the first
+    #   dimension).
     # See guidelines.md#36-3d-parallelism
     # >>> solution
     size = batch.shape[0] // dp_size
@@ -288,10 +291,14 @@ class Parallel3D:
         #   (it needs the inputs on the first stage and the targets on the last; None
         #   elsewhere) and leaves the summed gradients in .grad; phase 1's
         #   average_gradients(model, group=...) averages them.
-        # Hint 2: zero the gradients; this replica's slices of inputs and targets
-        #   (replica_batch with the dp rank and size); the executor step with the slices
-        #   where this stage needs them; average_gradients on self.stage with the dp group;
-        #   the optimizer step; return the step result's loss.
+        # Hint 2: Which samples does this replica train on, and which rank numbers pick them (dp,
+        #   not global)? Which stage needs the inputs, which the targets, and what do the others
+        #   pass? After the executor, which group averages the gradients, and which boundaries must
+        #   it never cross? What does the step return?
+        # Hint 3: Zero the gradients; this replica's slices of inputs and targets (replica_batch
+        #   with the dp rank and size); the executor step with the slices where this stage needs
+        #   them (None elsewhere); average_gradients on self.stage with the dp group; the optimizer
+        #   step; return the step result's loss.
         # See guidelines.md#36-3d-parallelism
         # >>> solution
         self.optimizer.zero_grad(set_to_none=True)

@@ -244,9 +244,13 @@ class Worker(WorkerBase):
         #   clock and this worker, then one CLOCK frame for the same clock.
         # Hint 1: the server refuses a frame stamped with a clock it does not expect, and a
         #   CLOCK frame before every one of its keys was pushed.
-        # Hint 2: per server: one PUSH frame for each of its keys, carrying that key's gradient
-        #   (self.gradient says clearly when backward did not reach one), then its CLOCK frame;
-        #   joined into one send, they cost one system call.
+        # Hint 2: Which keys does each server hold (self.keys)? What must each PUSH frame carry for
+        #   the server to accept it? What closes the clock on a server, and when may it be sent? How
+        #   many system calls does one server need?
+        # Hint 3: Per server: one PUSH frame for each of its keys, carrying that key's gradient
+        #   (self.gradient says clearly when backward did not reach one), the key, this worker and
+        #   this clock; then its CLOCK frame for the same worker and clock; the frames joined into
+        #   one send.
         # See guidelines.md#37-parameter-server
         # >>> solution
         for server, keys in enumerate(self.keys):

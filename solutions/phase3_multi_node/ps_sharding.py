@@ -56,9 +56,12 @@ def balanced_assignment(sizes: Sequence[int], num_servers: int) -> list[int]:
     # Invariant: every key gets exactly one server in 0..S-1; the same sizes always give the
     #   same assignment; the largest load is within lpt_bound(sizes, S).
     # Hint 1: a big tensor placed late has nowhere good to go: place the big ones first.
-    # Hint 2: order keys by size, largest first (ties by key index, so it is deterministic);
-    #   keep a running load per server; give each key to the least-loaded server (ties: the
-    #   lowest server index) and add its size to that server's load.
+    # Hint 2: In which order should the keys be placed, and how do ties break so that the same sizes
+    #   always give the same assignment? For each key, which server is the best home right now, and
+    #   what must you keep to know it?
+    # Hint 3: Order the keys by size, largest first (ties by key index); keep a running load per
+    #   server; give each key to the least-loaded server (ties: the lowest server index) and add its
+    #   size to that server's load.
     # See guidelines.md#37-parameter-server
     # >>> solution
     loads = [0] * num_servers

@@ -111,8 +111,11 @@ class FsdpUnit:
         #   sent tensor is released; a unit nobody prefetched is gathered here.
         # Hint 1: a Work is done once its wait() has returned; start_gather does nothing for a
         #   unit that is gathered already.
-        # Hint 2: start the gather (a no-op when it was started or done); then, if a work is
-        #   pending, wait for it and forget it and the tensor it sent.
+        # Hint 2: Was this unit prefetched or not, and does it matter if you start its gather
+        #   anyway? If a work is pending, what must happen to it, and to the tensor it sent, so that
+        #   the next call does not wait again and that memory is released?
+        # Hint 3: Start the gather (a no-op when it was started or done); then, if a work is
+        #   pending, wait for it and forget it and the tensor it sent (both set to None).
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         self.start_gather()

@@ -54,6 +54,11 @@ def shard_bounds(padded_numel: int, world_size: int, rank: int) -> tuple[int, in
     #   order (rank 0 first), which is the order all_gather_into_tensor lays pieces out.
     # Hint 1: every slice has the same length, the padded size shared equally among the ranks;
     #   rank r's slice comes after the r slices before it.
+    # Hint 2: Does world_size always divide padded_numel here (what was the padding for)? Check on
+    #   paper: a buffer of 12 over 4 ranks; which elements are rank 2's? Is the end of a slice
+    #   included or excluded in the (start, end) pair you return?
+    # Hint 3: The slice length is padded_numel divided by world_size (exact: the padding made it
+    #   so); rank r owns from r times that length up to (r + 1) times it, the end excluded.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     shard = padded_numel // world_size

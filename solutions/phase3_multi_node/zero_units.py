@@ -67,9 +67,12 @@ class ZeroUnit:
         #   divided by the group size; flat_grad is the padded buffer (every rank the same size).
         # Hint 1: torch's reduce-scatter collective (dist.reduce_scatter_tensor) hands rank r the
         #   SUM of slice r (gloo has no AVG); each rank's loss is the mean over its own samples.
-        # Hint 2: a new output of one slice (layout.shard_numel elements, flat_grad's dtype and
-        #   device), the reduce-scatter into it on this unit's group, then the division by the
-        #   group size; return it.
+        # Hint 2: How many elements does this rank receive, in which dtype and on which device? The
+        #   collective sums: what turns the sum into the mean that each rank's loss (a mean over its
+        #   own samples) calls for? On which group: the world's, or this unit's?
+        # Hint 3: A new output of one slice (layout.shard_numel elements, flat_grad's dtype and
+        #   device), the reduce-scatter into it on this unit's group, then the division by the group
+        #   size; return it.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         out = torch.empty(self.layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
@@ -108,7 +111,10 @@ class ZeroUnit:
         #   on every rank, so every model parameter (a view of flat_param) is up to date.
         # Hint 1: torch's all-gather into one tensor (dist.all_gather_into_tensor) lays the pieces
         #   out in group-rank order; in stages 1-2 the shard is a view of flat_param itself.
-        # Hint 2: the input is this rank's shard, detached (and copied in stages 1-2: input and
+        # Hint 2: What goes in and what comes out of the gather? In stages 1-2, whose memory is the
+        #   shard (a view of what?), and what happens when a collective's input and output overlap?
+        #   Does autograd need to see this copy?
+        # Hint 3: The input is this rank's shard, detached (and copied in stages 1-2: input and
         #   output must not overlap), the output the whole flat_param, on this unit's group.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
@@ -125,8 +131,12 @@ class ZeroUnit:
         #   calling it on a gathered unit costs nothing (no second all-gather).
         # Hint 1: the memory behind a tensor is its storage (Tensor.untyped_storage()); a freed
         #   one holds 0 bytes and can be grown back in place, so every view of it sees the memory.
-        # Hint 2: if the storage already holds the whole padded buffer, return; otherwise grow it
-        #   to the padded buffer's bytes and fill it with all_gather_params().
+        # Hint 2: How do you tell a gathered unit from a freed one without a flag (how many bytes
+        #   does its storage hold in each case)? How many bytes does the whole padded buffer take?
+        #   Once the memory is back, what fills it?
+        # Hint 3: If the storage already holds the whole padded buffer's bytes (padded_numel times
+        #   the element size), return; otherwise grow the storage to that many bytes and fill it
+        #   with all_gather_params().
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         storage = self.flat_param.untyped_storage()
@@ -144,6 +154,11 @@ class ZeroUnit:
         #   are still views of it (autograd saved them for backward: gather() refills them).
         # Hint 1: free the memory, not the tensor: the storage can be resized in place, and the
         #   parameters (views of flat_param) must stay the same objects.
+        # Hint 2: What must stay the same object (the parameters autograd saved, flat_param that
+        #   they view), and what may go? Which call on a tensor's storage changes how many bytes it
+        #   holds without replacing the tensor?
+        # Hint 3: Resize flat_param's untyped storage to zero bytes, and nothing else: the
+        #   parameters stay views of flat_param, and gather() grows the storage back.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         self.flat_param.untyped_storage().resize_(0)

@@ -250,8 +250,12 @@ class CheckpointManager:
         #   nothing valid left the answer is None.
         # Hint 1: self.checkpoints() lists the folders oldest first; verify_checkpoint says why
         #   one cannot be used; self.log writes one line.
-        # Hint 2: go from the newest folder to the oldest; a folder with a reason gets its log line
-        #   (its name and the reason) and the search goes on; the first without one is the answer.
+        # Hint 2: In which order should the folders be tried, and when may the search stop? What
+        #   happens to a folder that verify_checkpoint rejects: which line is written, and does the
+        #   search go on? What is left when no folder verifies?
+        # Hint 3: Go from the newest folder to the oldest; a folder with a reason gets its log line
+        #   (its name and the reason) and the search goes on; the first without one is the answer;
+        #   None after the loop.
         # See guidelines.md#41-atomic-complete-checkpoints
         # >>> solution
         for path in reversed(self.checkpoints()):
@@ -292,8 +296,14 @@ def capture_rng(rank: int) -> dict[str, Any]:
     #   tensors, numbers, strings, None and lists of tensors (weights_only=True reads them).
     # Hint 1: a training step can draw from four kinds of generator (one of them per GPU);
     #   rng_state.py turns the two that torch.load would refuse into tensors and ints.
-    # Hint 2: gather the four states into one dictionary (the NumPy and Python helpers already
-    #   return dictionaries), then rename every key so that it says which rank it belongs to.
+    # Hint 2: Which four generators can a step draw from? Which two would torch.load with
+    #   weights_only=True refuse as they are, and which helpers of rng_state.py turn them into plain
+    #   values (in what shape)? What makes one rank's keys differ from another's in a file that
+    #   holds them all?
+    # Hint 3: One dictionary with torch's CPU state under torch_cpu, rng_state.cuda_states() under
+    #   torch_cuda, and the entries of the dictionaries rng_state.numpy_state() and
+    #   rng_state.python_state() return; then every key renamed with rank_key(rank, key), so that it
+    #   says which rank it belongs to.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     state: dict[str, Any] = {
@@ -317,9 +327,13 @@ def restore_rng(states: Mapping[str, Any], rank: int) -> None:
     #   not rank 10's or 11's; a rank with no states of its own is a KeyError, never a fallback.
     # Hint 1: this is capture_rng backwards: select this rank's entries, undo the renaming, and
     #   give each generator its state (rng_state.py has the setters for the converted ones).
-    # Hint 2: keep the entries whose key belongs to this rank exactly (the whole prefix, its
-    #   separator included) and take the prefix off; none left -> KeyError naming the rank; then
-    #   set torch's CPU and CUDA states and hand the rest to the NumPy and Python setters.
+    # Hint 2: In a file of 12 ranks' states, which keys are rank 1's, and why must the separator
+    #   after the rank be part of the test (think of rank 10)? What should happen when no key
+    #   belongs to this rank? Which generators are set directly, which through rng_state.py's
+    #   setters?
+    # Hint 3: Keep the entries whose key starts with this rank's whole prefix (rank_key of the rank
+    #   and an empty name) and take the prefix off; none left -> KeyError naming the rank; then set
+    #   torch's CPU and CUDA states and hand the rest to the NumPy and Python setters.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     prefix = rank_key(rank, "")

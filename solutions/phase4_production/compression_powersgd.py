@@ -111,6 +111,11 @@ def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float
     #   rate, ties included (compress only when strictly cheaper).
     # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum
     #   rate says how much cheaper they must be to be worth the approximation.
+    # Hint 2: How many numbers would be sent without compression, and how many as the factors P
+    #   [rows, rank] and Q [cols, rank]? How much smaller must the second be, given the minimum
+    #   rate? What does torch do when the two are equal?
+    # Hint 3: Compress when (rows + cols) times rank, times min_compression_rate, is strictly less
+    #   than rows times cols; equal is not compressed.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     return (rows + cols) * rank * min_compression_rate < rows * cols

@@ -75,10 +75,15 @@ def plan_batches(
     #   samples per step (base_lr when they equal global_batch).
     # Hint 1: under keep-global a global batch that world_size x micro_batch does not divide
     #   cannot be kept: refuse it with a ValueError that names all three numbers.
-    # Hint 2: keep-global: count how many micro-steps of the whole world fill the global batch,
-    #   and refuse (naming the numbers and a size that would work) when no whole number does.
-    #   scale-lr: a step is one micro-batch on every rank; the learning rate follows the linear
-    #   scaling rule of the guide.
+    # Hint 2: Under keep-global, what stays fixed when the world changes, and what must change to
+    #   keep it? When is there no whole number of accumulation steps? Under scale-lr, how many
+    #   samples does one optimizer step take, and what does the linear scaling rule make of the
+    #   learning rate?
+    # Hint 3: keep-global: one micro-step of the whole world takes world_size x micro_batch samples;
+    #   the accumulation steps are global_batch divided by that, refused with a ValueError naming
+    #   the three numbers and a multiple that would work when there is a remainder; the lr stays
+    #   base_lr. scale-lr: one accumulation step, world_size x micro_batch samples per step, and the
+    #   lr is base_lr times those samples over global_batch.
     # See guidelines.md#43-elastic-training
     # >>> solution
     unit = world_size * micro_batch
@@ -159,9 +164,13 @@ class ElasticSampler(Sampler[int]):
         #   also when world_size does not divide position.
         # Hint 1: two things happen to the order: what the earlier worlds trained goes away, and
         #   the rest is dealt out to the ranks like cards. Which comes first matters.
-        # Hint 2: first drop the samples already trained (a global count, the same for every
-        #   rank), then from what remains give this rank every world_size-th sample, beginning at
-        #   its own offset; check on paper with position 16 and 3 ranks.
+        # Hint 2: Which count is the same on every rank: what the earlier worlds trained (a position
+        #   in the global order) or a per-rank count? If you dealt the cards first and dropped
+        #   afterwards, which samples would a rank skip when world_size does not divide position?
+        #   Check on paper with position 16 and 3 ranks.
+        # Hint 3: First drop the first position samples of epoch_order() (a global count, the same
+        #   for every rank), then from what remains give this rank every world_size-th sample,
+        #   beginning at index rank.
         # See guidelines.md#43-elastic-training
         # >>> solution
         return self.epoch_order()[self.position :][self.rank :: self.world_size]

@@ -71,7 +71,10 @@ def advance(
     # Invariant: resuming from the result replays exactly the samples not yet trained on: a
     #   finished epoch resumes at (epoch + 1, position 0), never at the end of the old one.
     # Hint 1: the step's epoch comes from event.epoch; a new epoch starts its count at 0.
-    # Hint 2: the step's samples extend the previous position only when the step belongs to the same
+    # Hint 2: Does this step belong to the epoch progress is counting? If not, where does the count
+    #   start? When the count reaches the epoch's size, where must a resumed run begin? Which global
+    #   step does the result carry?
+    # Hint 3: The step's samples extend the previous position only when the step belongs to the same
     #   epoch as progress, otherwise they start a new count; a count that reaches epoch_samples
     #   means the next run starts the following epoch at position 0. The global step is the event's
     #   either way.

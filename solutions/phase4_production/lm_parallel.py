@@ -63,8 +63,12 @@ def token_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     #   0, 1, ..., seq_len-1. A rotary angle at a local index instead would make q·k depend on
     #   distances that are not the tokens' distances.
     # Hint 1: the positions are data laid out exactly like the tokens they belong to.
-    # Hint 2: the positions of the whole sequence, 0 to seq_len-1, sharded along their only
-    #   dimension with your 2.7 layout function, zig-zag, as the tokens were.
+    # Hint 2: Which tensor holds the positions of a whole sequence? Which of your 2.7 functions
+    #   gives a rank its chunks of a sequence, and along which dimension would it cut a tensor that
+    #   has only one? Which layout, contiguous or zig-zag, did the tokens get?
+    # Hint 3: The whole sequence's positions 0 to seq_len − 1 (an arange), cut by your 2.7
+    #   shard_sequence for cp_rank of cp, zig-zag on, along dimension 0: the chunks the tokens got,
+    #   in the same order.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     return shard_sequence(torch.arange(seq_len), cp_rank, cp, zigzag=True, dim=0)
@@ -80,8 +84,14 @@ def count_valid_tokens(targets: torch.Tensor, topology: Topology) -> int:
     #   batch, each counted once (tp ranks and pipeline stages hold the same targets as their
     #   neighbours in the group that differs only in dp and cp).
     # Hint 1: which ranks hold OTHER targets than this one? The module docstring's first rule.
-    # Hint 2: this rank's count as an int64 tensor, summed over the one group whose ranks hold
-    #   the other samples and the other positions; returned as an int.
+    # Hint 2: List the ranks that hold exactly this rank's targets (the other tp ranks? the other
+    #   pipeline stages?) and the ranks that hold other samples or other positions of the same
+    #   samples. Which named group of the topology is the second list? Summed over a group that is
+    #   too large, which targets are counted twice; too small, which are missed? In which dtype does
+    #   a count travel exactly?
+    # Hint 3: This rank's targets that are not IGNORE_INDEX, counted into one int64 tensor, summed
+    #   by one all-reduce on the dp x cp group (topology.group with "dp_cp"), returned as a Python
+    #   int. Not over tp, not over pp: those ranks hold the same targets.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     count = (targets != IGNORE_INDEX).sum().to(torch.int64)
@@ -103,8 +113,17 @@ def loss_share(
     #   rank; averaging the shares' gradients over dp x cp then gives that mean's gradient.
     # Hint 1: a mean of per-rank means weighs a rank with few valid targets as much as one with
     #   many; a sum over tokens divided by the global count does not.
-    # Hint 2: the cross-entropy summed (not averaged) over this rank's valid targets, divided by
-    #   the global count, multiplied by the number of ranks the gradients are averaged over.
+    # Hint 2: What does F.cross_entropy return by default, a mean over which tokens, and what do you
+    #   need from it instead so that the global count can divide it? After backward, the
+    #   data-parallel reduction AVERAGES the gradients over dp x cp: what becomes of a share that
+    #   was right as a term of a sum? Under sequence parallelism the tp ranks hold other tokens too:
+    #   are their shares averaged or summed on the way back? And the executor's division by m: does
+    #   the runtime already undo it?
+    # Hint 3: The cross-entropy of the flattened logits and targets, IGNORE_INDEX ignored, with
+    #   reduction "sum"; times the dp x cp size (topology.size_of with "dp_cp"); divided by
+    #   global_valid. No tp factor (the tp ranks' parts are summed: the gradients of the weights
+    #   they share are summed over tp, the activations' through the sequence collectives), and no m
+    #   (the runtime multiplies your share by m, the executor divides it by m).
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     summed = F.cross_entropy(
@@ -139,11 +158,18 @@ def balance_loss_share(
     # Hint 1: f needs every token of the sequence (a count: no gradient); P is a sum over tokens
     #   divided by seq_len, and the loss is linear in P once f is known: each rank can add its
     #   own tokens' part of P.
-    # Hint 2: per sequence, this rank's choices counted per expert, summed over the ranks that
-    #   hold the sequence's other tokens (cp; and tp under sequence parallelism); f from those
-    #   global counts; this rank's P-part is its probabilities summed over its tokens / seq_len;
-    #   E · sum_e f · P-part per sequence, summed over its b sequences, divided by the global
-    #   number of sequences, times the dp x cp size.
+    # Hint 2: For one sequence, which ranks hold its other tokens: cp, and under sequence
+    #   parallelism tp too? f is a share of the whole sequence's choices: which groups must this
+    #   rank's counts visit, and do they carry a gradient? P is a mean over tokens and the loss is
+    #   linear in it: does this rank need the others' probabilities, or only its own tokens' part?
+    #   Which count of sequences divides at the end, and which factor keeps the mean right after the
+    #   gradients are averaged over dp x cp?
+    # Hint 3: Per sequence, this rank's choices counted per expert (one-hot over the E experts,
+    #   summed over its tokens and the k choices), all-reduced over the cp group and, with sequence
+    #   parallelism, over the tp group too; f is those counts over k times seq_len. This rank's part
+    #   of P is its probabilities summed over its tokens, over seq_len. Per sequence E times the sum
+    #   over experts of f times that part; summed over the b sequences, times the dp x cp size,
+    #   divided by global_sequences.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     k = experts.shape[-1]
@@ -154,7 +180,7 @@ def balance_loss_share(
     fraction = counts.to(probs.dtype) / (seq_len * k)
     my_mean_prob = probs.sum(dim=1) / seq_len  # [b, E]: this rank's part of P
     per_sequence = num_experts * (fraction * my_mean_prob).sum(dim=-1)
-    return per_sequence.sum() * topology.size_of("dp_cp") / global_sequences
+    return per_sequence.sum() / global_sequences
     # <<< solution
 
 
@@ -171,21 +197,34 @@ def finish_gradients(
     as a DDP communication hook would be (3.4): the other reductions keep torch's."""
     # TODO 4.7: the reductions after backward, each on its own group.
     # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
-    #   gradient of the global loss of one process: weights sequence parallelism runs on token
-    #   shares have the parts of every tp rank; the two copies of a tied embedding both hold
-    #   the sum of both uses; every non-expert gradient that ZeRO has not averaged yet is
-    #   averaged over dp x cp; every expert's gradient has every rank's part, divided by the
-    #   dp x cp size (not by the size of the group it was summed over).
-    #   The data-parallel sums (dp x cp, and edp for experts) go through all_reduce_fn.
-    # Hint 1: the HeldGradient flags say what each tensor is; all_reduce_flat reduces a list in
-    #   one collective per dtype, with the all-reduce you hand it. A tp-replicated weight
-    #   outside sequence parallelism was computed from the same tokens on every tp rank:
-    #   already complete.
-    # Hint 2: four independent reductions: under sequence parallelism, the tp-replicated ones
-    #   summed over tp; the tied one summed over the embedding group; the non-expert ones
-    #   not yet reduced, summed over dp x cp and divided by its size; the experts', summed over
-    #   edp and divided by the dp x cp size. Only the last two are data-parallel: they are the
-    #   ones that take all_reduce_fn.
+    #   gradient of the global loss of one process (every token that used the weight counted
+    #   once, none twice), and every rank holding a copy of that piece holds the same bits.
+    #   The data-parallel sums go through all_reduce_fn, and no other reduction does.
+    # Hint 1: the HeldGradient flags say what each tensor is; for each kind, the guide's two
+    #   rules ask which ranks hold its other copies and whether those saw other tokens.
+    #   all_reduce_flat reduces a list in one collective per dtype, with the all-reduce you
+    #   hand it.
+    # Hint 2: Take each flag of HeldGradient in turn and ask: which other ranks hold a copy of this
+    #   weight, or of this piece of it? Did those copies see other tokens (then the parts must be
+    #   added) or the same tokens (then each copy is complete already), and does that change with
+    #   sequence parallelism? Each rank's loss share was scaled for an AVERAGE over dp x cp: for a
+    #   sum over some group, which count divides it, the size of that group or the number of ranks
+    #   whose shares were so scaled? Which gradients has ZeRO averaged already? Which of the sums
+    #   are data-parallel (the only ones all_reduce_fn is for)? Last: the two copies of a tied
+    #   embedding must end with the same bits; if a copy's value goes through another reduction
+    #   after the tie's, can they still differ?
+    # Hint 3: Four reductions, each a list handed to all_reduce_flat. (1) With sequence parallelism
+    #   only: the tp-replicated gradients summed over the tp group (each tp rank saw 1/tp of the
+    #   tokens; without it they saw the same tokens and are complete). (2) Every gradient that is
+    #   neither expert nor reduced summed over dp x cp, with all_reduce_fn. (3) Every expert
+    #   gradient summed over the edp group (the ranks holding the same expert), with all_reduce_fn.
+    #   Then the gradients of (2) and (3) divided by the dp x cp size, the experts' too (the
+    #   all-to-all's backward already brought their ep group's tokens; every share was scaled for dp
+    #   x cp, not for edp). ZeRO slices (reduced) get nothing more. (4) Last, after the
+    #   data-parallel sums, the tied copies summed over the embedding group with torch's all-reduce:
+    #   a hand-made all-reduce rounds each element by its position in the buffer, and the two copies
+    #   sit at different positions on their stages, so summing the tie first would leave the copies
+    #   a few bits apart; summed last, both end on one shared sum.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:
@@ -206,12 +245,20 @@ def gradient_placements(held: list[HeldGradient], topology: Topology) -> list[Gr
     which groups of the topology hold identical copies of it, so that the global norm counts
     every distinct gradient once."""
     # TODO 4.7: where the copies of each complete gradient live.
-    # Invariant: for every gradient, replicated_on names exactly the groups along which every
-    #   rank holds the same tensor: the ranks of dp x cp (unless it is a ZeRO slice: each of
-    #   them holds another slice), the tp ranks for a tp-replicated weight, the embedding
-    #   group for a tied copy, and for an expert the edp group instead of dp x cp.
-    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; axes missing here count
-    #   a copy several times, axes too many drop pieces that are not copies.
+    # Invariant: for every gradient, replicated_on names exactly the groups of the topology
+    #   along which every rank holds the same tensor as this one once finish_gradients is done;
+    #   the global norm then counts every distinct piece once.
+    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; groups missing here
+    #   count a copy several times, groups too many drop pieces that are not copies.
+    # Hint 2: After finish_gradients, along which named groups does every rank hold the very same
+    #   tensor as this one? For a whole non-expert gradient, which ranks averaged it together? For a
+    #   ZeRO slice, do the other dp x cp ranks hold the same slice or another? For an expert, which
+    #   ranks hold the same expert? For a tp-replicated weight (with and without sequence
+    #   parallelism) and for a tied copy, which further group holds an equal copy?
+    # Hint 3: One GradShard per held gradient, with its name and its grad; replicated_on holds edp
+    #   for an expert, nothing for a ZeRO slice (reduced), dp_cp for every other gradient; plus tp
+    #   when it is tp-replicated (equal on every tp rank either way: summed under sequence
+    #   parallelism, computed from the same tokens without it), plus embedding when it is tied.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     shards = []

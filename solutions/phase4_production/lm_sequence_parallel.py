@@ -48,8 +48,12 @@ def all_gather_sequence(local: torch.Tensor, group: Group) -> torch.Tensor:
     #   sequence (dimension 1), group rank 0's first; its other dimensions are the input's.
     # Hint 1: torch's all-gather fills one equally shaped buffer per rank (the group's size);
     #   the sequence is not the first dimension.
-    # Hint 2: a contiguous input, one buffer per rank of the group, an all-gather into them on
-    #   the group, then the buffers joined along the sequence dimension.
+    # Hint 2: How many buffers, of which shape, and which size says how many when the group is a
+    #   subgroup of the world? What does an all-gather need of its input's memory? Along which
+    #   dimension do the pieces join, and in which order does the all-gather fill the list?
+    # Hint 3: The group's size from tp_rank_and_size; a contiguous version of local; that many empty
+    #   tensors like it; dist.all_gather into them on the group; the list concatenated along
+    #   SEQUENCE_DIM (dimension 1), group rank 0's first.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     _, size = tp_rank_and_size(group)
@@ -69,9 +73,13 @@ def reduce_scatter_sequence(whole: torch.Tensor, group: Group) -> torch.Tensor:
     #   rank's input (L the sequence length); the input is left unchanged.
     # Hint 1: torch's reduce-scatter (dist.reduce_scatter_tensor) cuts its input along the
     #   FIRST dimension, and wants contiguous memory; the sequence is dimension 1.
-    # Hint 2: bring the sequence to the front (a transpose of dimensions 0 and 1, made
-    #   contiguous), reduce-scatter it into an output of L/n rows on the group, and put the
-    #   dimensions back where they were.
+    # Hint 2: reduce_scatter_tensor cuts along dimension 0: how do you bring the sequence there
+    #   without changing any value, and what does the collective need of that memory? How many rows
+    #   does each rank's output hold? After the collective, which dimension must the sequence be
+    #   again? Does anything you do write into the tensor you were handed?
+    # Hint 3: Transpose dimensions 0 and 1 of whole and make it contiguous (a new tensor: whole is
+    #   left as it was); a new output of L/n rows and the other dimensions of that tensor;
+    #   reduce_scatter_tensor into it on the group; return it transposed back (0 and 1 again).
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     _, size = tp_rank_and_size(group)
@@ -122,6 +130,13 @@ def enter_tensor_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool
     # Hint 1: without sequence parallelism this is 2.6's f; with it, x holds only 1/tp of the
     #   tokens, and one of the two Functions above fits the forward you need. What does its
     #   backward do to the gradient?
+    # Hint 2: Without sequence parallelism x is already whole on every rank: what must happen to its
+    #   gradient in backward, and which 2.6 operator does exactly that? With it, x holds 1/tp of the
+    #   tokens: which of the two Functions above makes them whole in forward, and is its backward
+    #   the sum the invariant asks for, in x's shape?
+    # Hint 3: With sequence parallelism, GatherSequence applied to x on the group (all-gather
+    #   forward, reduce-scatter backward); without it, 2.6's copy_to_tensor_parallel_region (f:
+    #   identity forward, all-reduce backward).
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:
@@ -141,6 +156,13 @@ def leave_tensor_parallel(y: torch.Tensor, group: Group, sequence_parallel: bool
     #   of the whole sequence.
     # Hint 1: the transpose of the entrance: 2.6's g without sequence parallelism; with it,
     #   the other Function above.
+    # Hint 2: Without sequence parallelism every rank needs the whole sum: which 2.6 operator gives
+    #   it, and what does its backward do? With it, each rank keeps only its share of the summed
+    #   tokens, the share its entrance started from: which Function above, and does its backward
+    #   hand every partial the gradient of the whole sequence?
+    # Hint 3: With sequence parallelism, ReduceScatterSequence applied to y on the group
+    #   (reduce-scatter forward, all-gather backward); without it, 2.6's
+    #   reduce_from_tensor_parallel_region (g: all-reduce forward, identity backward).
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:

@@ -83,9 +83,13 @@ class StepTimer:
         #   the time includes the kernels the section queued.
         # Hint 1: kernels run asynchronously: on a CUDA device, wait for them before reading
         #   the clock (start() shows how), or their time lands in a later section.
-        # Hint 2: on CUDA wait for the device first; then read the clock once, credit the time
-        #   since the previous timing point to this section (on top of what it already has this
-        #   step), and remember this moment as the new previous timing point.
+        # Hint 2: On CUDA, what must happen before the clock is read so that the kernels this
+        #   section queued count here? How many times may the clock be read (what if this section's
+        #   end and the next one's start were two readings)? What if the section was marked already
+        #   this step?
+        # Hint 3: On CUDA wait for the device first; then read the clock once, credit the time since
+        #   the previous timing point to this section (on top of what it already has this step), and
+        #   remember this moment as the new previous timing point.
         # See guidelines.md#45-monitoring-and-profiling
         # >>> solution
         if self.device.type == "cuda":
@@ -132,9 +136,13 @@ def count_training_flops(
         #   not forward alone, and nothing multiplied on top.
         # Hint 1: torch.utils.flop_counter.FlopCounterMode counts the FLOPs of whatever runs
         #   while it is active (backward included) and can tell its total afterwards.
-        # Hint 2: one counting window around both passes on the scratch copy: the loss of its
-        #   output (the inputs may be several tensors), then the backward of that loss; the
-        #   counter's total, as a float, is the answer (with nothing multiplied on top).
+        # Hint 2: What must run while the counter is active: the forward alone, or forward and
+        #   backward? On which model (the scratch copy)? How do you get a loss from its output when
+        #   the inputs may be several tensors? Should anything be multiplied on top of the counter's
+        #   total?
+        # Hint 3: One counting window (FlopCounterMode without display) around both passes on the
+        #   scratch copy: the loss of its output on the unpacked inputs, then the backward of that
+        #   loss; the counter's total, as a float, is the answer.
         # See guidelines.md#45-monitoring-and-profiling
         # >>> solution
         with FlopCounterMode(display=False) as counter:
@@ -159,7 +167,10 @@ def model_flops_utilization(flops_per_step: float, step_seconds: float, peak_flo
     # Invariant: a fraction without unit: a step whose FLOPs ran at the peak for its whole
     #   duration is 1.0, one that took twice as long is 0.5.
     # Hint 1: the arguments are plain FLOPs, seconds and FLOP/s (no tera, no milli).
-    # Hint 2: first the rate the model achieved during the step, then its share of the peak.
+    # Hint 2: Which rate did the model achieve during the step (FLOPs per what)? In what unit is the
+    #   peak? What does dividing one by the other give for a step that ran at the peak the whole
+    #   time?
+    # Hint 3: The step's FLOPs divided by its seconds (the achieved FLOP/s), divided by peak_flops.
     # See guidelines.md#45-monitoring-and-profiling
     # >>> solution
     return flops_per_step / step_seconds / peak_flops
