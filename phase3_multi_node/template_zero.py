@@ -41,7 +41,7 @@ backward)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phase3_multi_node.sharded_optimizer import ShardedOptimizer
+from phase3_multi_node.wrap_policy import UnitGroup, check_groups, one_per_layer
 from phase3_multi_node.template_zero_partition import group_by_dtype, make_layout
 from phase3_multi_node.template_zero_units import ZeroUnit
 
@@ -97,11 +98,6 @@ class ZeroOptimizer(ShardedOptimizer):
                 unit.shard.grad = None
             elif unit.shard.grad is not None:
                 unit.shard.grad.zero_()
-
-
-def layers_of(model: nn.Module) -> list[nn.Module]:
-    """Modules that own parameters directly, in registration order (the ZeRO units)."""
-    return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
 
 
 def unit_parameters(layer: nn.Module, owned: set[int]) -> list[nn.Parameter]:
@@ -188,12 +184,15 @@ def zero_wrap(
     optimizer_factory: OptimizerFactory,
     stage: int,
     group: dist.ProcessGroup | None = None,
+    wrap: Sequence[UnitGroup] | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``model``'s states over ``group`` as ZeRO stage ``stage`` (1, 2 or 3).
 
     ``optimizer_factory(params)`` builds the per-rank optimizer (e.g. AdamW) on this rank's
     shards. Returns the same ``model`` (parameters now views of flat buffers; hooks installed)
     and a :class:`ZeroOptimizer`. Parameters start equal to group rank 0's (broadcast).
+    ``wrap``: which layers share a unit and around which module stage 3 gathers it
+    (``phase3_multi_node/wrap_policy.py``); None: one unit per layer.
     """
     check_arguments(model, stage)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -201,8 +200,11 @@ def zero_wrap(
     units: list[ZeroUnit] = []
     owned: set[int] = set()
     owner: dict[int, ZeroUnit] = {}  # id(parameter) -> the unit that shards it
-    for layer in layers_of(model):
-        for params in group_by_dtype(unit_parameters(layer, owned)):
+    groups = one_per_layer(model) if wrap is None else list(wrap)
+    check_groups(model, groups)
+    for _, layers in groups:
+        mine = [p for layer in layers for p in unit_parameters(layer, owned)]
+        for params in group_by_dtype(mine):
             unit = ZeroUnit(make_layout(params, world, rank), stage, group)
             units.append(unit)
             owner.update((id(p), unit) for p in params)
@@ -211,12 +213,12 @@ def zero_wrap(
     if stage >= 2:
         install_gradient_hooks(optimizer)
     if stage == 3:
-        for layer in layers_of(model):
-            # every unit whose parameters the layer reads: its own, and a tied one's owner
-            used = {id(owner[id(p)]): owner[id(p)] for p in layer.parameters(recurse=False)
-                    if id(p) in owner}  # fmt: skip
+        for module, layers in groups:
+            # every unit whose parameters the layers read: their own, and a tied one's owner
+            used = {id(owner[id(p)]): owner[id(p)] for layer in layers
+                    for p in layer.parameters(recurse=False) if id(p) in owner}  # fmt: skip
             if used:
-                install_stage3_hooks(layer, list(used.values()))
+                install_stage3_hooks(module, list(used.values()))
     return model, optimizer
 
 

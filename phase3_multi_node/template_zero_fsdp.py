@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phase3_multi_node.wrap_policy import UnitGroup
 from phase3_multi_node.zero_fsdp_support import (
     FsdpOptimizer,
     MixedPrecision,
@@ -50,6 +51,7 @@ from phase3_multi_node.zero_fsdp_support import (
     assign_unit_parameters,
     cast_floating,
     check_fsdp_arguments,
+    group_unit_parameters,
     in_backward,
 )
 from phase3_multi_node.template_zero_fsdp_units import FsdpUnit
@@ -137,7 +139,7 @@ def install_hooks(
 
 def fsdp_wrap(
     model: nn.Module,
-    modules: Sequence[nn.Module],
+    modules: Sequence[nn.Module | UnitGroup],
     optimizer_factory: OptimizerFactory,
     policy: MixedPrecision | None = None,
     prefetch: int = 1,
@@ -147,16 +149,21 @@ def fsdp_wrap(
     root for the rest), master shards in the parameters' dtype, compute and reduction in
     ``policy``'s dtypes, the all-gathers of the next ``prefetch`` units issued ahead.
 
+    ``modules`` may instead be explicit ``(module, layers)`` groups (``wrap_policy.py``): a unit
+    of those layers' own parameters, gathered around ``module``.
     Returns the same ``model`` (its parameters now views of the units' compute buffers, in the
     compute dtype) and an :class:`FsdpOptimizer` built by ``optimizer_factory`` on the shards.
     Frozen parameters, and parameters tied across units, are refused before any communication.
     """
     check_fsdp_arguments(model, modules, prefetch)
     policy = policy or MixedPrecision()
-    placed = [
-        (module, FsdpUnit(params, policy, group))
-        for module, params in assign_unit_parameters(model, modules)
-    ]
+    grouped = bool(modules) and all(isinstance(m, tuple) for m in modules)
+    assigned = (
+        group_unit_parameters(model, modules)  # type: ignore[arg-type]
+        if grouped
+        else assign_unit_parameters(model, modules)  # type: ignore[arg-type]
+    )
+    placed = [(module, FsdpUnit(params, policy, group)) for module, params in assigned]
     units = [unit for _, unit in placed]
     optimizer = FsdpOptimizer(optimizer_factory([unit.shard for unit in units]), units)
     install_hooks(model, placed, Prefetcher(units, prefetch), optimizer)

@@ -22,7 +22,8 @@ this rank's shard of its parameters in fp32 (the master weights the optimizer st
   forward are cast to the compute dtype (a bf16 weight cannot multiply an fp32 input).
 * :func:`assign_unit_parameters`: which parameters each unit holds, like ``fully_shard``: a unit
   takes every parameter under its module that no unit nested inside it took, and the root takes
-  the rest. :func:`check_fsdp_arguments` refuses, before any communication, what this course's
+  the rest (or, given explicit groups, :func:`group_unit_parameters`: ``wrap_policy.py``).
+  :func:`check_fsdp_arguments` refuses, before any communication, what this course's
   FSDP-style wrapper does not do (frozen parameters, a weight tied across two units: FSDP2's
   rule is that shared parameters belong to one unit enclosing every module that uses them).
 * :class:`FsdpOptimizer`: the optimizer the wrapper returns (it steps the fp32 shards), and
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phase3_multi_node.sharded_optimizer import ShardedOptimizer
+from phase3_multi_node.wrap_policy import UnitGroup, check_groups
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -125,15 +127,22 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def check_fsdp_arguments(model: nn.Module, modules: Sequence[nn.Module], prefetch: int) -> None:
-    """Refuse, before any communication, what the FSDP-style wrapper cannot shard."""
+def check_fsdp_arguments(
+    model: nn.Module, modules: Sequence[nn.Module | UnitGroup], prefetch: int
+) -> None:
+    """Refuse, before any communication, what the FSDP-style wrapper cannot shard. ``modules``
+    are FSDP2's (a unit per module) or, all of them, explicit groups (``wrap_policy.py``)."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(
             f"prefetch={prefetch!r}: the number of units gathered ahead, 0 (none) or more"
         )
+    if modules and all(isinstance(m, tuple) for m in modules):
+        check_groups(model, modules)  # type: ignore[arg-type]
+    elif any(isinstance(m, tuple) for m in modules):
+        raise ValueError("modules mixes modules and (module, layers) groups: list one kind")
     inside = {id(m) for m in model.modules()}
     for i, module in enumerate(modules):
-        if id(module) not in inside:
+        if not isinstance(module, tuple) and id(module) not in inside:
             raise ValueError(f"modules[{i}] ({type(module).__name__}) is not part of the model")
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("a module is listed twice in modules: one unit per module")
@@ -146,6 +155,31 @@ def check_fsdp_arguments(model: nn.Module, modules: Sequence[nn.Module], prefetc
         )
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters to shard")
+
+
+def group_unit_parameters(
+    model: nn.Module, groups: Sequence[UnitGroup]
+) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """``(module, parameters)`` of every unit of explicit groups (``wrap_policy.py``), in the
+    order given: a unit holds its layers' own parameters. ValueError for a parameter registered
+    by layers of two groups (tied across units: FSDP2 wants one unit enclosing every user)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    owner: dict[int, int] = {}
+    out = []
+    for index, (module, layers) in enumerate(groups):
+        params: list[nn.Parameter] = []
+        for layer in layers:
+            for p in layer.parameters(recurse=False):
+                if owner.setdefault(id(p), index) != index:
+                    raise ValueError(
+                        f"parameter {names[id(p)]} is used by groups {owner[id(p)]} and {index} "
+                        "(tied across units): put both users in one group"
+                    )
+                if all(q is not p for q in params):
+                    params.append(p)
+        if params:
+            out.append((module, params))
+    return out
 
 
 def assign_unit_parameters(

@@ -38,7 +38,7 @@ backward)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phase3_multi_node.sharded_optimizer import ShardedOptimizer
+from phase3_multi_node.wrap_policy import UnitGroup, check_groups, one_per_layer
 from solutions.phase3_multi_node.zero_partition import group_by_dtype, make_layout
 from solutions.phase3_multi_node.zero_units import ZeroUnit
 
@@ -108,11 +109,6 @@ class ZeroOptimizer(ShardedOptimizer):
                 unit.shard.grad.zero_()
 
 
-def layers_of(model: nn.Module) -> list[nn.Module]:
-    """Modules that own parameters directly, in registration order (the ZeRO units)."""
-    return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-
-
 def unit_parameters(layer: nn.Module, owned: set[int]) -> list[nn.Parameter]:
     """The parameters ``layer`` registers itself that its ZeRO units shard, in registration
     order; ``owned`` holds the ``id`` of every parameter some unit holds already, and grows by
@@ -128,8 +124,11 @@ def unit_parameters(layer: nn.Module, owned: set[int]) -> list[nn.Parameter]:
     #   model is returned exactly once, and no frozen one ever.
     # Hint 1: a tied weight is the very same object in both modules (that is what `owned`
     #   remembers, by identity); whether a parameter trains is one of its attributes.
-    # Hint 2: walk the layer's own parameters (not its children's), in order; keep the ones
-    #   that train and that no unit owns yet, and mark each kept one as owned.
+    # Hint 2: Which call lists a layer's own parameters and not its children's? How do you recognise
+    #   a weight that another layer already put in a unit, when a tied weight is the same object in
+    #   both? Which attribute says a parameter trains?
+    # Hint 3: Walk the layer's own parameters (recurse off), in order; keep the ones that require
+    #   grad and whose id is not in owned yet, and add each kept one's id to owned.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     mine = []
@@ -172,9 +171,12 @@ def install_stage3_hooks(layer: nn.Module, units: list[ZeroUnit]) -> None:
     #   one layer); every parameter is full-size whenever autograd or forward reads it.
     # Hint 1: nn.Module has register_forward_pre_hook, register_forward_hook and
     #   register_full_backward_pre_hook; each hook gets the module and its inputs/outputs.
-    # Hint 2: two small functions over the layer's units, one gathering each, one freeing
-    #   each; the first registered as the forward pre-hook and the backward pre-hook, the
-    #   second as the forward hook (all three return None: they change nothing they get).
+    # Hint 2: At which three moments must the layer's state change: before its forward, after its
+    #   forward, before its backward? Which of them gather, which free? What must a hook return so
+    #   that it changes nothing it receives?
+    # Hint 3: Two small functions over the layer's units, one gathering each, one freeing each; the
+    #   first registered as the forward pre-hook and the backward pre-hook, the second as the
+    #   forward hook (all three return None: they change nothing they get).
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     def gather(*_: Any) -> None:
@@ -213,12 +215,15 @@ def zero_wrap(
     optimizer_factory: OptimizerFactory,
     stage: int,
     group: dist.ProcessGroup | None = None,
+    wrap: Sequence[UnitGroup] | None = None,
 ) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``model``'s states over ``group`` as ZeRO stage ``stage`` (1, 2 or 3).
 
     ``optimizer_factory(params)`` builds the per-rank optimizer (e.g. AdamW) on this rank's
     shards. Returns the same ``model`` (parameters now views of flat buffers; hooks installed)
     and a :class:`ZeroOptimizer`. Parameters start equal to group rank 0's (broadcast).
+    ``wrap``: which layers share a unit and around which module stage 3 gathers it
+    (``phase3_multi_node/wrap_policy.py``); None: one unit per layer.
     """
     check_arguments(model, stage)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -226,8 +231,11 @@ def zero_wrap(
     units: list[ZeroUnit] = []
     owned: set[int] = set()
     owner: dict[int, ZeroUnit] = {}  # id(parameter) -> the unit that shards it
-    for layer in layers_of(model):
-        for params in group_by_dtype(unit_parameters(layer, owned)):
+    groups = one_per_layer(model) if wrap is None else list(wrap)
+    check_groups(model, groups)
+    for _, layers in groups:
+        mine = [p for layer in layers for p in unit_parameters(layer, owned)]
+        for params in group_by_dtype(mine):
             unit = ZeroUnit(make_layout(params, world, rank), stage, group)
             units.append(unit)
             owner.update((id(p), unit) for p in params)
@@ -236,12 +244,12 @@ def zero_wrap(
     if stage >= 2:
         install_gradient_hooks(optimizer)
     if stage == 3:
-        for layer in layers_of(model):
-            # every unit whose parameters the layer reads: its own, and a tied one's owner
-            used = {id(owner[id(p)]): owner[id(p)] for p in layer.parameters(recurse=False)
-                    if id(p) in owner}  # fmt: skip
+        for module, layers in groups:
+            # every unit whose parameters the layers read: their own, and a tied one's owner
+            used = {id(owner[id(p)]): owner[id(p)] for layer in layers
+                    for p in layer.parameters(recurse=False) if id(p) in owner}  # fmt: skip
             if used:
-                install_stage3_hooks(layer, list(used.values()))
+                install_stage3_hooks(module, list(used.values()))
     return model, optimizer
 
 

@@ -86,16 +86,16 @@ class HeldBytes:
 
 
 def layer_units(config: LMConfig, layer: int, tp: int, ep: int) -> list[int]:
-    """Elements of each unit one layer holds on a rank (tp shards, E/ep experts)."""
+    """Elements of each unit one layer holds on a rank (tp shards, E/ep experts), as the
+    runtime's wrap policy groups them: one unit per kind of reduction in a block (the norms,
+    whole on every tp rank; the tp shards; the router; the experts)."""
     h = config.width
-    units = [h, 3 * h * h // tp, h * h // tp, h]  # norm, qkv, out, norm
+    attention = 3 * h * h // tp + h * h // tp  # qkv, out
     if config.is_moe(layer):
         per_expert = 2 * h * config.expert_ffn + config.expert_ffn + h  # two Linears, biased
-        units.append(config.num_experts * h)  # the router
-        units += [per_expert] * (config.num_experts // ep)
-    else:
-        units += [2 * config.ffn * h // tp, h * config.ffn // tp]  # gate_up, down
-    return units
+        whole = 2 * h + config.num_experts * h  # the norms and the router
+        return [whole, attention, per_expert * (config.num_experts // ep)]
+    return [2 * h, attention + 2 * config.ffn * h // tp + h * config.ffn // tp]  # + SwiGLU
 
 
 def rank_units(config: LMConfig, settings: ParallelSettings, pp_rank: int) -> list[int]:
