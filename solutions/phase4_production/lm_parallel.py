@@ -180,7 +180,7 @@ def balance_loss_share(
     fraction = counts.to(probs.dtype) / (seq_len * k)
     my_mean_prob = probs.sum(dim=1) / seq_len  # [b, E]: this rank's part of P
     per_sequence = num_experts * (fraction * my_mean_prob).sum(dim=-1)
-    return per_sequence.sum() / global_sequences
+    return per_sequence.sum() * topology.size_of("dp_cp") / global_sequences
     # <<< solution
 
 
