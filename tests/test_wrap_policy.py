@@ -13,7 +13,7 @@ from phase3_multi_node.zero_fsdp_support import group_unit_parameters
 pytestmark = pytest.mark.harness
 
 
-def model() -> nn.Sequential:
+def model() -> nn.Sequential:  # Linear, then a block of (LayerNorm, Linear)
     return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)))
 
 
@@ -26,6 +26,7 @@ def test_one_unit_per_layer_is_the_exercises_layout() -> None:
 def test_groups_that_miss_or_repeat_a_layer_or_leave_their_module_are_refused() -> None:
     m = model()
     block, first = m[1], m[0]
+    assert isinstance(block, nn.Sequential)
     with pytest.raises(ValueError, match=r"layer 0 is in no group"):
         check_groups(m, [(block, list(block))])
     with pytest.raises(ValueError, match=r"layer 1.0 is in groups 1 and 2"):
@@ -38,8 +39,10 @@ def test_groups_that_miss_or_repeat_a_layer_or_leave_their_module_are_refused() 
 
 def test_a_weight_tied_across_two_groups_is_refused_and_one_group_holds_each_once() -> None:
     m = model()
-    m[1][1].weight = m[0].weight  # the block's Linear reuses the first Linear's weight
+    first, block = m[0], m[1]
+    assert isinstance(block, nn.Sequential)
+    block[1].weight = first.weight  # the block's Linear reuses the first Linear's weight
     with pytest.raises(ValueError, match=r"0.weight is used by groups 0 and 1"):
-        group_unit_parameters(m, [(m[0], [m[0]]), (m[1], list(m[1]))])
-    (module, params), = group_unit_parameters(m, [(m, [m[0], *m[1]])])
+        group_unit_parameters(m, [(first, [first]), (block, list(block))])
+    ((module, params),) = group_unit_parameters(m, [(m, [first, *block])])
     assert module is m and len(params) == len({id(p) for p in m.parameters()}) == 5
