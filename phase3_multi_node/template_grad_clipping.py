@@ -62,7 +62,7 @@ def global_grad_norm(
     collective over the topology's groups: call it on every rank). ``norm_type`` is a positive
     number or ``inf``; an fp64 0-dim tensor is returned (fp32 accumulation of millions of
     squares loses digits)."""
-    if not (norm_type > 0 or math.isinf(norm_type)):
+    if math.isnan(norm_type) or norm_type <= 0:  # -inf, 0 and negative p included
         raise ValueError(f"norm_type={norm_type}: a positive number or inf")
     device = shards[0].grad.device if shards else torch.device("cpu")
     # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.

@@ -44,9 +44,12 @@ def counted_here(shard: GradShard, topology: Topology) -> bool:
     #   topology (the ranks that differ from this one only along that group's axes); every rank
     #   must recognise, from its own place alone (no message), whether it is the representative
     #   of its set.
-    # Hint 2: for every group name the shard is replicated on, look at this rank's index in
-    #   its group of that name (topology.rank_in); the rank counts the shard only when that
-    #   index is the first (0) in all of them; with no such group it always counts.
+    # Hint 2: Among the copies of a tensor along one group, which single rank could every copy agree
+    #   on without a message? With copies along several groups, what must be true of the counting
+    #   rank along each of them? And with no copies at all?
+    # Hint 3: For every group name the shard is replicated on, look at this rank's index in its
+    #   group of that name (topology.rank_in); the rank counts the shard only when that index is 0
+    #   in all of them; with no such group it always counts.
     # See guidelines.md#gradient-clipping-across-shards
     # >>> solution
     return all(topology.rank_in(name) == 0 for name in shard.replicated_on)
@@ -60,7 +63,7 @@ def global_grad_norm(
     collective over the topology's groups: call it on every rank). ``norm_type`` is a positive
     number or ``inf``; an fp64 0-dim tensor is returned (fp32 accumulation of millions of
     squares loses digits)."""
-    if not (norm_type > 0 or math.isinf(norm_type)):
+    if math.isnan(norm_type) or norm_type <= 0:  # -inf, 0 and negative p included
         raise ValueError(f"norm_type={norm_type}: a positive number or inf")
     device = shards[0].grad.device if shards else torch.device("cpu")
     # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.

@@ -1,28 +1,33 @@
 """Exercise 3.6, gradient clipping across shards: ``uv run pytest tests/test_phase3.py -m ex3_6``.
 
 One process computes the gradients of 3.6's stack of 4 MLP blocks (float64) and clips them with
-``torch.nn.utils.clip_grad_norm_(max_norm = half the norm)``, for the 2-norm and the inf-norm.
-In one world of 4 ranks, every rank then holds the pieces of the same gradients a sharded model
-holds, with their placement (``GradShard.replicated_on``), and calls your ``clip_grad_norm_``:
+``torch.nn.utils.clip_grad_norm_(max_norm = half the norm)``, for every kind of norm the API
+takes: p = 2, inf, 3, 1, 1.5 and 0.5. In one world of 4 ranks, every rank then holds the pieces
+of the same gradients a sharded model holds, with their placement (``GradShard.replicated_on``),
+and calls your ``clip_grad_norm_``:
 
 * 3D layouts (dp, tp, pp) = (2, 2, 1), (1, 2, 2), (2, 1, 2): fc1 rows and fc2 columns per tp
   rank, fc2's bias whole on every tp rank, a stage's blocks per pp rank, everything the same on
   every dp rank;
-* ZeRO-2/3 gradient slices on dp = 4, and on dp = 2 x pp = 2: each rank's slice of every
-  layer's flat, padded gradient.
+* the same with context parallelism, (dp, cp, tp, pp) = (1, 2, 2, 1) (4.7's cp2 x tp2, the
+  weights replicated on ``"dp_cp"``) and (1, 2, 1, 2) (replicated on ``"dp"`` and ``"cp"``);
+* ZeRO-2/3 gradient slices on dp = 4, on dp = 2 x pp = 2, and over dp = 2 x cp = 2: each rank's
+  slice of every layer's flat, padded gradient.
 
 Checked: the norm every rank returns equals one process's (1e-12 relative), and every rank's
 gradients afterwards equal its pieces of one process's clipped gradients. A wrong norm is
-matched against the classic mistakes, simulated on the same pieces, and named: the local norm
-only, a tp-replicated bias counted tp times, pipeline stages not reduced, dp replicas counted
-dp times, dp slices not reduced, the inf-norm summed. ``counted_here`` is also tried alone on
-every rank of a (2, 2, 2) grid.
+matched against the classic mistakes, simulated on the same pieces: the local norm only, a
+group (pp, tp, dp, cp) not reduced, copies (tp, dp, cp) counted several times, the inf-norm
+summed or signed, the power or the root hard-coded to 2, the root missing or taken per rank, the
+absolute value missing; it is named when only one fits, and the ones that fit are listed when
+several do. The norm types the API refuses (0, -1, -inf, nan: torch takes them) must raise
+ValueError. ``counted_here`` is also tried alone on every rank of a (dp, cp, tp, pp) =
+(2, 2, 2, 2) grid.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,23 +35,28 @@ import torch
 from clip_helpers import (
     LAYOUTS,
     NORMS,
+    REFUSED,
     TOLERANCE,
     Layout,
     clip_worker,
     close,
     dense_grads,
+    evidence,
     named_mistakes,
+    norm_name,
     pieces,
+    raised_where,
     torch_clip,
 )
-from grading import exercise, load
-from phase3_helpers import first_problems, small_world
+from grading import defined_at, exercise, load
+from phase3_helpers import fail, first_problems, small_world
 
-from course.topology import RankGrid
+from course.topology import RankGrid, Topology
 from phase3_multi_node.clip_placement import GradShard
 
 PHASE = "phase3_multi_node"
 _RUNS: list[list[dict[str, Any]]] | BaseException | None = None
+AXIS_GROUPS = {"dp": ("dp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
 
 
 def runs() -> list[list[dict[str, Any]]]:
@@ -62,51 +72,89 @@ def runs() -> list[list[dict[str, Any]]]:
     return _RUNS
 
 
-def _ppdptp(grid: RankGrid, rank: int) -> tuple[int, int, int]:
-    here = grid.coords(rank)
-    return here.pp, here.dp, here.tp
+def at(function: str) -> str:
+    """Where the code under test defines ``function`` (for a judged failure)."""
+    return defined_at(getattr(load(PHASE, "grad_clipping"), function, None))
 
 
-def norm_name(norm_type: float) -> str:
-    return "inf-norm" if math.isinf(norm_type) else f"{norm_type:g}-norm"
+GRID_LABEL = "dp=2 x cp=2 x tp=2 x pp=2 grid"
+
+
+def counted_here_problems() -> list[str]:
+    """counted_here alone, on every rank of a grid: for each set of replicated groups, every
+    set of copies must be counted by exactly one rank."""
+    clipping = load(PHASE, "grad_clipping")
+    grid = RankGrid(dp=2, tp=2, pp=2, cp=2)
+    axes_order = ("pp", "dp", "cp", "tp")
+    problems = []
+    for groups in (
+        frozenset(), frozenset({"dp"}), frozenset({"tp"}), frozenset({"dp", "tp"}),
+        frozenset({"cp"}), frozenset({"dp_cp"}), frozenset({"dp_cp", "tp"}),
+        frozenset({"dp", "cp", "tp"}),
+    ):  # fmt: skip
+        shard = GradShard("g", torch.zeros(1), groups)
+        replicated = {a for g in groups for a in AXIS_GROUPS[g]}
+
+        def key(rank: int, replicated: set[str] = replicated) -> tuple[int, ...]:
+            # the ranks holding the same copy differ only along the replicated axes
+            here = grid.coords(rank)._asdict()
+            return tuple(here[a] for a in axes_order if a not in replicated)
+
+        counted: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(grid.world_size):
+            topology = Topology(rank, grid, {})  # its place only: no process group is needed
+            who = counted.setdefault(key(rank), [])
+            try:
+                mine = clipping.counted_here(shard, topology)
+            except NotImplementedError:
+                raise
+            except Exception as exc:
+                fail(
+                    f"3.6 counted_here on rank {rank} of a {GRID_LABEL}, with a Topology that "
+                    "holds the grid but no process group: it raised "
+                    f"{raised_where(exc, clipping)}; decide from the rank's place alone "
+                    "(topology.rank_in(name)), which needs no process group"
+                )
+            if mine:
+                who.append(rank)
+        for copy, who in counted.items():
+            if len(who) != 1:
+                copies = [r for r in range(grid.world_size) if key(r) == copy]
+                what = (
+                    "replicated on " + " and ".join(f'"{g}"' for g in sorted(groups))
+                    if groups
+                    else "held by its rank alone"
+                )
+                problems.append(
+                    f"a gradient {what}: of the ranks {copies} holding the same copy, "
+                    f"{'ranks ' + str(who) if who else 'none'} counted it; exactly one must "
+                    "(e.g. the one whose index is 0 in every group of replicated_on)"
+                    + at("counted_here")
+                )
+                break
+    return problems
 
 
 @exercise("3.6")
 def test_counted_here_counts_every_set_of_copies_once() -> None:
-    clipping = load(PHASE, "grad_clipping")
-    grid = RankGrid(dp=2, tp=2, pp=2)
-    problems = []
-    for axes in (frozenset(), frozenset({"dp"}), frozenset({"tp"}), frozenset({"dp", "tp"})):
-        shard = GradShard("g", torch.zeros(1), axes)
-        counted: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(grid.world_size):
-            here = grid.coords(rank)
-            pp, dp, tp = here.pp, here.dp, here.tp
-            topology = SimpleNamespace(
-                rank=rank, dp_rank=dp, tp_rank=tp, pp_rank=pp, cp_rank=0, dp_size=2, tp_size=2,
-                pp_size=2, cp_size=1, coords=grid.coords(rank),
-                rank_in=lambda name, rank=rank: grid.group_of(name, rank).index(rank),
-            )  # fmt: skip
-            # the ranks holding the same copy differ only along the replicated axes
-            key = tuple(c for c, axis in zip((pp, dp, tp), ("pp", "dp", "tp"), strict=True)
-                        if axis not in axes)  # fmt: skip
-            if clipping.counted_here(shard, topology):
-                counted.setdefault(key, []).append(rank)
-            else:
-                counted.setdefault(key, [])
-        for key, who in counted.items():
-            if len(who) != 1:
-                copies = [r for r in range(8) if tuple(
-                    c for c, a in zip(_ppdptp(grid, r), ("pp", "dp", "tp"), strict=True)
-                    if a not in axes) == key]  # fmt: skip
-                what = f"replicated on {sorted(axes)}" if axes else "held by its rank alone"
-                problems.append(
-                    f"a gradient {what}: of the ranks {copies} holding the same copy, "
-                    f"{'ranks ' + str(who) if who else 'none'} counted it; exactly one must "
-                    "(e.g. the one whose coordinate is 0 on every replicated axis)"
-                )
-                break
-    first_problems(problems, "3.6 counted_here on every rank of a dp=2 x tp=2 x pp=2 grid:")
+    first_problems(counted_here_problems(), f"3.6 counted_here on every rank of a {GRID_LABEL}:")
+
+
+def blamed(function: str) -> str:
+    """Where to point a mistake of ``function``: copies counted several times while
+    counted_here decides right on its own are global_grad_norm's (it adds what counted_here
+    rejects, or does not ask it)."""
+    if function == "counted_here":
+        try:
+            right = not counted_here_problems()
+        except BaseException:
+            right = False
+        if right:
+            return (
+                " (counted_here itself decides right, see its own test: global_grad_norm adds "
+                "shards it rejects, or does not ask it)" + at("global_grad_norm")
+            )
+    return at(function)
 
 
 def layout_problems(layout: Layout, results: list[list[dict[str, Any]]]) -> list[str]:
@@ -115,32 +163,74 @@ def layout_problems(layout: Layout, results: list[list[dict[str, Any]]]) -> list
     for norm_type in NORMS:
         want, max_norm, clipped = torch_clip(norm_type)
         got = [
-            next(r for r in per_rank if r["layout"] == layout and r["norm_type"] == norm_type)
+            next(
+                r for r in per_rank
+                if r.get("layout") == layout and r["norm_type"] == norm_type
+            )
             for per_rank in results
-        ]
-        norms = [r["norm"] for r in got]
+        ]  # fmt: skip
         name = norm_name(norm_type)
-        if not all(close(n, want) for n in norms):
-            shown = ", ".join(f"{n:.6g}" for n in norms)
-            named = named_mistakes(layout, norm_type, norms, grads)
+        raised = [r["raised"] for r in got if "raised" in r]
+        if raised:
             problems.append(
-                f"{name}: the ranks returned {shown}; one process's clip_grad_norm_ returns "
-                f"{want:.6g}" + (f": {named}" if named else "")
+                f"{name}: global_grad_norm raised {raised[0]}; the API takes any positive "
+                f"norm_type and inf, as torch.nn.utils.clip_grad_norm_ does (it returns "
+                f"{want:.6g} here)"
             )
             continue
-        for rank, result in enumerate(got):
-            expected = {p.name: p.values for p in pieces(layout, rank, clipped)}
-            for piece_name, tensor in expected.items():
-                mine = result["grads"].get(piece_name)
-                if mine is None or not torch.allclose(mine, tensor, rtol=TOLERANCE, atol=0):
-                    problems.append(
-                        f"{name}: rank {rank}'s {piece_name} after clipping differs from its "
-                        f"piece of one process's clipped gradient (max_norm {max_norm:.4g}): "
-                        "every gradient is scaled by min(1, max_norm / (norm + 1e-6)) with the "
-                        "GLOBAL norm"
-                    )
-                    break
+        norms = [r["norm"] for r in got]
+        if not all(close(n, want) for n in norms):
+            named = named_mistakes(layout, norm_type, norms, grads)
+            if named is None:
+                cause, function = unexplained(norm_type, norms, want), "global_grad_norm"
+            else:
+                cause, function = f": {named.text()}", named.function
+            problems.append(
+                f"{name}: {evidence(norms)}; one process's clip_grad_norm_ returns {want:.6g}"
+                + cause
+                + blamed(function)
+            )
+            continue
+        differs = [
+            (rank, piece.name)
+            for rank, result in enumerate(got)
+            for piece in pieces(layout, rank, clipped)
+            if result["grads"].get(piece.name) is None
+            or not torch.allclose(result["grads"][piece.name], piece.values, rtol=TOLERANCE, atol=0)
+        ]
+        if differs:
+            rank, piece_name = differs[0]
+            problems.append(
+                f"{name}: the norm is right, but rank {rank}'s {piece_name} after clipping "
+                "differs from its piece of one process's clipped gradient (max_norm "
+                f"{max_norm:.4g}; {len(differs)} tensors differ on the ranks): the given "
+                "clip_grad_norm_ scales every gradient by min(1, max_norm / (norm + 1e-6)), so "
+                "a gradient changed in place while measuring the norm (abs_(), pow_()) shows here"
+                + at("global_grad_norm")
+            )
     return problems
+
+
+def unexplained(norm_type: float, norms: list[float], want: float) -> str:
+    """What a wrong norm that no simulated mistake gives still shows: another norm type's value,
+    or a sum of |g|^p counted a whole number of times, or ranks that disagree."""
+    if len(set(norms)) > 1:
+        return (": the ranks disagree, so some group holding other parts was not reduced over, "
+                "and more is wrong besides (no single classic mistake gives these values)")  # fmt: skip
+    value = norms[0]
+    for other in NORMS:
+        if other != norm_type and close(value, torch_clip(other)[0]):
+            return (f": that is one process's {norm_name(other)}: norm_type = {norm_type:g} was "
+                    "not used as given (the power of |g|, the root and the reduction all follow "
+                    "it)")  # fmt: skip
+    if not math.isinf(norm_type) and want > 0 and value > 0:
+        times = (value / want) ** norm_type
+        if round(times) >= 2 and abs(times - round(times)) < 1e-6:
+            return (f": (returned / right)^{norm_type:g} = {round(times)}: the sum of "
+                    f"|g|^{norm_type:g} came out {round(times)} times too large, as if every "
+                    f"part were added {round(times)} times (a reduction over the world on top of "
+                    "the groups', or copies counted on every rank)")  # fmt: skip
+    return ": no classic mistake gives this value"
 
 
 @exercise("3.6")
@@ -151,3 +241,27 @@ def test_clip_grad_norm_over_shards_equals_one_process(layout: Layout) -> None:
         f"3.6 clip_grad_norm_ over {layout.label}, against torch.nn.utils.clip_grad_norm_ on "
         "one process holding the whole model (float64):",
     )
+
+
+@exercise("3.6")
+def test_norm_types_the_api_refuses_raise_value_error() -> None:
+    problems = []
+    for index, norm_type in enumerate(REFUSED):
+        outcomes = {
+            r["outcome"] for per_rank in runs() for r in per_rank if r.get("refused_case") == index
+        }
+        outcomes.discard(None)
+        if outcomes:
+            torch_says = "" if math.isnan(norm_type) else (
+                f" (torch's clip_grad_norm_ takes it: {norm_name(norm_type)} "
+                + {0.0: "counts the tensors with a non-zero gradient",
+                   -1.0: "is a harmonic-like mean", -math.inf: "is the smallest |g|"}[norm_type]
+                + ")"
+            )  # fmt: skip
+            problems.append(
+                f"norm_type={norm_type}: global_grad_norm {sorted(outcomes)[0]}; the API takes "
+                "a positive number or inf and raises ValueError for anything else"
+                + torch_says
+                + at("global_grad_norm")
+            )
+    first_problems(problems, "3.6 global_grad_norm with the norm types its API refuses:")
