@@ -184,6 +184,7 @@ class RingPass:
     works: list[dist.Work]
     done: bool = False
 
+    @torch.compiler.disable  # Works are waited for eagerly, never traced
     def wait(self) -> list[torch.Tensor]:
         """Block until this pass finished both ways; the tensors from the previous rank."""
         if not self.done:
@@ -194,10 +195,15 @@ class RingPass:
         return self.received
 
 
+@torch.compiler.disable  # TorchDynamo cannot trace batch_isend_irecv's Works (torch 2.15)
 def start_ring_pass(tensors: Sequence[torch.Tensor], group: Group = None) -> RingPass:
     """Post, without waiting: each tensor to the next rank of ``group``, and a receive of the same
     shape and dtype from the previous rank. Every rank of the group must call it, in the same
-    order, with the same shapes. Call ``.wait()`` on the result before reading what arrived."""
+    order, with the same shapes. Call ``.wait()`` on the result before reading what arrived.
+
+    Not traced when a compiled model calls it (``torch.compiler.disable``): TorchDynamo turns
+    the ``Work`` objects ``batch_isend_irecv`` tests into tensors ("Boolean value of Tensor
+    with no values is ambiguous", torch 2.15), so the pass runs eagerly between two graphs."""
     if dist.get_world_size(group) < 2:
         raise ValueError("a ring pass needs a group of at least 2 ranks (cp = 1 has no ring)")
     next_rank, previous_rank = ring_neighbours(group)

@@ -54,6 +54,11 @@ class ParallelSettings:
     # each layer keeps only its input and recomputes its forward in backward (your 2.3
     # checkpoint, Megatron's full recompute): activations traded for a second forward
     activation_checkpointing: bool = False
+    # speed without a change of values' meaning: AdamW's fused kernel (one kernel for all the
+    # parameters, ``torch.optim.AdamW(fused=True)``), and each chunk compiled
+    # (``nn.Module.compile``: TorchDynamo traces it, Inductor generates its kernels)
+    fused_adamw: bool = False
+    compile: bool = False
 
     @property
     def world_size(self) -> int:
@@ -88,6 +93,10 @@ class ParallelSettings:
             text += f", {self.communication} all-reduce"
         if self.activation_checkpointing:
             text += ", recompute"
+        if self.fused_adamw:
+            text += ", fused AdamW"
+        if self.compile:
+            text += ", compiled"
         return text
 
     def grid(self) -> RankGrid:

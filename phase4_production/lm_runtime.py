@@ -32,6 +32,7 @@ than an all-reduce and then a reduce-scatter of what is already averaged.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -51,6 +52,7 @@ from phase4_production.lm_layout import ParallelSettings
 from phase4_production.lm_support import HeldGradient, sequence_share
 
 NORM_TYPE = 2.0
+COMPILE_BACKEND_ENV = "DTFS_COMPILE_BACKEND"  # tests trace with "eager": Inductor's C++ is slow
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,9 @@ class LanguageModelRuntime:
         self.placement = fns.placement_of(settings.schedule)
         self.context = StepContext()
         self.chunks = build_chunks(dense, fns, topology, settings, self.context, self.placement)
+        if settings.compile:  # in place: the executor, the hooks and the pieces keep the chunks
+            for chunk in self.chunks:
+                chunk.compile(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"))
         self.model = nn.ModuleList(self.chunks)
         holds_both = any(c.embedding is not None for c in self.chunks) and any(
             c.head is not None for c in self.chunks
@@ -152,8 +157,9 @@ class LanguageModelRuntime:
 
         def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
             return torch.optim.AdamW(
-                params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, eps=1e-8
-            )
+                params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, eps=1e-8,
+                fused=s.fused_adamw or None,
+            )  # fmt: skip
 
         group = self.topology.group("dp_cp")
         if s.zero == 0:

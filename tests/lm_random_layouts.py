@@ -5,7 +5,7 @@ wrong (FSDP-style units with activation checkpointing did, from step 2). This mo
 layouts from everything :class:`~phase4_production.lm_layout.ParallelSettings` accepts and the
 model options beside it (degrees of worlds 1-8, sequence parallelism, every schedule,
 micro-batches, chunks, ZeRO 0-3 and FSDP-style, the three all-reduces, recompute, clipping,
-weight decay, tied heads, MoE with ep, and batches where whole replicas or context shards hold no
+weight decay, AdamW's fused kernel, compiled chunks, tied heads, MoE with ep, and batches where whole replicas or context shards hold no
 valid target), trains each 3 AdamW steps in float64 and compares with one process: every
 step's report, every rank's own piece of every parameter, and AdamW's two moments (a gradient
 off by a uniform factor hides from the parameters, Adam being scale-free, but not from
@@ -59,6 +59,9 @@ STEPS = 3
 TOLERANCE_BEFORE_UPDATE = 1e-10
 TOLERANCE = 1e-7
 CANDIDATES = 3000  # random candidates a world's draws are picked from
+# compiled draws trace with TorchDynamo and run eagerly: what can break (tracing through the
+# hooks, the custom autograd Functions, the collectives) shows, without Inductor's C++ builds
+WORLD_ENV = {"DTFS_COMPILE_BACKEND": "eager", "TORCHDYNAMO_VERBOSE": "0"}
 DEFAULT_SEED = 2026
 EMPTY = ("none", "replica", "shard")  # which ranks hold no valid target in every batch
 
@@ -127,6 +130,8 @@ def draw_layout(rng: random.Random, world: int) -> Draw | None:
         weight_decay=rng.choice((0.0, 0.1)),
         communication=rng.choice(("library", "ring", "tree")),
         activation_checkpointing=rng.random() < 0.4,
+        fused_adamw=rng.random() < 0.3,
+        compile=rng.random() < 0.15,
     )  # fmt: skip
     heads = tp * rng.choice((1, 2))
     seq_unit = math.lcm(2 * cp, cp * tp if sp else 1)
@@ -161,6 +166,7 @@ def features(draw: Draw) -> set[tuple[str, Any]]:
         ("microbatches", s.microbatches > 1), ("zero", s.zero), ("clip", s.max_norm is not None),
         ("communication", s.communication), ("recompute", s.activation_checkpointing),
         ("weight decay", s.weight_decay > 0), ("tied", c.tied), ("moe", bool(c.moe_layers)),
+        ("fused AdamW", s.fused_adamw), ("compiled", s.compile),
         ("empty", draw.empty),
     }  # fmt: skip
 
@@ -224,8 +230,9 @@ def one_process(draw: Draw) -> Expected:
     model = build_language_model(draw.config, 0)
     named = dict(model.named_parameters(remove_duplicate=False))
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, eps=1e-8
-    )
+        model.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay, eps=1e-8,
+        fused=s.fused_adamw or None,
+    )  # fmt: skip
     out = Expected()
     for step in range(STEPS):
         tokens, targets = global_batch(draw, step)
@@ -384,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         draws = [draws[args.draw]]
     from course.world import run_world
 
-    per_rank = run_world(run_draws, args.world, (draws, args.impl), timeout=600)
+    per_rank = run_world(run_draws, args.world, (draws, args.impl), timeout=600, env=WORLD_ENV)
     lines = check(args.seed, args.world, draws, per_rank)
     for index, draw in enumerate(draws):
         print(f"{args.draw if args.draw is not None else index}: {draw.describe()}")

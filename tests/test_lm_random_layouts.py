@@ -13,7 +13,7 @@ A layout that differs from one process fails with what differs and the one line 
 from __future__ import annotations
 
 import pytest
-from lm_random_layouts import DEFAULT_SEED, check, pick, run_draws
+from lm_random_layouts import DEFAULT_SEED, WORLD_ENV, check, pick, run_draws
 
 from course.world import run_world, world_timeout
 
@@ -47,7 +47,9 @@ def test_randomized_layouts_train_like_one_process(world: int, request: pytest.F
     in float64 (relative 1e-10)."""
     seed, budget, _ = _settings(request.config)
     draws = pick(seed, world, budget)
-    per_rank = run_world(run_draws, world, (draws,), timeout=max(world_timeout(), 6.0 * budget))
+    per_rank = run_world(
+        run_draws, world, (draws,), timeout=max(world_timeout(), 6.0 * budget), env=WORLD_ENV
+    )
     lines = check(seed, world, draws, per_rank)
     if lines:
         pytest.fail(

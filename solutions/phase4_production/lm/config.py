@@ -17,7 +17,8 @@ pydantic model with unknown keys refused, and the whole is checked against the w
     precision:      fp32 or fp64
     activation_checkpointing: true: each layer keeps only its input and recomputes its forward
                     in backward (2.3's checkpoint; not with zero-bubble schedules or MoE)
-    train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...
+    train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...,
+                    fused_adamw (AdamW's fused kernel), compile (each chunk, torch.compile)
     checkpoint:     dir, every (steps between saves; 0: none), keep; a run resumes from the
                     newest one in dir that verifies, at whatever layout it runs, with every: 0
                     too (lm/checkpoint.py)
@@ -107,6 +108,8 @@ class TrainSection(Section):
     max_norm: float | None = Field(default=1.0, gt=0)
     seed: int = Field(default=0, ge=0)
     sample_bytes: int = Field(default=240, ge=0)
+    fused_adamw: bool = False  # AdamW's fused kernel (fused=True)
+    compile: bool = False  # each chunk compiled (torch.compile, Inductor)
 
 
 class CheckpointSection(Section):
@@ -159,6 +162,7 @@ class FrameworkConfig(Section):
             lr=self.train.lr, weight_decay=self.train.weight_decay,
             communication=self.communication,
             activation_checkpointing=self.activation_checkpointing,
+            fused_adamw=self.train.fused_adamw, compile=self.train.compile,
         )  # fmt: skip
 
 

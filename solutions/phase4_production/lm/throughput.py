@@ -10,7 +10,10 @@ Three rows on one device (a GPU when there is one), the same model, the same bat
   Its first losses are compared with the first row's (the same function, so they agree to
   float32's rounding);
 - **PyTorch, one process, bf16 autocast**: the first row under ``torch.autocast`` in bfloat16,
-  the precision GPU runs train in.
+  the precision GPU runs train in;
+- with ``--compiled``, **4.7 composition, fused AdamW, compiled**: the second row with the
+  framework's ``train.fused_adamw`` and ``train.compile`` (each chunk through ``torch.compile``:
+  TorchDynamo's graphs between the hooks and collectives, Inductor's kernels inside them).
 
 MFU divides the model's FLOPs by the device's peak for the row's precision
 (phase4_production/device_peaks.py: the datasheet's dense figure for a known GPU, a measured
@@ -30,7 +33,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,6 +50,7 @@ from phase4_production.device_peaks import peak_flops_per_second
 from phase4_production.lm_layout import ParallelSettings
 
 PHASE = "phase4_production"
+COMPILED_ROW = "4.7 composition, one rank, fused AdamW, compiled"
 
 
 @dataclass
@@ -63,6 +67,10 @@ class ThroughputConfig:
                                              "fix": "e.g. 10"})  # fmt: skip
     warmup: int = field(default=3, metadata={"ge": 1, "le": 1000, "fix": "e.g. 3"})
     impl: str = field(default="solutions", metadata={"choices": IMPLS})
+    compiled: bool = field(
+        default=False,
+        metadata={"help": "also the composition with fused AdamW and each chunk compiled"},
+    )
     record: str = field(default="", metadata={"help": "write the table to this results file"})
 
     def model(self) -> LMConfig:
@@ -165,6 +173,13 @@ def measure_rank(config: ThroughputConfig) -> dict[str, Any]:
     rows.append(Row("4.7 composition, one rank", torch.float32,
                     *timed_steps(composed_step(composed, batches), config, device)))  # fmt: skip
     del composed
+    if config.compiled:  # the framework's train.fused_adamw and train.compile
+        fast = replace(settings, fused_adamw=True, compile=True)
+        composed = lm.ParallelLanguageModel(build_language_model(model_config, 0, torch.float32),
+                                            Topology.build(1, 1, 1), fast)  # fmt: skip
+        timed = timed_steps(composed_step(composed, batches), config, device)
+        rows.append(Row(COMPILED_ROW, torch.float32, *timed))
+        del composed
 
     dense = build_language_model(model_config, 0, torch.float32).to(device)
     rows.append(Row("PyTorch, one process, bf16 autocast", torch.bfloat16,
@@ -188,7 +203,10 @@ def report(result: dict[str, Any], config: ThroughputConfig) -> str:
     table = Table(["step", "precision", "median step ms", "tokens/s", "vs PyTorch fp32",
                    "MFU", "peak used", "max allocated MiB"])  # fmt: skip
     values: dict[str, str] = {}
-    for row, key in zip(rows, ("plain", "composed", "bf16"), strict=True):
+    keys = {"PyTorch, one process": "plain", "4.7 composition, one rank": "composed",
+            "PyTorch, one process, bf16 autocast": "bf16", COMPILED_ROW: "compiled"}  # fmt: skip
+    for row in rows:
+        key = keys[row.name]
         median = statistics.median(row.seconds)
         peak, source = result["peaks"][row.name]
         mfu = result["per_token"] * tokens / median / peak
