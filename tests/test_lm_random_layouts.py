@@ -1,8 +1,8 @@
 """Randomized layouts of the language model against one process (issue 38; tests/lm_random_layouts.py).
 
 In CI: a fixed seed and budget, ``BUDGET`` draws in a world of 2 and one of 4, picked to cover
-the most option pairs (the draws of the default seed include FSDP-style with recompute, MoE
-experts that no token chooses, a replica and a context shard without targets). Any other::
+the most option pairs, then the draws that once found a wrong training (``FOUND``: an MoE
+expert no token chose, FSDP-style units with recompute). Any other::
 
     uv run pytest tests/test_lm_random_layouts.py --impl solutions --lm-seed 7 --lm-draws 16 \\
         --lm-worlds 2,4,8
@@ -13,7 +13,7 @@ A layout that differs from one process fails with what differs and the one line 
 from __future__ import annotations
 
 import pytest
-from lm_random_layouts import DEFAULT_SEED, WORLD_ENV, check, pick, run_draws
+from lm_random_layouts import DEFAULT_SEED, WORLD_ENV, check, draws_for, run_draws
 
 from course.world import run_world, world_timeout
 
@@ -46,11 +46,11 @@ def test_randomized_layouts_train_like_one_process(world: int, request: pytest.F
     AdamW's two moments after each of 3 steps, and full_state() at the end, against one process
     in float64 (relative 1e-10)."""
     seed, budget, _ = _settings(request.config)
-    draws = pick(seed, world, budget)
+    draws = draws_for(seed, world, budget)
     per_rank = run_world(
         run_draws, world, (draws,), timeout=max(world_timeout(), 6.0 * budget), env=WORLD_ENV
     )
-    lines = check(seed, world, draws, per_rank)
+    lines = check(seed, world, budget, draws, per_rank)
     if lines:
         pytest.fail(
             f"{len(lines)} of {len(draws)} randomized layouts of {world} ranks (seed {seed}) "
