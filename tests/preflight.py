@@ -24,6 +24,7 @@ import time, so the message comes about 1 s after the command on 2 cores.
 from __future__ import annotations
 
 import ast
+import contextlib
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -104,8 +105,9 @@ class FirstMessages:
     """Prints what a one-exercise run of the templates has to say as soon as it is known, and
     how far a long world has got (``world of 4: 3/8 layouts``), so that slow never looks hung."""
 
-    def __init__(self, reporter: Any) -> None:
+    def __init__(self, reporter: Any, capture: Any = None) -> None:
         self.reporter = reporter
+        self.capture = capture  # pytest's capture manager: a world reports inside a test
         self.named_a_todo = False  # the preflight's line went out
         self.failure_shown = False
         self.listening = False
@@ -117,8 +119,11 @@ class FirstMessages:
         if now - self.last_progress < PROGRESS_EVERY and done != total:
             return
         self.last_progress = now
-        self.reporter.ensure_newline()
-        self.reporter.write_line(f"  world of {world_size}: {done}/{total} {what}")
+        shown = (self.capture.global_and_fixture_disabled() if self.capture is not None
+                 else contextlib.nullcontext())  # fmt: skip
+        with shown:  # past the test's output capture, to the terminal
+            self.reporter.ensure_newline()
+            self.reporter.write_line(f"  world of {world_size}: {done}/{total} {what}")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
@@ -160,7 +165,7 @@ def pytest_sessionstart(session: pytest.Session) -> Generator[None, None, None]:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if ex is None or reporter is None:
         return
-    messages = FirstMessages(reporter)
+    messages = FirstMessages(reporter, config.pluginmanager.get_plugin("capturemanager"))
     config.pluginmanager.register(messages, "first_messages")
     message = first_message(ex) if config.getoption("--impl") == "templates" else None
     if message is not None:

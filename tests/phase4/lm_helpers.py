@@ -11,6 +11,11 @@ parameters after every step.
 
 Worlds are few: every layout of one world size runs in ONE world, one after the other (a new
 Topology each); the pieces' checks of ``grade_4_7_pieces.py`` share one world of 4 the same way.
+Inside the ranks, the code under test's ``finish_gradients`` is wrapped to keep, after each step,
+the gradients it left (:func:`recording_finish`), which the grader compares with one process's.
+
+:data:`FAILED_PIECES` is how the two graders of 4.7 agree on one story: the pieces grader notes
+each function whose own check failed, and the training layouts that run it step aside.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from grading import load
 
 from course.language_model import IGNORE_INDEX, LMConfig, build_language_model, uneven_batch
 from course.topology import Topology
+from course.world import report_progress
 from phase4_production.lm_layout import ParallelSettings
 
 PHASE = "phase4_production"
@@ -40,6 +46,36 @@ def lm_parallel() -> Any:
 
 def lm_sequence_parallel() -> Any:
     return load(PHASE, "lm_sequence_parallel")
+
+
+# The 4.7 functions whose own check (grade_4_7_pieces.py, which runs first) failed in this run:
+# function -> the test that says why. A training layout that uses one of them and goes wrong
+# steps aside ("blocked by ...") instead of telling a second story about the same mistake.
+FAILED_PIECES: dict[str, str] = {}
+
+
+def piece_failed(functions: str | list[str], test: str) -> None:
+    for function in [functions] if isinstance(functions, str) else functions:
+        FAILED_PIECES.setdefault(function, test)
+
+
+def function_of(name: str) -> Any:
+    """The code under test's 4.7 function ``name`` (either of the exercise's two modules)."""
+    for module in (lm_parallel(), lm_sequence_parallel()):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(name)
+
+
+def at(name: str) -> str:
+    """`` (phase4_production/template_lm_parallel.py:94 in loss_share)``: where the code under
+    test defines the 4.7 function ``name``."""
+    from grading import defined_at
+
+    try:
+        return defined_at(function_of(name))
+    except Exception:  # a module that does not import: its own test says so
+        return ""
 
 
 def batch(step: int, config: LMConfig = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +122,7 @@ class Reference:
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)
     norms: list[float | None] = field(default_factory=list)
     valid: list[int] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)  # before clipping
 
 
 _REFERENCES: dict[tuple[Any, ...], Reference] = {}
@@ -107,6 +144,10 @@ def reference(lay: Layout) -> Reference:
         optimizer.zero_grad(set_to_none=True)
         ce, balance = model.loss(tokens, targets)
         (ce + config.aux_coefficient * balance).backward()
+        run.grads.append({
+            n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        })  # fmt: skip
         norm = None
         if s.max_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_norm))
@@ -153,6 +194,19 @@ class RankRun:
     pieces: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (how, parts)
     layers: list[list[int]] = field(default_factory=list)
     error: str | None = None  # a TODO not written yet (every rank raised it alike)
+    # per step, the gradients finish_gradients left (the whole pieces: ZeRO slices are not kept)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def recording_finish(run: RankRun, finish: Any) -> Any:
+    """The code under test's finish_gradients, noting what it leaves in ``run.grads``."""
+
+    def finish_gradients(held: list[Any], topology: Topology, sequence_parallel: bool,
+                         all_reduce_fn: Any = None) -> None:  # fmt: skip
+        finish(held, topology, sequence_parallel, all_reduce_fn)
+        run.grads.append({h.name: h.grad.detach().clone() for h in held if not h.reduced})
+
+    return finish_gradients
 
 
 def run_layouts(layouts: list[Layout]) -> list[RankRun]:
@@ -166,6 +220,9 @@ def run_layouts(layouts: list[Layout]) -> list[RankRun]:
             model = lm_parallel().ParallelLanguageModel(
                 build_language_model(lay.config, SEED), topology, s
             )
+            fns = model.functions
+            setattr(model, "functions",  # noqa: B010 - a ClassVar, replaced on this instance
+                    replace(fns, finish_gradients=recording_finish(run, fns.finish_gradients)))
             run.pieces = {n: (p.how, p.fused_parts) for n, p in model.piece_of().items()}
             run.layers = [list(r) for r in model.chunk_layers()]
             for step in range(STEPS):
@@ -178,4 +235,5 @@ def run_layouts(layouts: list[Layout]) -> list[RankRun]:
             run.error = str(exc)
         dist.barrier()
         out.append(run)
+        report_progress(len(out), len(layouts), "layouts")  # "world of 4: 3/8 layouts"
     return out
