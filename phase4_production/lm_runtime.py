@@ -172,17 +172,17 @@ class LanguageModelRuntime:
         return optimizer, list(optimizer.units)
 
     def wrap_policy(self) -> list[UnitGroup]:
-        """Which layers share a ZeRO or FSDP-style unit: each transformer block's layers, one
-        unit per kind of gradient reduction (``Piece``: tp-replicated or a tp shard, a tied
-        copy, an expert: :meth:`held_gradients` hands each unit's slice to ``finish_gradients``
-        as one gradient), gathered around the block, as FSDP2 users call ``fully_shard`` on
-        every block; the embedding, the final norm and the head each their own unit, gathered
-        around themselves, so that every unit comes in the order it computes (a unit around the
-        whole chunk would be first in forward order while its head computes last, and the
-        backward prefetch would start its gather again after its gradients were reduced).
-        One unit per layer would hand the collectives a dozen small buffers per block: at dp4
-        FSDP-style on 2 cores (width 64, 4 layers) 27 units took 361-459 ms a step, 5 units per
-        block 149-170 ms, with the same losses."""
+        """Which layers share a ZeRO or FSDP-style unit: each transformer block's layers, in
+        one unit gathered around the block, as FSDP2 users call ``fully_shard`` on every block
+        (its layers ordered by kind of gradient reduction, so that each kind is one run of the
+        unit's flat buffer: :meth:`held_gradients` hands each run of this rank's slice to
+        ``finish_gradients`` as its own gradient); the embedding, the final norm and the head
+        each their own unit, gathered around themselves, so that every unit comes in the
+        order it computes (a unit around the whole chunk would be first in forward order while
+        its head computes last, and the backward prefetch would start its gather again after
+        its gradients were reduced). One unit per layer would hand the collectives a dozen
+        small buffers per block: at dp4 FSDP-style on 2 cores (width 64, 4 layers) 27 units
+        took 361-459 ms a step, 5 units per block 149-170 ms, with the same losses."""
         groups: list[UnitGroup] = []
         for chunk in self.chunks:
             blocks = {id(m): block for block in chunk.blocks.values() for m in block.modules()}
@@ -193,13 +193,13 @@ class LanguageModelRuntime:
                     groups.append((layer, [layer]))  # the embedding, final norm, head
                 elif id(block) not in grouped:
                     grouped.add(id(block))
-                    by_kind: dict[tuple[bool, bool, bool], list[nn.Module]] = {}
-                    for member in layers_of(block):
-                        piece = self.pieces[id(next(member.parameters(recurse=False)))]
-                        kind = (piece.tp_replicated, piece.tied, piece.expert)
-                        by_kind.setdefault(kind, []).append(member)
-                    groups += [(block, members) for members in by_kind.values()]
+                    groups.append((block, sorted(layers_of(block), key=self._kind_of)))
         return groups
+
+    def _kind_of(self, layer: nn.Module) -> tuple[bool, bool, bool]:
+        """How a layer's gradient is reduced (``Piece``): tp-replicated first, then the shards."""
+        piece = self.pieces[id(next(layer.parameters(recurse=False)))]
+        return (not piece.tp_replicated, piece.tied, piece.expert)
 
     # ------------------------------------------------------------------ one step
 
@@ -325,15 +325,7 @@ class LanguageModelRuntime:
                 unit.shard.grad.copy_(unit.reduce_scatter(unit.flat_grad))
         if self.settings.zero in (1, 2, 3, "fsdp"):
             for unit in self.units:
-                pieces = [self.pieces[id(p)] for p in unit.layout.params]
-                first = pieces[0]
-                if unit.shard.grad is None:
-                    raise RuntimeError(f"{first.dense_name}: ZeRO left no gradient in its shard")
-                name = ",".join(p.dense_name for p in pieces)
-                out.append(
-                    HeldGradient(name, unit.shard.grad, first.tp_replicated, first.tied,
-                                 first.expert, reduced=True)
-                )  # fmt: skip
+                out += self._slice_runs(unit)
             return out
         seen: set[int] = set()
         for param in self.model.parameters():
@@ -351,6 +343,29 @@ class LanguageModelRuntime:
                              piece.expert)
             )  # fmt: skip
         return out
+
+    def _slice_runs(self, unit: Any) -> list[HeldGradient]:
+        """This rank's slice of a ZeRO or FSDP-style unit's gradient, cut into runs of one kind
+        of reduction each (the wrap policy orders a block's layers by kind): views of the
+        shard's gradient, so that reducing and clipping them acts on the shard. Every rank of a
+        tp or embedding group holds the same layout and slice, so the same runs."""
+        layout, grad = unit.layout, unit.shard.grad
+        pieces = [self.pieces[id(p)] for p in layout.params]
+        if grad is None:
+            raise RuntimeError(f"{pieces[0].dense_name}: ZeRO left no gradient in its shard")
+        runs: list[tuple[tuple[bool, bool, bool], int, int, list[str]]] = []
+        for piece, offset, param in zip(pieces, layout.offsets, layout.params, strict=True):
+            start = max(offset, layout.shard_start) - layout.shard_start
+            stop = min(offset + param.numel(), layout.shard_stop) - layout.shard_start
+            if start >= stop:
+                continue  # this parameter lies outside this rank's slice
+            kind = (piece.tp_replicated, piece.tied, piece.expert)
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], stop, [*runs[-1][3], piece.dense_name])
+            else:
+                runs.append((kind, start, stop, [piece.dense_name]))
+        return [HeldGradient(",".join(names), grad[start:stop], *kind, reduced=True)
+                for kind, start, stop, names in runs]  # fmt: skip
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's piece of every parameter, named as in the one-process model (ZeRO and

@@ -87,15 +87,15 @@ class HeldBytes:
 
 def layer_units(config: LMConfig, layer: int, tp: int, ep: int) -> list[int]:
     """Elements of each unit one layer holds on a rank (tp shards, E/ep experts), as the
-    runtime's wrap policy groups them: one unit per kind of reduction in a block (the norms,
-    whole on every tp rank; the tp shards; the router; the experts)."""
+    runtime's wrap policy groups them: one unit per block (an MoE block, which ZeRO refuses,
+    listed by kind: the norms and the router, the attention, the experts)."""
     h = config.width
     attention = 3 * h * h // tp + h * h // tp  # qkv, out
     if config.is_moe(layer):
         per_expert = 2 * h * config.expert_ffn + config.expert_ffn + h  # two Linears, biased
         whole = 2 * h + config.num_experts * h  # the norms and the router
         return [whole, attention, per_expert * (config.num_experts // ep)]
-    return [2 * h, attention + 2 * config.ffn * h // tp + h * config.ffn // tp]  # + SwiGLU
+    return [2 * h + attention + 2 * config.ffn * h // tp + h * config.ffn // tp]  # + SwiGLU
 
 
 def rank_units(config: LMConfig, settings: ParallelSettings, pp_rank: int) -> list[int]:
