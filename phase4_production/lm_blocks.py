@@ -102,6 +102,22 @@ class Wiring:
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Your ``enter_tensor_parallel`` on this rank's tp group; with tp = 1 the region is the
+        whole layer already, and nothing runs (no collective on a group of one rank: each
+        costs a call into the backend and back, 16 per step at pp4 with 4 layers)."""
+        t = self.topology
+        if t.tp_size == 1:
+            return x
+        return self.functions.enter_tensor_parallel(x, t.tp_group, self.settings.sequence_parallel)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """Your ``leave_tensor_parallel`` on this rank's tp group; nothing with tp = 1."""
+        t = self.topology
+        if t.tp_size == 1:
+            return y
+        return self.functions.leave_tensor_parallel(y, t.tp_group, self.settings.sequence_parallel)
+
 
 class LocalLinear(nn.Module):
     """``x @ weight.T`` with this rank's piece of a weight: no bias, no communication (the
@@ -128,8 +144,8 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.wiring
-        topology, sp = w.topology, w.settings.sequence_parallel
-        whole = w.functions.enter_tensor_parallel(x, topology.tp_group, sp)
+        topology = w.topology
+        whole = w.enter(x)
         batch, tokens, _ = whole.shape
         qkv = self.qkv(whole).view(batch, tokens, 3, self.local_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [batch, local heads, tokens, head_dim]
@@ -139,7 +155,7 @@ class ParallelAttention(nn.Module):
         else:
             mixed = causal_attention(q, k, v)
         partial = self.out(mixed.transpose(1, 2).reshape(batch, tokens, -1))
-        return w.functions.leave_tensor_parallel(partial, topology.tp_group, sp)
+        return w.leave(partial)
 
 
 class ParallelSwiGLU(nn.Module):
@@ -153,9 +169,8 @@ class ParallelSwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.wiring
-        group, sp = w.topology.tp_group, w.settings.sequence_parallel
-        gate, up = self.gate_up(w.functions.enter_tensor_parallel(x, group, sp)).chunk(2, dim=-1)
-        return w.functions.leave_tensor_parallel(self.down(F.silu(gate) * up), group, sp)
+        gate, up = self.gate_up(w.enter(x)).chunk(2, dim=-1)
+        return w.leave(self.down(F.silu(gate) * up))
 
 
 class ParallelMoE(nn.Module):

@@ -287,10 +287,9 @@ class LanguageModelRuntime:
         losses = torch.tensor([loss or 0.0, float(sum(float(b) for b in self.context.balance))],
                               dtype=torch.float64) / topology.size_of("dp_cp")  # fmt: skip
         parts = torch.cat([losses, choices.flatten()]).to(self.device)
-        dist.all_reduce(parts, group=topology.group("dp_cp"))
-        if self.settings.sequence_parallel:
-            dist.all_reduce(parts, group=topology.tp_group)
-        dist.all_reduce(parts, group=topology.pp_group)
+        for name in ("dp_cp", "tp" if self.settings.sequence_parallel else None, "pp"):
+            if name is not None and topology.size_of(name) > 1:  # a group of one adds nothing
+                dist.all_reduce(parts, group=topology.group(name))
         parts = parts.cpu()
         return StepTotals(float(parts[0]), float(parts[1]), parts[2:].view_as(choices))
 
