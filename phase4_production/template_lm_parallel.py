@@ -11,12 +11,13 @@ stage, its experts) and some *tokens* (its dp replica's samples, its cp shard of
 positions, with sequence parallelism its tp share of those), and two rules decide every
 reduction of the step:
 
-* **a sum over tokens runs over the ranks that hold other tokens of the same weights**: data x
-  context (``topology.group("dp_cp")``), and, inside the sequence-parallel region, tp too;
+* **a sum over tokens runs over the ranks that hold other tokens of the same weights**;
 * **a gradient is complete once every rank whose tokens used that weight has added its part**:
-  the copies of a weight that saw different tokens must be combined (dp x cp; tp for the weights
-  sequence parallelism runs on token shares; the two stages that hold a tied embedding), and
-  copies that saw the same tokens must not be (tp without sequence parallelism).
+  the copies of a weight that saw different tokens must be combined, and copies that saw the
+  same tokens must not be.
+
+Which ranks those are, for each sum and each kind of weight, is what you decide here
+(guidelines.md asks it function by function).
 
 Get a group wrong and nothing crashes: the loss still falls, a little off. torchtitan (a loss
 reduced on the wrong mesh with tp and cp: shown 2x off) and Megatron-LM (cp = 2 halving the
@@ -24,7 +25,7 @@ gradient under uneven valid-token counts; MoE counts under cp) fixed exactly the
 grader compares every loss and parameter with one process, in float64, so nothing slips by.
 
 The data-parallel reductions of the course *average* (phase 1's average_gradients, 3.5's ZeRO
-reduce-scatter), so every share below is scaled for an average over dp x cp.
+reduce-scatter): keep it in mind for every share you return.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A template shows each TODO's goal, its invariant and Hint 1. When you want more, this prints the
 next rung for the TODO you are on (the first one of the exercise whose ``raise
-NotImplementedError`` is still in your template), and only that: Hint 2 (the shape of the
-solution, in words) the first time, Hint 3 (close to code, in words and formulas) the next.
+NotImplementedError`` is still in your template), and only that: Hint 2 (what to consider: the
+questions and facts that lead to the design) the first time, Hint 3 (the answer in words, never a
+line to paste) the next.
 
     uv run python -m tests.hint 3.1            # the next rung of the TODO you are on
     uv run python -m tests.hint 3.1 --todo 2   # the next rung of the exercise's second TODO

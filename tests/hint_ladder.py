@@ -1,7 +1,7 @@
 """The hint ladder: which TODO a learner is on, which rung of its hints comes next.
 
-A TODO's hints are rungs: Hint 1 in the template, Hint 2 (the shape of the solution, in words)
-and Hint 3 (close to code, in words and formulas) with the reference, printed by ``tests.hint``
+A TODO's hints are rungs: Hint 1 in the template, Hint 2 (what to consider) and Hint 3 (the
+answer in words, never pasteable code) with the reference, printed by ``tests.hint``
 one at a time so that a learner who wants a nudge on one TODO does not read every answer of the
 exercise. Which TODO is "next" is read from the learner's own template: the first whose
 ``raise NotImplementedError("TODO x.y: <goal> ...")`` is still there. Which rung comes next is

@@ -168,6 +168,7 @@ def command_sources() -> list[Path]:
     """Where people copy commands from: the README, the guides, CI, the deployment files, the
     notebooks and the results files' recorded commands."""
     found = [ROOT / "README.md", *ROOT.glob("phase*_*/guidelines.md"), *ROOT.glob(".ci/*"),
+             *ROOT.glob("phase*_*/after_you_pass.md"),
              *ROOT.glob(".ci/gpu-runs/README.md"), *ROOT.glob("notebooks/*.ipynb"),
              *ROOT.glob("phase*_*/results/*.json"),
              *(p for p in ROOT.glob("solutions/**/deployment/**/*") if p.is_file())]  # fmt: skip
