@@ -476,3 +476,29 @@ def test_zero1_sends_the_gradients_once_a_reduce_scatter_and_an_all_gather() -> 
     gradients on top (the ZeRO paper's stage 1 traffic; lm_traffic's formulas, to the byte)."""
     for rank, diffs in enumerate(run_world(_zero1_traffic, 2, ())):
         assert not diffs, f"rank {rank}: dp2 ZeRO-1's step against lm_traffic: {diffs}"
+
+
+def test_the_layouts_benchmark_judges_each_layout_against_the_library_round_by_round() -> None:
+    """Ratios of the library's step to ours in each round (the two played in the same rounds),
+    judged three ways against 1.0x: ahead, behind on a quiet machine, straddling."""
+    from course.verdicts import Load
+    from solutions.phase4_production.lm.benchmark import library_table
+
+    def row(times: list[float]) -> dict[str, Any]:
+        return {"seconds": sorted(times)[len(times) // 2], "times": times}
+
+    rows = {
+        "ZeRO-2": row([0.10, 0.10, 0.11, 0.10, 0.10]),
+        "pipeline (1F1B)": row([0.20, 0.21, 0.20, 0.22, 0.20]),
+        "FSDP-style": row([0.10, 0.12, 0.10, 0.12, 0.10]),
+        "context (ring)": row([0.3, 0.3, 0.3, 0.3, 0.3]),  # no library row: not judged
+        "library ZeRO-2": row([0.13, 0.13, 0.13, 0.13, 0.13]),
+        "library pipeline (1F1B)": row([0.15, 0.15, 0.15, 0.15, 0.15]),
+        "library FSDP-style": row([0.11, 0.11, 0.11, 0.11, 0.11]),
+    }
+    table, values = library_table(rows, Load.quiet(), 2048)
+    verdicts = {cells[0]: cells[-1] for cells in table.rows}
+    assert verdicts == {"ZeRO-2": "met", "pipeline (1F1B)": "not met",
+                        "FSDP-style": "inconclusive (spread)"}, verdicts  # fmt: skip
+    assert values["vs_library_zero_2"] == "1.30x"
+    assert values["vs_library_pipeline_1f1b_verdict"] == "not met"

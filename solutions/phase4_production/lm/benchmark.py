@@ -38,6 +38,7 @@ from course.impl import IMPLS, load_impl
 from course.language_model import LMConfig, build_language_model
 from course.results import Table, write_results
 from course.topology import Topology
+from course.verdicts import Goal, Load, LoadMeter, pair_ratios
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.benchmarks.strategies import ActivationMeter
@@ -200,7 +201,7 @@ def measure_layouts(
     rows = {}
     tokens, targets = batch(config.warmup + config.rounds, config)
     for entry in entries:
-        row: dict[str, Any] = {"seconds": statistics.median(entry.times),
+        row: dict[str, Any] = {"seconds": statistics.median(entry.times), "times": entry.times,
                                "spread": (min(entry.times), max(entry.times))}  # fmt: skip
         if not entry.library:
             hand_made = entry.model.settings.communication != "library"
@@ -230,7 +231,8 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
-def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
+def report(result: tuple[list[dict[str, Any]], Load], config: BenchConfig) -> str:
+    per_rank, load = result
     tokens = config.batch * config.seq_len
     columns = ["layout", "tokens/s", "step ms (min-max)", "held MiB per rank (max)",
                "params / grads / optimizer MiB (max rank)", "activations MiB (peak, max rank)",
@@ -277,18 +279,54 @@ def report(per_rank: list[dict[str, Any]], config: BenchConfig) -> str:
     total_off = sum(int(cells[6]) for cells in table.rows if cells[6].isdigit())
     values = {"bytes_off": str(total_off), "world": str(config.world),
               "rounds": str(config.rounds)}  # fmt: skip
+    versus, verdicts = library_table(per_rank[0], load, tokens)
+    values.update(verdicts)
+    tables = {f"layouts_w{config.world}": table}
+    if versus.rows:
+        tables[f"vs_library_w{config.world}"] = versus
     if config.record:
-        write_results(RESULTS, tables={f"layouts_w{config.world}": table}, values=values)
+        write_results(RESULTS, tables=tables, values=values)
+    more = f"\n\n{versus.to_markdown()}\n\n{versus.note}" if versus.rows else ""
     return (
         f"world {config.world}, {config.rounds} interleaved rounds after {config.warmup} "
         f"warm-up; global batch {config.batch} x {config.seq_len} tokens, width "
         f"{config.width}, {config.layers} layers, float32\n\n{table.to_markdown()}\n\n"
-        f"bytes off the formulas, all layouts and ranks: {total_off}"
+        f"bytes off the formulas, all layouts and ranks: {total_off}{more}"
     )
 
 
-def measure(config: BenchConfig) -> list[dict[str, Any]]:
-    return run_world(measure_rank, config.world, (config,), {}, timeout=3600)
+def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], Load]:
+    meter = LoadMeter()
+    with meter.running(processes=config.world):
+        per_rank = run_world(measure_rank, config.world, (config,), {}, timeout=3600)
+    return per_rank, meter.read()
+
+
+LIBRARY_GOAL = Goal("tokens/s of the course's composition / the library's, round by round", 1.0)
+
+
+def library_table(
+    rows: dict[str, Any], load: Load, tokens: int
+) -> tuple[Table, dict[str, str]]:
+    """Each layout the library runs too: the ratio of tokens/s round by round (the two played
+    in the same rounds), and course.verdicts' three-way verdict against 1.0x."""
+    table = Table(["layout", "course tokens/s", "library tokens/s", "course / library (middle "
+                   "half of the rounds)", "verdict (goal >= 1.0x)"])  # fmt: skip
+    values: dict[str, str] = {}
+    for name, row in rows.items():
+        library = rows.get(f"library {name}")
+        if name.startswith("library ") or library is None:
+            continue
+        ratios = pair_ratios(library["times"], row["times"])  # its time / ours = our speed-up
+        verdict = LIBRARY_GOAL.judge(ratios, load, cell=name, per="round")
+        table.add(name, f"{tokens / row['seconds']:,.0f}", f"{tokens / library['seconds']:,.0f}",
+                  f"{statistics.median(ratios):.2f}x ({verdict.spread.text('x')})",
+                  verdict.short)  # fmt: skip
+        key = name.replace(" ", "_").replace("(", "").replace(")", "").replace("-", "_").lower()
+        values[f"vs_library_{key}"] = f"{statistics.median(ratios):.2f}x"
+        values[f"vs_library_{key}_verdict"] = verdict.short
+    table.note = f"tokens/s: the medians of the rounds; {load.text()}"
+    return table, values
 
 
 def _quiet_library_warnings() -> None:

@@ -8,7 +8,8 @@ for each the predicted and measured step time and bytes held per rank (model sta
 activations autograd saved during a step), then two verdicts:
 
 * the rank correlation (Spearman) between the predicted and the measured order of the layouts;
-* whether the planner's first choice is within 10% of the fastest layout measured.
+* whether the planner's first choice is within 10% of the fastest layout measured;
+* whether every layout's measured step is within 0.8-1.25x of its prediction.
 
 Both are stated as measured, met or not; the guide says where the model misses and why::
 
@@ -35,6 +36,7 @@ from solutions.phase4_production.lm.rates import Rates, measure_rates
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
 TOP_CHOICE = 1.10  # the first choice must be within 10% of the fastest measured
+TIME_BAND = (0.8, 1.25)  # issue 40: every measured / predicted step time inside this band
 
 
 @dataclass
@@ -154,9 +156,14 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
         fastest = min(measured)
         first = measured[0] / fastest
         met = first <= TOP_CHOICE
+        ratios = [m / p for m, p in zip(measured, predicted, strict=True)]
+        low, high = min(ratios), max(ratios)
+        in_band = TIME_BAND[0] <= low and high <= TIME_BAND[1]
         verdict = (
             f"world {check_.world}: rank correlation {rho:.2f}; the first choice measured "
-            f"{first:.2f}x the fastest layout measured ({'within' if met else 'not within'} 10%)"
+            f"{first:.2f}x the fastest layout measured ({'within' if met else 'not within'} 10%); "
+            f"measured / predicted {low:.2f}-{high:.2f}x ({'met' if in_band else 'not met'}: "
+            f"goal {TIME_BAND[0]:g}-{TIME_BAND[1]:g}x for every layout)"
         )
         table.note = verdict
         values = {
@@ -165,6 +172,8 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
             "first_choice_met": "met" if met else "not met",
             "first_choice": check_.chosen[0].settings.label(),
             "fastest": check_.chosen[measured.index(fastest)].settings.label(),
+            "time_ratios": f"{low:.2f}-{high:.2f}x",
+            "time_band_met": "met" if in_band else "not met",
         }
         if config.record:
             write_results(RESULTS / f"lm_planner_w{check_.world}.json",

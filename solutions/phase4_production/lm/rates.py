@@ -158,7 +158,7 @@ def measure_compute(
     block = Block(config, 0).to(dtype)
     positions = torch.arange(config.seq_len)
     cos, sin = rotary_tables(positions, config.head_dim, config.rope_base, dtype)
-    counts = (2, 4, 8, 16)
+    counts = (1, 2, 4, 8, 16)  # sequences: a pipeline's micro-batches go down to one
     forward, backward, norms = [], [], []
     saved = norm_saved = 0
     for batch in counts:
