@@ -26,6 +26,12 @@ from torch import nn
 UnitGroup = tuple[nn.Module, Sequence[nn.Module]]
 
 
+def are_groups(items: Sequence[object]) -> bool:
+    """Whether a wrapper's ``modules`` are explicit :data:`UnitGroup` s (all of them), rather
+    than FSDP2-style modules."""
+    return bool(items) and all(isinstance(item, tuple) for item in items)
+
+
 def layers_of(model: nn.Module) -> list[nn.Module]:
     """Modules that own parameters directly, in registration order (the ZeRO units)."""
     return [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phase3_multi_node.sharded_optimizer import ShardedOptimizer
-from phase3_multi_node.wrap_policy import UnitGroup, check_groups
+from phase3_multi_node.wrap_policy import UnitGroup, are_groups, check_groups
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -136,7 +136,7 @@ def check_fsdp_arguments(
         raise ValueError(
             f"prefetch={prefetch!r}: the number of units gathered ahead, 0 (none) or more"
         )
-    if modules and all(isinstance(m, tuple) for m in modules):
+    if are_groups(modules):
         check_groups(model, modules)  # type: ignore[arg-type]
     elif any(isinstance(m, tuple) for m in modules):
         raise ValueError("modules mixes modules and (module, layers) groups: list one kind")

@@ -200,8 +200,8 @@ def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() 
     model = build_language_model(config.model(), 0, torch.float32)
     matrices = sum(p.numel() for n, p in model.named_parameters() if n != "embedding.weight")
     assert lm_throughput.flops_per_token(model) == 6 * matrices + 12 * 2 * 32 * 16
-    # the compiled row traces with TorchDynamo and runs eagerly here (Inductor's C++ builds take
-    # minutes on 2 cores); .ci/gpu-batch records it with Inductor on a GPU
+    # the compiled row traces with TorchDynamo and runs eagerly here (no Inductor C++ builds in
+    # the suite); .ci/gpu-batch records it with Inductor on a GPU
     result = run_world(lm_throughput.measure_rank, 1, (config,), env={
         "DTFS_COMPILE_BACKEND": "eager"})[0]  # fmt: skip
     rows = result["rows"]

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phase3_multi_node.wrap_policy import UnitGroup
+from phase3_multi_node.wrap_policy import UnitGroup, are_groups
 from phase3_multi_node.zero_fsdp_support import (
     FsdpOptimizer,
     MixedPrecision,
@@ -166,10 +166,9 @@ def fsdp_wrap(
     """
     check_fsdp_arguments(model, modules, prefetch)
     policy = policy or MixedPrecision()
-    grouped = bool(modules) and all(isinstance(m, tuple) for m in modules)
     assigned = (
         group_unit_parameters(model, modules)  # type: ignore[arg-type]
-        if grouped
+        if are_groups(modules)
         else assign_unit_parameters(model, modules)  # type: ignore[arg-type]
     )
     placed = [(module, FsdpUnit(params, policy, group)) for module, params in assigned]
