@@ -183,6 +183,43 @@ def test_more_data_parallel_ranks_hold_less_under_zero_and_tp_divides_compute() 
     assert tp4.pipeline == pytest.approx(dp4.pipeline)
 
 
+def test_ranks_that_share_cores_are_planned_by_every_ranks_cpu_over_the_cores() -> None:
+    """Four ranks on two cores, with the shared-core rates measured: the step is every rank's
+    CPU over the cores, and each rank's collectives are counted as lm.traffic counts
+    them (a profile of dp4 calls 3 all-reduces a step, dp2 x tp2 19)."""
+    config = LMConfig()
+    shared = dataclasses.replace(fake_rates(), cores=2, comm_cpu=AlphaBeta(1e-4, 1e-10),
+                                 action_cpu=1e-3, call_cpu=2e-4, contention=1.1)  # fmt: skip
+    machine = lm_planner.Machine(4, 4, 2**40)
+
+    def calls(**options: Any) -> int:
+        return lm_planner.collective_cost(config, ParallelSettings(**options), 16, 0, 4)[1]
+
+    assert calls(dp=4) == 3  # the count, the report, the gradients
+    assert calls(dp=4, zero=2) == 2 + 7 * 2  # 7 units: a reduce-scatter and an all-gather each
+    assert calls(dp=2, tp=2) == 3 + 2 * 4 * 2  # two regions per layer, forward and backward
+    assert calls(tp=4, sequence_parallel=True) == 2 * 4 * 2 * 2 + 2  # all-gather + reduce-scatter
+    assert calls(pp=4, microbatches=4) == 2 * 4 + 1 + 1  # rank 0: out and back, a header, report
+    layouts: list[dict[str, Any]] = [
+        {"dp": 4},
+        {"dp": 2, "tp": 2},
+        {"pp": 2, "dp": 2, "microbatches": 4},
+    ]
+    for options in layouts:
+        settings = ParallelSettings(**options)
+        work = sum(
+            lm_planner.rank_cpu(config, settings, shared, 16, r, 4) for r in range(settings.pp)
+        )
+        busy = work * (4 // settings.pp) / 2
+        predicted = lm_planner.predict(config, settings, shared, machine, 16)
+        assert predicted.seconds == pytest.approx(busy), (options, predicted.seconds, busy)
+    # without the shared-core rates, the compute is slowed by ranks / cores, as before
+    alone = lm_planner.predict(
+        config, ParallelSettings(dp=4), dataclasses.replace(shared, comm_cpu=None), machine, 16
+    )
+    assert "cores" not in " ".join(alone.notes)
+
+
 def test_spearman_and_the_spread_of_checked_layouts() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -435,8 +472,12 @@ def test_links_are_measured_inside_and_across_nodes_when_the_world_spans_nodes()
 
     assert two_kinds(4, 2) and not two_kinds(4, 4) and not two_kinds(4, 1)
     times = run_world(_links, 4, (2,))[0]  # two nodes of two ranks
-    assert sorted(times) == ["all_reduce", "inter_node", "point_to_point"], sorted(times)
-    assert all(len(v) == len(SIZES) and min(v) > 0 for v in times.values()), times
+    sized = ["all_reduce", "all_reduce_cpu", "inter_node", "point_to_point", "point_to_point_cpu"]
+    shared = ["action_cpu", "call_cpu", "contention"]  # for ranks sharing cores
+    assert sorted(times) == sorted(sized + shared), sorted(times)
+    assert all(len(times[k]) == len(SIZES) for k in sized), times
+    assert all(min(times[k]) > 0 for k in ("all_reduce", "inter_node", "point_to_point")), times
+    assert all(len(times[k]) == 1 for k in shared), times
     links = fit_links(times, 4, 2)
     assert links.inter_node is not None, "a world of 2 nodes fitted no link across nodes"
     assert fit_links({k: v for k, v in times.items() if k != "inter_node"}, 4).inter_node is None

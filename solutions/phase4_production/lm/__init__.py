@@ -27,6 +27,8 @@ library comparison and records.
   this machine.
 * ``record``: Record exercise 4.7's real-text run: one model, one seed, two layouts, the same
   curve.
+* ``shard_compute``: The compute one tensor-parallel rank runs for one dense layer, without its
+  collectives.
 * ``throughput``: The language model at one rank: tokens/s and model FLOPs utilisation (MFU),
   beside PyTorch.
 * ``traffic``: What each axis of exercise 4.7's composition sends in a step: formulas, and

@@ -305,9 +305,7 @@ def measure(config: BenchConfig) -> tuple[list[dict[str, Any]], Load]:
 LIBRARY_GOAL = Goal("tokens/s of the course's composition / the library's, round by round", 1.0)
 
 
-def library_table(
-    rows: dict[str, Any], load: Load, tokens: int
-) -> tuple[Table, dict[str, str]]:
+def library_table(rows: dict[str, Any], load: Load, tokens: int) -> tuple[Table, dict[str, str]]:
     """Each layout the library runs too: the ratio of tokens/s round by round (the two played
     in the same rounds), and course.verdicts' three-way verdict against 1.0x."""
     table = Table(["layout", "course tokens/s", "library tokens/s", "course / library (middle "

@@ -66,6 +66,7 @@ from solutions.phase4_production.lm.rates import (
     link_times,
     measure_compute,
     measure_rates,
+    rates_from,
     rates_timeout,
 )
 from solutions.phase4_production.lm.trainer import RunOptions, run, say
@@ -128,23 +129,10 @@ def rates_in_world(
         payload = [(compute, links, len(os.sched_getaffinity(0)))]
     dist.broadcast_object_list(payload, src=0)
     compute, links, cores = payload[0]
-    return Rates(
-        layer_forward=compute["layer_forward"],
-        layer_backward=compute["layer_backward"],
-        norm_share=compute["norm_share"],
-        head_per_token=compute["head_per_token"],
-        activation_bytes_per_token=compute["activation_bytes_per_token"],
-        norm_activation_bytes_per_token=compute["norm_activation_bytes_per_token"],
-        optimizer_per_element=compute["optimizer_per_element"],
-        all_reduce=links.all_reduce,
-        point_to_point=links.point_to_point,
-        cores=cores,
-        dtype=str(dtype).removeprefix("torch."),
-        sources={"all": f"measured at launch in this world of {dist.get_world_size()} ranks"
-                 + (f", links inside and across nodes of {per_node} apart"
-                    if links.inter_node is not None else "")},
-        inter_node=links.inter_node,
-    )  # fmt: skip
+    sources = {"all": f"measured at launch in this world of {dist.get_world_size()} ranks"
+               + (f", links inside and across nodes of {per_node} apart"
+                  if links.inter_node is not None else "")}  # fmt: skip
+    return rates_from(compute, links, cores, str(dtype).removeprefix("torch."), sources)
 
 
 def choose(config: FrameworkConfig, rates: Rates, world: int) -> list[Prediction]:

@@ -18,7 +18,20 @@ schedules and micro-batches), predicts for each
   reduce-scatters and all-gathers per unit), the optimizer's step on the elements the rank owns,
   and the step's small all-reduces,
 
-adds, for each layout that does not fit, the same layout with activation checkpointing (each
+and, when the machine's ranks share cores (more ranks per node than ``Rates.cores``, measured
+with the shared-core rates), the step from the cores instead: the kernel's scheduler lends each
+core to whichever rank can run, so a step takes about every rank's CPU time over the cores
+(:func:`rank_cpu`: its layers' compute at its tensor-parallel share, slowed by
+``Rates.contention``; the framework's CPU per pipeline action and per collective call; each
+collective's CPU in an alpha-beta fit of what gloo's threads spend between computations, counted
+call by call as ``lm.traffic`` counts them). A rank slowed by ``ranks / cores`` (the critical
+path's view) misses the cores that a pipeline's bubble or a waiting rank leaves to the others,
+and the links' times measured there are mostly ranks waiting to be scheduled, which the CPU
+count already holds. What it leaves out: the cores sit idle a little while ranks wait to be
+woken (a factor measured between bursts of compute swung from 1.3 to 1.5 run to run and
+overcharged; not used).
+
+It then adds, for each layout that does not fit, the same layout with activation checkpointing (each
 layer keeps its input and recomputes its forward in backward: less memory, one more forward),
 drops the layouts that still do not fit the memory, and ranks the rest, fastest first. Every
 number in its table says where it came from (:attr:`Prediction.notes`, ``Rates.sources``). The
@@ -48,11 +61,18 @@ from dataclasses import dataclass, field, replace
 
 from course.language_model import LMConfig
 from course.topology import RankGrid
+from phase2_advanced.pipeline_layout import virtual_stage
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule, placement_of
 from solutions.phase2_advanced.pipeline_study.simulation import simulate
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
-from solutions.phase4_production.lm.memory import HeldBytes, StateBytes, held_bytes, rank_units
+from solutions.phase4_production.lm.memory import (
+    HeldBytes,
+    StateBytes,
+    held_bytes,
+    rank_units,
+    split_layers,
+)
 from solutions.phase4_production.lm.rates import Rates
 
 GIB = 1 << 30
@@ -164,9 +184,15 @@ def predict(
     tp, cp, m = s.tp, s.cp, s.microbatches
     tokens = batch // (s.dp * m) * config.seq_len // cp  # one micro-batch, one rank
     between = tokens // tp if s.sequence_parallel else tokens
-    slowdown = max(1.0, min(machine.ranks_per_node, machine.world) / rates.cores)
-    whole = rates.norm_share if not s.sequence_parallel else 0.0
-    share = (1 - rates.norm_share) / tp + (rates.norm_share / tp if s.sequence_parallel else whole)
+    sharing = min(machine.ranks_per_node, machine.world) > rates.cores
+    shared_model = sharing and rates.comm_cpu is not None  # the cores' term below holds it
+    slowdown = (
+        1.0 if shared_model else max(1.0, min(machine.ranks_per_node, machine.world) / rates.cores)
+    )
+    layer_f, layer_b = _layer_compute(rates, tokens, tp, s.sequence_parallel)
+    share = (layer_f + layer_b) / (
+        rates.layer_forward.seconds(tokens) + rates.layer_backward.seconds(tokens)
+    )
     slow = machine.inter_node if machine.inter_node is not None else rates.inter_node
 
     def link(group: str, measured: AlphaBeta) -> AlphaBeta:
@@ -180,14 +206,8 @@ def predict(
     block = activation // tp  # one K or V block of the ring
     cp_pass = 2 * _collective(link("cp", p2p), Cost(1, block)) if cp > 1 else 0.0  # K and V
     layers = math.ceil(config.layers / s.virtual_stages)
-    forward = layers * (
-        rates.layer_forward.seconds(tokens) * share * slowdown + 2 * tp_region + (cp - 1) * cp_pass
-    )
-    backward = layers * (
-        rates.layer_backward.seconds(tokens) * share * slowdown
-        + 2 * tp_region
-        + 2 * (cp - 1) * cp_pass
-    )
+    forward = layers * (layer_f * slowdown + 2 * tp_region + (cp - 1) * cp_pass)
+    backward = layers * (layer_b * slowdown + 2 * tp_region + 2 * (cp - 1) * cp_pass)
     head = rates.head_per_token * tokens * m * slowdown  # the last stage's, on the critical path
     if s.activation_checkpointing:  # backward recomputes the chunk's forward first
         backward += forward
@@ -228,9 +248,20 @@ def predict(
         f"F {forward * 1e3:.1f} ms, B {backward * 1e3:.1f} ms per micro-batch and chunk "
         f"({tokens} tokens, {layers} layers, compute x{share * slowdown:.2f} of one rank's)",
     ]
+    seconds = pipeline + gradients + optimizer + other
+    if shared_model:
+        work = sum(rank_cpu(config, s, rates, batch, r, e) for r in range(s.pp)) * (
+            s.world_size // s.pp
+        )
+        busy = work / rates.cores
+        notes.append(
+            f"{s.world_size} ranks on {rates.cores} cores: all ranks' CPU {work * 1e3:.1f} ms / "
+            f"{rates.cores} = {busy * 1e3:.1f} ms; the critical path alone {seconds * 1e3:.1f} ms"
+        )
+        seconds = busy
     return Prediction(
         s,
-        pipeline + gradients + optimizer + other,
+        seconds,
         pipeline,
         gradients,
         optimizer,
@@ -239,6 +270,117 @@ def predict(
         held.total <= machine.memory_per_rank,
         notes,
     )
+
+
+def _layer_compute(
+    rates: Rates, tokens: int, tp: int, sequence_parallel: bool
+) -> tuple[float, float]:
+    """One tp rank's forward and backward seconds for one layer: its measured share
+    (``Rates.layer_seconds``), less the norms' work that sequence parallelism divides."""
+    forward, backward = rates.layer_seconds(tokens, tp)
+    if sequence_parallel and tp > 1:
+        norms = rates.norm_share * (1 - 1 / tp)
+        forward -= norms * rates.layer_forward.seconds(tokens)
+        backward -= norms * rates.layer_backward.seconds(tokens)
+    return forward, backward
+
+
+def rank_cpu(
+    config: LMConfig, settings: ParallelSettings, rates: Rates, batch: int, pp_rank: int, e: int
+) -> float:
+    """CPU seconds one rank of pipeline rank ``pp_rank`` spends in a step, for a machine whose
+    ranks share cores (the kernel lends a core to whichever rank can run, so the step takes about
+    every rank's CPU over the cores). Its layers' compute (``Rates.contention`` times the
+    measured share), the head and the optimizer; the framework's CPU per pipeline action
+    (``Rates.action_cpu``: F and B per micro-batch and chunk, and W under a zero-bubble
+    schedule); and its collectives at ``Rates.comm_cpu``, counted as ``lm.traffic`` counts them
+    (:func:`collective_cost`)."""
+    s = settings
+    assert rates.comm_cpu is not None
+    m = s.microbatches
+    tokens = batch // (s.dp * m) * config.seq_len // s.cp
+    forward, backward = _layer_compute(rates, tokens, s.tp, s.sequence_parallel)
+    runs = split_layers(config.layers, s.virtual_stages)
+    last = s.virtual_stages - 1
+    zero_bubble = s.schedule in ("zb-h1", "zb-v")
+    compute, actions = 0.0, 0
+    for stage in _stages_of(s, pp_rank):
+        walks = 2 if zero_bubble and stage > 0 else 1  # B for the input, W again for the weights
+        recompute = forward if s.activation_checkpointing else 0.0
+        compute += m * len(runs[stage]) * (forward + walks * backward + recompute)
+        actions += m * (3 if zero_bubble else 2)
+        if stage == last:
+            compute += rates.head_per_token * tokens * m
+    units = rank_units(config, s, pp_rank)
+    owned = sum(units) if s.zero == 0 else math.ceil(sum(units) / (s.dp * s.cp))
+    compute += rates.optimizer_per_element * owned
+    comm, calls = collective_cost(config, s, batch, pp_rank, e)
+    return (
+        rates.contention * compute
+        + rates.action_cpu * actions
+        + rates.call_cpu * calls
+        + comm.time(rates.comm_cpu.alpha, rates.comm_cpu.beta)
+    )
+
+
+def _stages_of(settings: ParallelSettings, pp_rank: int) -> list[int]:
+    placement = placement_of(settings.schedule)
+    return [
+        virtual_stage(pp_rank, chunk, settings.pp, placement)
+        for chunk in range(settings.chunks_per_rank)
+    ]
+
+
+def collective_cost(
+    config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
+) -> tuple[Cost, int]:
+    """Every collective and message one rank of pipeline rank ``pp_rank`` takes part in during
+    a step: their ring rounds and bytes sent (3.2's ``Cost``) and how many calls, from the calls
+    ``lm.traffic``'s formulas count (its module doc): the tp regions, the ring-attention passes,
+    the pipeline's messages, the data-parallel gradients (each ZeRO unit apart), the report and
+    the count. Groups of one rank call nothing."""
+    s, h = settings, config.width
+    m, tp, cp = s.microbatches, s.tp, s.cp
+    act = batch // (s.dp * m) * (config.seq_len // cp) * h * e  # a micro-batch's activation
+    between = act // tp if s.sequence_parallel else act
+    runs = split_layers(config.layers, s.virtual_stages)
+    last = s.virtual_stages - 1
+    total, calls = Cost(0, 0), 0
+
+    def add(cost: Cost, times: int, group: int) -> None:
+        nonlocal total, calls
+        if group > 1 and times > 0:
+            total += Cost(cost.rounds * times, cost.bytes_sent * times)
+            calls += times
+
+    stages = _stages_of(s, pp_rank)
+    for stage in stages:
+        layers = len(runs[stage])
+        passes = 2 if s.schedule in ("zb-h1", "zb-v") and stage > 0 else 1
+        regions = 2 * layers * m * (1 + passes)
+        if s.sequence_parallel:  # an all-gather and a reduce-scatter per region
+            add(_gather_cost(act, tp), 2 * regions, tp)
+        else:
+            add(ring_cost(act, tp), regions, tp)
+        ring_passes = layers * m * (1 + 2 * passes) * (cp - 1)  # K and V (dK and dV) together
+        add(Cost(2, 2 * act // tp), ring_passes, cp)
+        for neighbour in (stage + 1, stage - 1):
+            if 0 <= neighbour <= last and neighbour not in stages:  # activations and gradients
+                add(Cost(1, between), 2 * m, s.pp)
+                add(Cost(1, 64), 1, s.pp)  # the header
+    shards = s.dp * cp
+    units = rank_units(config, s, pp_rank)
+    add(ring_cost(16, shards), 2, shards)  # the count and the report
+    if s.zero == 0:
+        add(ring_cost(sum(units) * e, shards), 1, shards)
+    else:
+        per_unit = {1: 2, 2: m + 1}.get(s.zero, 3 * m) if isinstance(s.zero, int) else 3 * m
+        for unit in units:
+            add(_gather_cost(unit * e, shards), per_unit, shards)
+    add(ring_cost(16, s.pp), 1, s.pp)  # the report over the stages
+    if s.sequence_parallel:
+        add(ring_cost(16 * h, tp), 2, tp)  # the report; the norms' gradients
+    return total, calls
 
 
 def plan(

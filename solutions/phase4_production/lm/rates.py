@@ -21,7 +21,16 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   link, and the all-reduce across nodes among the ranks of the same local rank (every such group
   at once) is ``inter_node``, which the planner charges to any group that spans nodes;
 * **cores**: the CPUs this process may use (``os.sched_getaffinity``): more ranks than cores on
-  one machine share them, so each computes ``ranks / cores`` times slower.
+  one machine share them, so each computes ``ranks / cores`` times slower;
+* **what the ranks' work costs the cores they share** (for a machine with more ranks than cores,
+  where the kernel's scheduler lends each core to whichever rank can run, and a step takes about
+  the CPU time of all the ranks divided by the cores): the layer at each tensor-parallel degree
+  (``lm.shard_compute``: one rank's share is timed, not divided); the CPU time a rank spends per
+  collective (an alpha-beta fit on the process's CPU seconds, gloo's threads included, of the
+  same all-reduces and messages as the links); how much slower a layer computes when every rank
+  computes at once than alone (``contention``: cores that are hyperthreads share their caches
+  and units); and the framework's own CPU per pipeline action (``action_cpu``: 4.7's step on a
+  model too small to compute anything, at four micro-batches and at one, in the running world).
 
 Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not
 the tests' 20 s world deadline: a quiet 2-core machine measures the compute in about 1 s and the
@@ -33,16 +42,19 @@ deadline, :class:`MachineTooBusy` says so with the machine's load and the fixes.
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from course.cli import Refusal
+from course.impl import load_impl
 from course.language_model import (
     Block,
     LMConfig,
@@ -51,9 +63,11 @@ from course.language_model import (
     rotary_tables,
 )
 from course.memory import SavedTensorMeter
-from course.topology import RankGrid
+from course.topology import RankGrid, Topology
 from course.world import WorldHung, run_world
+from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
+from solutions.phase4_production.lm.shard_compute import ShardedBlock, tp_degrees
 
 SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]  # bytes per collective / message
 RATES_TIMEOUT_ENV = "DTFS_RATES_TIMEOUT"
@@ -122,6 +136,24 @@ class Rates:
     dtype: str
     sources: dict[str, str] = field(default_factory=dict)
     inter_node: AlphaBeta | None = None  # measured across nodes; None: one node, one kind
+    # for ranks that share cores (see the module doc); empty / None / 0: not measured
+    tp_layers: dict[int, tuple[Line, Line]] = field(default_factory=dict)  # tp -> (fwd, bwd)
+    comm_cpu: AlphaBeta | None = None  # a rank's CPU seconds per ring round and byte sent
+    contention: float = 1.0  # a layer's CPU time with every rank computing / alone
+    action_cpu: float = 0.0  # the framework's CPU seconds per pipeline action (F, B or W)
+    call_cpu: float = 0.0  # the framework's CPU seconds per collective call, beyond comm_cpu
+
+    def layer_seconds(self, tokens: float, tp: int) -> tuple[float, float]:
+        """One tp rank's forward and backward CPU seconds for one layer's ``tokens``: its share
+        timed when measured, else one rank's time divided by ``tp`` (the norms whole)."""
+        if tp in self.tp_layers:
+            forward, backward = self.tp_layers[tp]
+            return forward.seconds(tokens), backward.seconds(tokens)
+        share = (1 - self.norm_share) / tp + self.norm_share
+        return (
+            self.layer_forward.seconds(tokens) * share,
+            self.layer_backward.seconds(tokens) * share,
+        )
 
 
 def _median_seconds(work: Callable[[], object], repeats: int) -> float:
@@ -132,6 +164,24 @@ def _median_seconds(work: Callable[[], object], repeats: int) -> float:
         work()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def process_cpu() -> float:
+    """CPU seconds this process has used, all its threads (gloo's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _median_wall_and_cpu(work: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Medians of the wall seconds and of the process's CPU seconds of ``work``."""
+    work()  # warm-up
+    walls, cpus = [], []
+    for _ in range(repeats):
+        cpu, started = process_cpu(), time.perf_counter()
+        work()
+        walls.append(time.perf_counter() - started)
+        cpus.append(process_cpu() - cpu)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def _line(points: Sequence[tuple[float, float]]) -> Line:
@@ -188,6 +238,27 @@ def measure_compute(
             torch.set_num_threads(threads)
             raise MachineTooBusy("one layer's compute", deadline)
     layer_forward, layer_backward = _line(forward), _line(backward)
+    tp_layers = {}
+    for tp in tp_degrees(config):
+        shard = ShardedBlock(config, tp).to(dtype)
+        points: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
+        for batch in counts:
+            x = torch.randn(batch, config.seq_len, config.width, dtype=dtype, requires_grad=True)
+
+            def shard_forward(x: torch.Tensor = x, shard: ShardedBlock = shard) -> torch.Tensor:
+                return shard(x, cos, sin)
+
+            def shard_both(x: torch.Tensor = x) -> None:
+                shard_forward(x).sum().backward()
+
+            f = _median_seconds(shard_forward, repeats)
+            b = max(_median_seconds(shard_both, repeats) - f, 0.0)
+            points[0].append((batch * config.seq_len, f))
+            points[1].append((batch * config.seq_len, b))
+        tp_layers[tp] = (_line(points[0]), _line(points[1]))
+        if time.monotonic() - began > deadline:
+            torch.set_num_threads(threads)
+            raise MachineTooBusy("one layer's compute", deadline)
     big = counts[-1] * config.seq_len
     whole = layer_forward.seconds(big) + layer_backward.seconds(big)
     model = build_language_model(config, 0, dtype)
@@ -208,6 +279,7 @@ def measure_compute(
         "activation_bytes_per_token": float(saved),
         "norm_activation_bytes_per_token": float(norm_saved),
         "optimizer_per_element": _median_seconds(optimizer.step, repeats) / flat.numel(),
+        "tp_layers": tp_layers,
     }
     torch.set_num_threads(threads)
     return result
@@ -235,7 +307,9 @@ def link_times(
     ``deadline`` (seconds; torchrun's world, where no harness watches the clock) every rank
     raises :class:`MachineTooBusy` after the size during which it passed."""
     began = time.monotonic()
-    out: dict[str, list[float]] = {"all_reduce": [], "point_to_point": []}
+    out: dict[str, list[float]] = {
+        "all_reduce": [], "point_to_point": [], "all_reduce_cpu": [], "point_to_point_cpu": []
+    }  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     node_group: Any = None  # the world; new_group types non-members as a sentinel
@@ -249,6 +323,9 @@ def link_times(
             group = dist.new_group(list(ranks))
             across_group = group if rank in ranks else across_group
         out["inter_node"] = []
+    layer = _layer_work()
+    alone, layer_cpu = contention(layer, repeats)
+    out["contention"] = [layer_cpu / alone if alone > 0 else 1.0]
     for size in SIZES:
         tensor = torch.zeros(size // 4, dtype=torch.float32)
 
@@ -270,12 +347,84 @@ def link_times(
         out["all_reduce"].append(_median_seconds(reduce, repeats))
         dist.barrier()
         out["point_to_point"].append(_median_seconds(exchange, repeats) / 2)  # one way
+        # the CPU they cost between computations, as in a step: each after one layer's work
+        dist.barrier()
+        busy = _median_wall_and_cpu(partial(_after, layer, reduce), repeats)[1]
+        out["all_reduce_cpu"].append(busy - layer_cpu)
+        dist.barrier()
+        busy = _median_wall_and_cpu(partial(_after, layer, exchange), repeats)[1]
+        out["point_to_point_cpu"].append((busy - layer_cpu) / 2)  # one sent and one received
         if across_group is not None:
             dist.barrier()
             out["inter_node"].append(_median_seconds(across, repeats))
         if deadline is not None and out_of_time(began, deadline):
             raise MachineTooBusy(f"the links of {world} ranks", deadline)
+    out["action_cpu"], out["call_cpu"] = [[value] for value in framework_cpu(repeats)]
+    if deadline is not None and out_of_time(began, deadline):
+        raise MachineTooBusy(f"the links of {world} ranks", deadline)
     return out
+
+
+def _after(first: Callable[[], None], then: Callable[[], None]) -> None:
+    first()
+    then()
+
+
+def _layer_work() -> Callable[[], None]:
+    """One dense layer's forward and backward (the default model's width, two sequences, one
+    thread): the work a rank does between its collectives."""
+    torch.manual_seed(0)
+    config = LMConfig()
+    block = Block(config, 0)
+    cos, sin = rotary_tables(torch.arange(config.seq_len), config.head_dim, config.rope_base,
+                             torch.float32)  # fmt: skip
+    x = torch.randn(2, config.seq_len, config.width, requires_grad=True)
+
+    def layer() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        block(x, cos, sin, causal_attention)[0].sum().backward()
+        torch.set_num_threads(threads)
+
+    return layer
+
+
+def contention(layer: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """``layer``'s CPU seconds on rank 0 alone (the others waiting in a barrier, asleep; 0.0 on
+    the other ranks) and on this rank with every rank of the world computing it at once."""
+    dist.barrier()
+    alone = _median_wall_and_cpu(layer, 3 * repeats)[1] if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    together = _median_wall_and_cpu(layer, 3 * repeats)[1]
+    return alone, together
+
+
+def framework_cpu(repeats: int) -> tuple[float, float]:
+    """A rank's CPU seconds that the layers' compute and the bare collectives do not explain,
+    measured with 4.7's step, data parallel over the whole world, on a model too small to
+    compute anything (width 16, two layers, 16 tokens): per pipeline action (one micro-batch's
+    forward or backward of a chunk: four micro-batches against one, over the three more
+    micro-batches' two actions), and the raw CPU per extra collective call of ZeRO-2 against
+    plain data parallelism (ten calls per unit pair against one all-reduce: nine more calls,
+    their rounds subtracted by :func:`fit_links`)."""
+    lm = load_impl("phase4_production", "lm_parallel", "solutions")
+    world = dist.get_world_size()
+    config = LMConfig(width=16, heads=2, layers=2, ffn=32, seq_len=16)
+    data = torch.randint(0, config.vocab, (4 * world, config.seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    cpu = {}
+    for m, zero in ((1, 0), (4, 0), (1, 2)):
+        settings = ParallelSettings(dp=world, microbatches=m, zero=zero, lr=1e-3)
+        model = lm.ParallelLanguageModel(build_language_model(config, 0, torch.float32),
+                                         Topology.build(world, 1, 1), settings)  # fmt: skip
+        dist.barrier()
+        cpu[m, zero] = _median_wall_and_cpu(partial(model.train_step, tokens, targets), repeats)[1]
+    action = max((cpu[4, 0] - cpu[1, 0]) / (3 * 2), 0.0)
+    return action, (cpu[1, 2] - cpu[1, 0]) / ZERO2_EXTRA_CALLS
+
+
+ZERO2_EXTRA_CALLS = 9  # framework_cpu's model: 5 units, a reduce-scatter and an all-gather each
 
 
 @dataclass(frozen=True)
@@ -283,6 +432,10 @@ class Links:
     all_reduce: AlphaBeta  # inside a node when the world spans nodes
     point_to_point: AlphaBeta
     inter_node: AlphaBeta | None
+    comm_cpu: AlphaBeta | None = None
+    contention: float = 1.0
+    action_cpu: float = 0.0
+    call_cpu: float = 0.0
 
 
 def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = None) -> Links:
@@ -295,7 +448,17 @@ def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = 
     if "inter_node" in times:
         nodes = world // inside
         inter = fit_alpha_beta([ring_cost(size, nodes) for size in SIZES], times["inter_node"])
-    return Links(ring, p2p, inter)
+    comm_cpu = None
+    if times.get("all_reduce_cpu") and times.get("point_to_point_cpu"):
+        costs = [ring_cost(size, inside) for size in SIZES] + [Cost(1, size) for size in SIZES]
+        cpus = [max(t, 1e-7) for t in times["all_reduce_cpu"] + times["point_to_point_cpu"]]
+        comm_cpu = fit_alpha_beta(costs, cpus)
+    call_cpu = 0.0
+    if comm_cpu is not None and times.get("call_cpu"):  # less the extra calls' rounds
+        rounds = (2 * ZERO2_EXTRA_CALLS - 2) * (inside - 1) * comm_cpu.alpha  # 8 (n-1) rounds
+        call_cpu = max((times["call_cpu"][0] * ZERO2_EXTRA_CALLS - rounds) / ZERO2_EXTRA_CALLS, 0)
+    return Links(ring, p2p, inter, comm_cpu, times.get("contention", [1.0])[0],
+                 times.get("action_cpu", [0.0])[0], call_cpu)  # fmt: skip
 
 
 def measure_links(
@@ -343,6 +506,13 @@ def measure_rates(
         ),
         "cores": f"{cores} cores this process may use (os.sched_getaffinity)",
     }
+    return rates_from(compute, links, cores, name, sources)
+
+
+def rates_from(
+    compute: dict[str, Any], links: Links, cores: int, dtype: str, sources: dict[str, str]
+) -> Rates:
+    """:class:`Rates` from :func:`measure_compute`'s dict and :func:`fit_links`' links."""
     return Rates(
         layer_forward=compute["layer_forward"],
         layer_backward=compute["layer_backward"],
@@ -354,7 +524,12 @@ def measure_rates(
         all_reduce=links.all_reduce,
         point_to_point=links.point_to_point,
         cores=cores,
-        dtype=name,
+        dtype=dtype,
         sources=sources,
         inter_node=links.inter_node,
+        tp_layers=compute.get("tp_layers", {}),
+        comm_cpu=links.comm_cpu,
+        contention=links.contention,
+        action_cpu=links.action_cpu,
+        call_cpu=links.call_cpu,
     )
