@@ -220,6 +220,27 @@ def test_ranks_that_share_cores_are_planned_by_every_ranks_cpu_over_the_cores() 
     assert "cores" not in " ".join(alone.notes)
 
 
+def test_the_frameworks_cpu_per_call_and_per_round_are_told_apart() -> None:
+    """ZeRO-2's extra calls over the world take world - 1 rounds each, over pairs one: from the
+    two differences, fit_links' split recovers the per-call and per-round CPU it was made from."""
+    from solutions.phase4_production.lm.rates import (
+        TINY_UNITS,
+        ZERO2_EXTRA_CALLS,
+        framework_call_and_round,
+    )
+
+    comm, call, per_round, world = AlphaBeta(2e-4, 0.0), 3e-4, 1e-4, 8
+    added = 2 * TINY_UNITS - 2
+
+    def extra(group: int) -> float:
+        return ZERO2_EXTRA_CALLS * call + added * (group - 1) * (comm.alpha + per_round)
+
+    both = {"zero_world": [extra(world)], "zero_pairs": [extra(2)]}
+    assert framework_call_and_round(both, world, comm) == pytest.approx((call, per_round))
+    alone = framework_call_and_round({"zero_world": [extra(world)]}, world, comm)
+    assert alone[1] == 0.0 and alone[0] > call  # one measurement: all of it per call
+
+
 def test_spearman_and_the_spread_of_checked_layouts() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -473,7 +494,7 @@ def test_links_are_measured_inside_and_across_nodes_when_the_world_spans_nodes()
     assert two_kinds(4, 2) and not two_kinds(4, 4) and not two_kinds(4, 1)
     times = run_world(_links, 4, (2,))[0]  # two nodes of two ranks
     sized = ["all_reduce", "all_reduce_cpu", "inter_node", "point_to_point", "point_to_point_cpu"]
-    shared = ["action_cpu", "call_cpu", "contention"]  # for ranks sharing cores
+    shared = ["contention", "framework_action", "framework_zero_pairs", "framework_zero_world"]
     assert sorted(times) == sorted(sized + shared), sorted(times)
     assert all(len(times[k]) == len(SIZES) for k in sized), times
     assert all(min(times[k]) > 0 for k in ("all_reduce", "inter_node", "point_to_point")), times

@@ -46,6 +46,7 @@ from solutions.phase3_multi_node.references.zero_accounting import held_bytes
 from solutions.phase4_production.lm import traffic as lm_traffic
 from solutions.phase4_production.lm.framework import rates_in_world
 from solutions.phase4_production.lm.planner import GIB, Machine, plan
+from solutions.phase4_production.lm.rates import process_cpu
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results" / "lm_layouts.json"
 PHASE = "phase4_production"
@@ -130,6 +131,7 @@ class Entry:
     model: Any
     library: bool = False
     times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # this rank's process CPU seconds per step
 
 
 def _library_entries(config: BenchConfig) -> list[Entry]:
@@ -193,16 +195,19 @@ def measure_layouts(
         tokens, targets = batch(step, config)
         for entry in entries:
             dist.barrier()
-            started = time.perf_counter()
+            cpu, started = process_cpu(), time.perf_counter()
             entry.model.train_step(tokens, targets)
+            cpu = process_cpu() - cpu
             seconds = slowest(time.perf_counter() - started)
             if step >= config.warmup:
                 entry.times.append(seconds)
+                entry.cpu.append(cpu)
     rows = {}
     tokens, targets = batch(config.warmup + config.rounds, config)
     for entry in entries:
         row: dict[str, Any] = {"seconds": statistics.median(entry.times), "times": entry.times,
-                               "spread": (min(entry.times), max(entry.times))}  # fmt: skip
+                               "spread": (min(entry.times), max(entry.times)),
+                               "cpu": statistics.median(entry.cpu)}  # fmt: skip
         if not entry.library:
             hand_made = entry.model.settings.communication != "library"
             with ActivationMeter(entry.model.model) as meter:

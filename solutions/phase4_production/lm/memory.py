@@ -98,17 +98,23 @@ def layer_units(config: LMConfig, layer: int, tp: int, ep: int) -> list[int]:
     return [2 * h + attention + 2 * config.ffn * h // tp + h * config.ffn // tp]  # + SwiGLU
 
 
-def rank_units(config: LMConfig, settings: ParallelSettings, pp_rank: int) -> list[int]:
-    """Elements of every unit pipeline rank ``pp_rank`` holds (its chunks' layers, the embedding
-    and the head where its chunks are the first and the last virtual stage)."""
+def rank_stages(settings: ParallelSettings, pp_rank: int) -> list[int]:
+    """The virtual stages pipeline rank ``pp_rank`` holds, one per chunk, under the schedule's
+    placement (the loop, or zb-v's V)."""
     placement = placement_of(settings.schedule)
-    runs = split_layers(config.layers, settings.virtual_stages)
-    last = settings.virtual_stages - 1
-    units: list[int] = []
-    stages = [
+    return [
         virtual_stage(pp_rank, chunk, settings.pp, placement)
         for chunk in range(settings.chunks_per_rank)
     ]
+
+
+def rank_units(config: LMConfig, settings: ParallelSettings, pp_rank: int) -> list[int]:
+    """Elements of every unit pipeline rank ``pp_rank`` holds (its chunks' layers, the embedding
+    and the head where its chunks are the first and the last virtual stage)."""
+    runs = split_layers(config.layers, settings.virtual_stages)
+    last = settings.virtual_stages - 1
+    units: list[int] = []
+    stages = rank_stages(settings, pp_rank)
     for stage in stages:
         for layer in runs[stage]:
             units += layer_units(config, layer, settings.tp, settings.ep)

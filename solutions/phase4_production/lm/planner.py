@@ -28,8 +28,8 @@ call by call as ``lm.traffic`` counts them). A rank slowed by ``ranks / cores`` 
 path's view) misses the cores that a pipeline's bubble or a waiting rank leaves to the others,
 and the links' times measured there are mostly ranks waiting to be scheduled, which the CPU
 count already holds. What it leaves out: the cores sit idle a little while ranks wait to be
-woken (a factor measured between bursts of compute swung from 1.3 to 1.5 run to run and
-overcharged; not used).
+woken (``lm.planner_check`` records how much, layout by layout; a factor for it measured
+between bursts of compute varied from run to run and overcharged, and is not used).
 
 It then adds, for each layout that does not fit, the same layout with activation checkpointing (each
 layer keeps its input and recomputes its forward in backward: less memory, one more forward),
@@ -61,8 +61,7 @@ from dataclasses import dataclass, field, replace
 
 from course.language_model import LMConfig
 from course.topology import RankGrid
-from phase2_advanced.pipeline_layout import virtual_stage
-from phase4_production.lm_layout import ParallelSettings
+from phase4_production.lm_layout import ZERO_BUBBLE, ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule, placement_of
 from solutions.phase2_advanced.pipeline_study.simulation import simulate
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
@@ -70,6 +69,7 @@ from solutions.phase4_production.lm.memory import (
     HeldBytes,
     StateBytes,
     held_bytes,
+    rank_stages,
     rank_units,
     split_layers,
 )
@@ -216,7 +216,7 @@ def predict(
         forward += message
         backward += message
     schedule = make_schedule(s.schedule, s.pp, m, s.chunks)
-    weight = backward / 2 if s.schedule in ("zb-h1", "zb-v") else None
+    weight = backward / 2 if s.schedule in ZERO_BUBBLE else None
     pipeline = head + (
         simulate(schedule, forward, backward, weight, placement=placement_of(s.schedule)).makespan
         if s.pp > 1
@@ -302,9 +302,9 @@ def rank_cpu(
     forward, backward = _layer_compute(rates, tokens, s.tp, s.sequence_parallel)
     runs = split_layers(config.layers, s.virtual_stages)
     last = s.virtual_stages - 1
-    zero_bubble = s.schedule in ("zb-h1", "zb-v")
+    zero_bubble = s.schedule in ZERO_BUBBLE
     compute, actions = 0.0, 0
-    for stage in _stages_of(s, pp_rank):
+    for stage in rank_stages(s, pp_rank):
         walks = 2 if zero_bubble and stage > 0 else 1  # B for the input, W again for the weights
         recompute = forward if s.activation_checkpointing else 0.0
         compute += m * len(runs[stage]) * (forward + walks * backward + recompute)
@@ -319,16 +319,8 @@ def rank_cpu(
         rates.contention * compute
         + rates.action_cpu * actions
         + rates.call_cpu * calls
-        + comm.time(rates.comm_cpu.alpha, rates.comm_cpu.beta)
+        + comm.time(rates.comm_cpu.alpha + rates.round_cpu, rates.comm_cpu.beta)
     )
-
-
-def _stages_of(settings: ParallelSettings, pp_rank: int) -> list[int]:
-    placement = placement_of(settings.schedule)
-    return [
-        virtual_stage(pp_rank, chunk, settings.pp, placement)
-        for chunk in range(settings.chunks_per_rank)
-    ]
 
 
 def collective_cost(
@@ -353,10 +345,10 @@ def collective_cost(
             total += Cost(cost.rounds * times, cost.bytes_sent * times)
             calls += times
 
-    stages = _stages_of(s, pp_rank)
+    stages = rank_stages(s, pp_rank)
     for stage in stages:
         layers = len(runs[stage])
-        passes = 2 if s.schedule in ("zb-h1", "zb-v") and stage > 0 else 1
+        passes = 2 if s.schedule in ZERO_BUBBLE and stage > 0 else 1
         regions = 2 * layers * m * (1 + passes)
         if s.sequence_parallel:  # an all-gather and a reduce-scatter per region
             add(_gather_cost(act, tp), 2 * regions, tp)

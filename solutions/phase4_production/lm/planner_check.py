@@ -4,14 +4,16 @@ For each world size (4 and 8 ranks on this machine), the planner (``lm/planner.p
 legal layout of the language model from the rates ``lm.rates`` measured here; this program then
 runs a spread of them (the planner's first choices, and layouts from the whole length of its
 ranking) in one world, their steps interleaved round after round (``lm.benchmark``), and prints
-for each the predicted and measured step time and bytes held per rank (model states, and the
-activations autograd saved during a step), then two verdicts:
+for each the predicted and measured step time, the measured step over every rank's measured CPU
+time divided by the cores (how much a shared machine leaves idle: the planner's model for ranks
+that share cores takes it as 1), and bytes held per rank (model states, and the activations
+autograd saved during a step), then three verdicts:
 
 * the rank correlation (Spearman) between the predicted and the measured order of the layouts;
 * whether the planner's first choice is within 10% of the fastest layout measured;
 * whether every layout's measured step is within 0.8-1.25x of its prediction.
 
-Both are stated as measured, met or not; the guide says where the model misses and why::
+All three are stated as measured, met or not; the guide says where the model misses and why::
 
     uv run python -m solutions.phase4_production.lm.planner_check            # print
     uv run python -m solutions.phase4_production.lm.planner_check --record   # and record
@@ -107,6 +109,7 @@ class WorldCheck:
     chosen: list[Prediction]
     rows: list[dict[str, Any]]  # rank 0's measured rows, in the order of ``chosen``
     activations: list[int]  # the busiest rank's measured activation peak, per layout
+    cpu: list[float]  # every rank's median CPU seconds per step, summed, per layout
     rates: Rates  # measured for this world (its links in a world of its size)
 
 
@@ -125,9 +128,22 @@ def measure(config: CheckConfig) -> tuple[Rates, list[WorldCheck]]:
         names = list(layouts)
         rows = [per_rank[0][n] for n in names]
         peaks = [max(r[n]["activations"] for r in per_rank) for n in names]
-        out.append(WorldCheck(world, chosen, rows, peaks, rates))
+        cpu = [sum(r[n]["cpu"] for r in per_rank) for n in names]
+        out.append(WorldCheck(world, chosen, rows, peaks, cpu, rates))
     assert rates is not None
     return rates, out
+
+
+def shared_rates(rates: Rates) -> dict[str, str]:
+    """The rates the shared-core model used, as recorded values."""
+    comm = rates.comm_cpu
+    return {
+        "comm_cpu_per_round_us": f"{comm.alpha * 1e6:.0f}" if comm is not None else "-",
+        "contention": f"{rates.contention:.2f}",
+        "action_cpu_us": f"{rates.action_cpu * 1e6:.0f}",
+        "call_cpu_us": f"{rates.call_cpu * 1e6:.0f}",
+        "round_cpu_us": f"{rates.round_cpu * 1e6:.0f}",
+    }
 
 
 def _mib(nbytes: float) -> str:
@@ -139,18 +155,22 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
     text = []
     for check_ in checks:
         table = Table(["planner's rank", "layout", "predicted ms", "measured ms", "measured / "
-                       "predicted", "states MiB predicted / measured", "activations MiB "
+                       "predicted", "measured / (all ranks' CPU / cores)",
+                       "states MiB predicted / measured", "activations MiB "
                        "predicted / measured"])  # fmt: skip
-        predicted, measured = [], []
-        for rank, (p, row, act) in enumerate(
-            zip(check_.chosen, check_.rows, check_.activations, strict=True), 1
+        predicted, measured, wasted = [], [], []
+        cores = check_.rates.cores
+        for rank, (p, row, act, cpu) in enumerate(
+            zip(check_.chosen, check_.rows, check_.activations, check_.cpu, strict=True), 1
         ):
             seconds = row["seconds"]
             predicted.append(p.seconds)
             measured.append(seconds)
             states = sum(row["held"])
+            wasted.append(seconds / (cpu / cores))
             table.add(rank, p.settings.label(), f"{p.seconds * 1e3:.1f}", f"{seconds * 1e3:.1f}",
-                      f"{seconds / p.seconds:.2f}x", f"{_mib(p.held.states)} / {_mib(states)}",
+                      f"{seconds / p.seconds:.2f}x", f"{wasted[-1]:.2f}x",
+                      f"{_mib(p.held.states)} / {_mib(states)}",
                       f"{_mib(p.held.activations)} / {_mib(act)}")  # fmt: skip
         rho = spearman(predicted, measured)
         fastest = min(measured)
@@ -174,6 +194,8 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
             "fastest": check_.chosen[measured.index(fastest)].settings.label(),
             "time_ratios": f"{low:.2f}-{high:.2f}x",
             "time_band_met": "met" if in_band else "not met",
+            "wall_over_cpu": f"{min(wasted):.2f}-{max(wasted):.2f}x",
+            **shared_rates(check_.rates),
         }
         if config.record:
             write_results(RESULTS / f"lm_planner_w{check_.world}.json",

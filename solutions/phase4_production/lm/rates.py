@@ -27,16 +27,18 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   the CPU time of all the ranks divided by the cores): the layer at each tensor-parallel degree
   (``lm.shard_compute``: one rank's share is timed, not divided); the CPU time a rank spends per
   collective (an alpha-beta fit on the process's CPU seconds, gloo's threads included, of the
-  same all-reduces and messages as the links); how much slower a layer computes when every rank
-  computes at once than alone (``contention``: cores that are hyperthreads share their caches
-  and units); and the framework's own CPU per pipeline action (``action_cpu``: 4.7's step on a
-  model too small to compute anything, at four micro-batches and at one, in the running world).
+  same all-reduces and messages as the links, each run after one layer's work as in a step);
+  how much slower a layer computes when every rank computes at once than alone
+  (``contention``); and the framework's own CPU per pipeline action, per collective call and per
+  ring round (``action_cpu``, ``call_cpu``, ``round_cpu``: 4.7's step on a model too small to
+  compute anything, in the running world: :func:`framework_cpu`).
 
-Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not
-the tests' 20 s world deadline: a quiet 2-core machine measures the compute in about 1 s and the
-links of a world of 4 in about 3 s, but on a busy one a world that measures slowly is not hung,
-and was reported as "another rank skipped or reordered a collective" (issue 38). Past the
-deadline, :class:`MachineTooBusy` says so with the machine's load and the fixes.
+Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not the
+tests' 20 s world deadline: a quiet 2-core machine measures everything for a world of 4 in about 11
+s and for one of 8 in about 18 s (starting the world included), but on a busy one a world that
+measures slowly is not hung, and was reported as "another rank skipped or reordered a collective"
+(issue 38). Past the deadline, :class:`MachineTooBusy` says so with the machine's load and the
+fixes.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class Rates:
     contention: float = 1.0  # a layer's CPU time with every rank computing / alone
     action_cpu: float = 0.0  # the framework's CPU seconds per pipeline action (F, B or W)
     call_cpu: float = 0.0  # the framework's CPU seconds per collective call, beyond comm_cpu
+    round_cpu: float = 0.0  # and per ring round of its collectives (waiting on more ranks)
 
     def layer_seconds(self, tokens: float, tp: int) -> tuple[float, float]:
         """One tp rank's forward and backward CPU seconds for one layer's ``tokens``: its share
@@ -359,7 +362,7 @@ def link_times(
             out["inter_node"].append(_median_seconds(across, repeats))
         if deadline is not None and out_of_time(began, deadline):
             raise MachineTooBusy(f"the links of {world} ranks", deadline)
-    out["action_cpu"], out["call_cpu"] = [[value] for value in framework_cpu(repeats)]
+    out.update({f"framework_{k}": [v] for k, v in framework_cpu(repeats).items()})
     if deadline is not None and out_of_time(began, deadline):
         raise MachineTooBusy(f"the links of {world} ranks", deadline)
     return out
@@ -399,32 +402,77 @@ def contention(layer: Callable[[], None], repeats: int) -> tuple[float, float]:
     return alone, together
 
 
-def framework_cpu(repeats: int) -> tuple[float, float]:
+def framework_cpu(repeats: int) -> dict[str, float]:
     """A rank's CPU seconds that the layers' compute and the bare collectives do not explain,
-    measured with 4.7's step, data parallel over the whole world, on a model too small to
-    compute anything (width 16, two layers, 16 tokens): per pipeline action (one micro-batch's
-    forward or backward of a chunk: four micro-batches against one, over the three more
-    micro-batches' two actions), and the raw CPU per extra collective call of ZeRO-2 against
-    plain data parallelism (ten calls per unit pair against one all-reduce: nine more calls,
-    their rounds subtracted by :func:`fit_links`)."""
+    measured with 4.7's step on a model too small to compute anything (width 16, two layers,
+    16 tokens), data parallel over the whole world:
+
+    * ``action``: per pipeline action (one micro-batch's forward or backward of a chunk): four
+      micro-batches against one, over the three more micro-batches' two actions (the tiny
+      layers' own cost per call is in it too);
+    * ``zero_world``: what ZeRO-2 adds to plain data parallelism, per step
+      (:data:`TINY_UNITS` units, a reduce-scatter and an all-gather each over the world, against
+      one all-reduce);
+    * ``zero_pairs``: the same with data parallelism over pairs (dp2 x tp ``world / 2``), when
+      the tiny model's heads divide that way: its collectives take one ring round each, so the
+      two together tell the CPU per call from the CPU per round (:func:`fit_links`).
+
+    The steps are played in turn, round after round, and each figure is the median of the
+    rounds' differences (a load that comes and goes lands on all of them alike)."""
     lm = load_impl("phase4_production", "lm_parallel", "solutions")
     world = dist.get_world_size()
-    config = LMConfig(width=16, heads=2, layers=2, ffn=32, seq_len=16)
+    config = LMConfig(width=16, heads=4, layers=TINY_UNITS - 3, ffn=32, seq_len=16)
     data = torch.randint(0, config.vocab, (4 * world, config.seq_len + 1),
                          generator=torch.Generator().manual_seed(0))  # fmt: skip
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    cpu = {}
-    for m, zero in ((1, 0), (4, 0), (1, 2)):
-        settings = ParallelSettings(dp=world, microbatches=m, zero=zero, lr=1e-3)
+    layouts = [(world, 1, 1, 0), (world, 1, 4, 0), (world, 1, 1, 2)]  # dp, tp, m, zero
+    pairs = world > 2 and config.heads % (world // 2) == 0
+    if pairs:
+        layouts += [(2, world // 2, 1, 0), (2, world // 2, 1, 2)]
+    steps = []
+    for dp, tp, m, zero in layouts:
+        settings = ParallelSettings(dp=dp, tp=tp, microbatches=m, zero=zero, lr=1e-3)
         model = lm.ParallelLanguageModel(build_language_model(config, 0, torch.float32),
-                                         Topology.build(world, 1, 1), settings)  # fmt: skip
-        dist.barrier()
-        cpu[m, zero] = _median_wall_and_cpu(partial(model.train_step, tokens, targets), repeats)[1]
-    action = max((cpu[4, 0] - cpu[1, 0]) / (3 * 2), 0.0)
-    return action, (cpu[1, 2] - cpu[1, 0]) / ZERO2_EXTRA_CALLS
+                                         Topology.build(dp, tp, 1), settings)  # fmt: skip
+        model.train_step(tokens, targets)  # warm-up
+        steps.append(partial(model.train_step, tokens, targets))
+    rounds: list[list[float]] = []
+    for _ in range(3 * repeats):
+        cpu = []
+        for step in steps:
+            dist.barrier()
+            started = process_cpu()
+            step()
+            cpu.append(process_cpu() - started)
+        rounds.append(cpu)
+    out = {
+        "action": max(statistics.median((c[1] - c[0]) / (3 * 2) for c in rounds), 0.0),
+        "zero_world": statistics.median(c[2] - c[0] for c in rounds),
+    }
+    if pairs:
+        out["zero_pairs"] = statistics.median(c[4] - c[3] for c in rounds)
+    return out
 
 
-ZERO2_EXTRA_CALLS = 9  # framework_cpu's model: 5 units, a reduce-scatter and an all-gather each
+TINY_UNITS = 5  # framework_cpu's model: two blocks, the embedding, the final norm, the head
+ZERO2_EXTRA_CALLS = 2 * TINY_UNITS - 1  # its ZeRO-2 step's calls beyond plain data parallelism
+
+
+def framework_call_and_round(
+    times: dict[str, list[float]], world: int, comm_cpu: AlphaBeta
+) -> tuple[float, float]:
+    """The framework's CPU per collective call and per ring round, beyond ``comm_cpu``, from
+    :func:`framework_cpu`'s ZeRO-2 differences: over the world each extra call takes
+    ``world - 1`` rounds (less the all-reduce's ``2 (world - 1)``), over pairs one. Both kept
+    >= 0; with one measurement, all of it per call."""
+    calls = ZERO2_EXTRA_CALLS
+    added = 2 * TINY_UNITS - 2  # rounds added, in units of (group size - 1)
+    whole = times["zero_world"][0] - added * (world - 1) * comm_cpu.alpha
+    if "zero_pairs" not in times or world <= 2:
+        return max(whole / calls, 0.0), 0.0
+    pairs = times["zero_pairs"][0] - added * comm_cpu.alpha
+    per_round = max((whole - pairs) / (added * (world - 2)), 0.0)
+    return max((pairs - added * per_round) / calls, 0.0), per_round
 
 
 @dataclass(frozen=True)
@@ -436,6 +484,7 @@ class Links:
     contention: float = 1.0
     action_cpu: float = 0.0
     call_cpu: float = 0.0
+    round_cpu: float = 0.0
 
 
 def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = None) -> Links:
@@ -453,12 +502,12 @@ def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = 
         costs = [ring_cost(size, inside) for size in SIZES] + [Cost(1, size) for size in SIZES]
         cpus = [max(t, 1e-7) for t in times["all_reduce_cpu"] + times["point_to_point_cpu"]]
         comm_cpu = fit_alpha_beta(costs, cpus)
-    call_cpu = 0.0
-    if comm_cpu is not None and times.get("call_cpu"):  # less the extra calls' rounds
-        rounds = (2 * ZERO2_EXTRA_CALLS - 2) * (inside - 1) * comm_cpu.alpha  # 8 (n-1) rounds
-        call_cpu = max((times["call_cpu"][0] * ZERO2_EXTRA_CALLS - rounds) / ZERO2_EXTRA_CALLS, 0)
+    call_cpu = round_cpu = 0.0
+    if comm_cpu is not None and times.get("framework_zero_world"):
+        framework = {k.removeprefix("framework_"): v for k, v in times.items()}
+        call_cpu, round_cpu = framework_call_and_round(framework, world, comm_cpu)
     return Links(ring, p2p, inter, comm_cpu, times.get("contention", [1.0])[0],
-                 times.get("action_cpu", [0.0])[0], call_cpu)  # fmt: skip
+                 times.get("framework_action", [0.0])[0], call_cpu, round_cpu)  # fmt: skip
 
 
 def measure_links(
@@ -532,4 +581,5 @@ def rates_from(
         contention=links.contention,
         action_cpu=links.action_cpu,
         call_cpu=links.call_cpu,
+        round_cpu=links.round_cpu,
     )
