@@ -100,13 +100,19 @@ def checkpoint_plan(config: FrameworkConfig) -> CheckpointPlan:
 
 
 def plan_table(predictions: list[Prediction], rates: Rates, limit: int = 12) -> str:
-    """The planner's ranking: each layout's predicted step and bytes, and what they come from."""
-    lines = ["| rank | layout | step ms | pipeline / gradients / optimizer ms | held MiB per "
-             "rank (states + activations) | fits |", "|---:|---|---:|---|---:|---|"]  # fmt: skip
+    """The planner's ranking: each layout's predicted step and bytes, and what they come from
+    (when ranks share cores, the step is every rank's CPU over the cores, and the critical
+    path's parts are shown beside it)."""
+    shared = any(p.shared is not None for p in predictions)
+    cores = f" | all ranks' CPU / {rates.cores} cores ms" if shared else ""
+    lines = [f"| rank | layout | step ms{cores} | critical path: pipeline / gradients / "
+             "optimizer ms | held MiB per rank (states + activations) | fits |",
+             "|---:|---|---:|" + ("---:|" if shared else "") + "---|---:|---|"]  # fmt: skip
     for index, p in enumerate(predictions[:limit], 1):
         parts = f"{p.pipeline * 1e3:.1f} / {p.gradients * 1e3:.1f} / {p.optimizer * 1e3:.1f}"
+        busy = (f" | {p.shared * 1e3:.1f}" if p.shared is not None else " | -") if shared else ""
         held = f"{p.held.states / 2**20:.1f} + {p.held.activations / 2**20:.1f}"
-        lines.append(f"| {index} | {p.settings.label()} | {p.seconds * 1e3:.1f} | {parts} | "
+        lines.append(f"| {index} | {p.settings.label()} | {p.seconds * 1e3:.1f}{busy} | {parts} | "
                      f"{held} | {'yes' if p.fits else 'no'} |")  # fmt: skip
     sources = "\n".join(f"- {k}: {v}" for k, v in rates.sources.items())
     more = f"\n({len(predictions) - limit} more layouts)" if len(predictions) > limit else ""

@@ -112,6 +112,7 @@ class Prediction:
     held: HeldBytes
     fits: bool
     notes: list[str] = field(default_factory=list)
+    shared: float | None = None  # every rank's CPU over the cores, when ranks share cores
 
 
 def _divisors(n: int) -> list[int]:
@@ -249,6 +250,7 @@ def predict(
         f"({tokens} tokens, {layers} layers, compute x{share * slowdown:.2f} of one rank's)",
     ]
     seconds = pipeline + gradients + optimizer + other
+    busy = None
     if shared_model:
         work = sum(rank_cpu(config, s, rates, batch, r, e) for r in range(s.pp)) * (
             s.world_size // s.pp
@@ -269,6 +271,7 @@ def predict(
         held,
         held.total <= machine.memory_per_rank,
         notes,
+        busy,
     )
 
 
