@@ -22,7 +22,7 @@ and, when the machine's ranks share cores (more ranks per node than ``Rates.core
 with the shared-core rates), the step from the cores instead: the kernel's scheduler lends each
 core to whichever rank can run, so a step takes about every rank's CPU time over the cores
 (:func:`rank_cpu`: its layers' compute at its tensor-parallel share, slowed by
-``Rates.contention``; the framework's CPU per pipeline action and per collective call; each
+``Rates.contention``; the framework's CPU per pipeline action, collective call and round; each
 collective's CPU in an alpha-beta fit of what gloo's threads spend between computations, counted
 call by call as ``lm.traffic`` counts them). A rank slowed by ``ranks / cores`` (the critical
 path's view) misses the cores that a pipeline's bubble or a waiting rank leaves to the others,
@@ -296,7 +296,8 @@ def rank_cpu(
     every rank's CPU over the cores). Its layers' compute (``Rates.contention`` times the
     measured share), the head and the optimizer; the framework's CPU per pipeline action
     (``Rates.action_cpu``: F and B per micro-batch and chunk, and W under a zero-bubble
-    schedule); and its collectives at ``Rates.comm_cpu``, counted as ``lm.traffic`` counts them
+    schedule); and its collectives at ``Rates.comm_cpu`` plus the framework's ``call_cpu`` per
+    call and ``round_cpu`` per ring round, counted as ``lm.traffic`` counts them
     (:func:`collective_cost`)."""
     s = settings
     assert rates.comm_cpu is not None
