@@ -157,7 +157,7 @@ def planner_choice(config: BenchConfig) -> tuple[str, tuple[dict[str, Any], bool
     """The layout ``sharding: auto`` would run here: rates measured in this world, the
     planner's first choice for the dense model (lm/planner.py, lm/framework.py)."""
     model = config.model(False)
-    rates = rates_in_world(model, torch.float32)
+    rates = rates_in_world(model, torch.float32, batch=config.batch)
     machine = Machine(config.world, config.world, 16 * GIB, 4)
     choice = plan(model, rates, machine, config.batch, max_norm=None, lr=1e-3)[0].settings
     options = {f.name: getattr(choice, f.name) for f in fields(choice)

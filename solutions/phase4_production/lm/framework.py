@@ -120,14 +120,19 @@ def plan_table(predictions: list[Prediction], rates: Rates, limit: int = 12) -> 
 
 
 def rates_in_world(
-    model: LMConfig, dtype: torch.dtype, per_node: int | None = None, deadline: float | None = None
+    model: LMConfig,
+    dtype: torch.dtype,
+    per_node: int | None = None,
+    deadline: float | None = None,
+    batch: int | None = None,
 ) -> Rates:
     """Rates measured inside the running world: compute on rank 0, the links by every rank
     (inside and across nodes apart when the world spans nodes of ``per_node`` ranks); rank 0's
-    broadcast, so that every rank plans alike. Each measurement within ``deadline`` seconds
+    broadcast, so that every rank plans alike; the anchor steps at ``batch``, the global batch
+    to be planned. Each measurement within ``deadline`` seconds
     (default ``lm.rates.rates_timeout``), else ``MachineTooBusy`` (one line, every rank)."""
     deadline = rates_timeout() if deadline is None else deadline
-    times = link_times(7, per_node, deadline)
+    times = link_times(7, per_node, deadline, model, batch)
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         compute = measure_compute(model, dtype, deadline=deadline)
@@ -223,7 +228,13 @@ def plan_here(config: FrameworkConfig, world: int) -> int:
     try:
         say(f"measuring this machine for the planner: one layer's compute, then the links in a "
             f"world of {measured} ranks (at most {rates_timeout():g} s each)")  # fmt: skip
-        rates = measure_rates(config.model.lm(), DTYPES[config.precision], measured, per_node)
+        rates = measure_rates(
+            config.model.lm(),
+            DTYPES[config.precision],
+            measured,
+            per_node,
+            batch=config.train.batch,
+        )
         print(plan_table(choose(config, rates, world), rates))
     except Refusal as err:  # MachineTooBusy (exit 1), no layout fits or a bad DTFS_RATES_TIMEOUT
         return refused(err)
@@ -254,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_node = machine_of(config, world).ranks_per_node
             say(f"measuring this machine for the planner: the links of the {world} ranks, then "
                 f"one layer's compute on rank 0 (at most {rates_timeout():g} s each)")  # fmt: skip
-            rates = rates_in_world(config.model.lm(), DTYPES[config.precision], per_node)
+            rates = rates_in_world(
+                config.model.lm(), DTYPES[config.precision], per_node, batch=config.train.batch
+            )
             predictions = choose(config, rates, world)
             log0(plan_table(predictions, rates))
             if args.plan_only:

@@ -24,12 +24,17 @@ core to whichever rank can run, so a step takes about every rank's CPU time over
 (:func:`rank_cpu`: its layers' compute at its tensor-parallel share, slowed by
 ``Rates.contention``; the framework's CPU per pipeline action, collective call and round; each
 collective's CPU in an alpha-beta fit of what gloo's threads spend between computations, counted
-call by call as ``lm.traffic`` counts them). A rank slowed by ``ranks / cores`` (the critical
-path's view) misses the cores that a pipeline's bubble or a waiting rank leaves to the others,
-and the links' times measured there are mostly ranks waiting to be scheduled, which the CPU
-count already holds. What it leaves out: the cores sit idle a little while ranks wait to be
-woken (``lm.planner_check`` records how much, layout by layout; a factor for it measured
-between bursts of compute varied from run to run and overcharged, and is not used).
+call by call as ``lm.traffic`` counts them), calibrated by the model's own steps measured in
+the same world (``lm.anchors``: data parallelism, ZeRO-2, tp2 and cp2 at the planned batch;
+:func:`calibration` scales the compute and collectives by what data parallelism's step says
+and adds each other kind's measured extra, per call for tp and ZeRO, per byte for the ring
+passes), times the share of the cores those steps left idle while ranks waited to be woken. A
+rank slowed by ``ranks / cores`` (the critical path's view) misses the cores that a pipeline's
+bubble or a waiting rank leaves to the others, and the links' times measured there are mostly
+ranks waiting to be scheduled, which the CPU count already holds. What it leaves out: a kind's
+extra is measured at degree 2 and taken as it is at 4 or 8 (a tp4 region or a cp4 pass with
+smaller blocks may cost another amount), and ``lm.planner_check`` records how each layout's idle
+share differs from the anchors'.
 
 It then adds, for each layout that does not fit, the same layout with activation checkpointing (each
 layer keeps its input and recomputes its forward in backward: less memory, one more forward),
@@ -56,8 +61,11 @@ AdamW holds 2 + 2 + 12 bytes per parameter, ``lm.memory.MIXED_ADAMW``).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from course.language_model import LMConfig
 from course.topology import RankGrid
@@ -65,6 +73,7 @@ from phase4_production.lm_layout import ZERO_BUBBLE, ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule, placement_of
 from solutions.phase2_advanced.pipeline_study.simulation import simulate
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
+from solutions.phase4_production.lm.anchors import Anchor
 from solutions.phase4_production.lm.memory import (
     HeldBytes,
     StateBytes,
@@ -163,6 +172,14 @@ def candidates(
                                     yield settings
 
 
+def anchor_idle(rates: Rates) -> float:
+    """How much longer a step takes than every rank's CPU over the cores: the median over the
+    anchor steps (``lm.anchors``), at least 1; 1 without them."""
+    if not rates.anchors:
+        return 1.0
+    return max(1.0, statistics.median(anchor.idle for anchor in rates.anchors))
+
+
 def _collective(link: AlphaBeta, cost: Cost) -> float:
     return cost.time(link.alpha, link.beta)
 
@@ -256,10 +273,13 @@ def predict(
             s.world_size // s.pp
         )
         busy = work / rates.cores
+        idle = anchor_idle(rates)
         notes.append(
             f"{s.world_size} ranks on {rates.cores} cores: all ranks' CPU {work * 1e3:.1f} ms / "
-            f"{rates.cores} = {busy * 1e3:.1f} ms; the critical path alone {seconds * 1e3:.1f} ms"
+            f"{rates.cores} = {busy * 1e3:.1f} ms, x{idle:.2f} for the cores left idle (the "
+            f"anchor steps'); the critical path alone {seconds * 1e3:.1f} ms"
         )
+        busy *= idle
         seconds = busy
     return Prediction(
         s,
@@ -288,17 +308,26 @@ def _layer_compute(
     return forward, backward
 
 
-def rank_cpu(
-    config: LMConfig, settings: ParallelSettings, rates: Rates, batch: int, pp_rank: int, e: int
-) -> float:
+KINDS = ("tp", "cp", "pp", "dp", "zero")  # the collectives' kinds (:func:`collective_costs`)
+
+
+def rank_cpu_parts(
+    config: LMConfig,
+    settings: ParallelSettings,
+    rates: Rates,
+    batch: int,
+    pp_rank: int,
+    e: int,
+    framework: bool = True,
+) -> dict[str, float]:
     """CPU seconds one rank of pipeline rank ``pp_rank`` spends in a step, for a machine whose
-    ranks share cores (the kernel lends a core to whichever rank can run, so the step takes about
-    every rank's CPU over the cores). Its layers' compute (``Rates.contention`` times the
-    measured share), the head and the optimizer; the framework's CPU per pipeline action
-    (``Rates.action_cpu``: F and B per micro-batch and chunk, and W under a zero-bubble
-    schedule); and its collectives at ``Rates.comm_cpu`` plus the framework's ``call_cpu`` per
-    call and ``round_cpu`` per ring round, counted as ``lm.traffic`` counts them
-    (:func:`collective_cost`)."""
+    ranks share cores, in parts: ``compute`` (its layers at the tp share times
+    ``Rates.contention``, zero-bubble's second walk, recompute, the head, the optimizer on what
+    it owns), ``actions`` (the framework's CPU per pipeline action, ``Rates.action_cpu``: F and
+    B per micro-batch and chunk, and W under a zero-bubble schedule), and one part per kind of
+    collective (:data:`KINDS`): its rounds and bytes at ``Rates.comm_cpu``, counted as
+    ``lm.traffic`` counts them, and with ``framework`` the tiny model's ``call_cpu`` per call and
+    ``round_cpu`` per round (the anchors, when measured, stand in for those two)."""
     s = settings
     assert rates.comm_cpu is not None
     m = s.microbatches
@@ -318,36 +347,178 @@ def rank_cpu(
     units = rank_units(config, s, pp_rank)
     owned = sum(units) if s.zero == 0 else math.ceil(sum(units) / (s.dp * s.cp))
     compute += rates.optimizer_per_element * owned
-    comm, calls = collective_cost(config, s, batch, pp_rank, e)
+    parts = {"compute": rates.contention * compute, "actions": rates.action_cpu * actions}
+    per_call = rates.call_cpu if framework else 0.0
+    per_round = rates.comm_cpu.alpha + (rates.round_cpu if framework else 0.0)
+    for kind, (cost, calls) in collective_costs(config, s, batch, pp_rank, e).items():
+        parts[kind] = per_call * calls + cost.time(per_round, rates.comm_cpu.beta)
+    return parts
+
+
+PER_CALL = ("tp", "zero")  # kinds whose framework code costs per call (3.6's regions, 3.5's units)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the anchor steps (``lm.anchors``) add to :func:`rank_cpu_parts`: one scale for the
+    compute and the collectives' alpha-beta CPU together (``common``), and each other kind's CPU
+    beyond that (``extra``): per call for :data:`PER_CALL`; for the ring passes per pass
+    (``cp``) and per element of the attention block each pass computes (``cp_block``: 2.7
+    attends the local queries to the arriving block and merges the result, work that grows with
+    the block, which shrinks as cp grows)."""
+
+    common: float = 1.0
+    extra: Mapping[str, float] = field(default_factory=dict)  # seconds per call or element
+
+
+def _kind_amounts(
+    config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
+) -> dict[str, float]:
+    """For one rank: each kind's calls, and ``cp_block``, the attention-block elements of its
+    ring passes (each pass: a micro-batch's local queries against one arriving block of keys,
+    ``sequences x (seq / cp)^2``)."""
+    s = settings
+    costs = collective_costs(config, s, batch, pp_rank, e)
+    amounts = {kind: float(calls) for kind, (_, calls) in costs.items()}
+    block = batch // (s.dp * s.microbatches) * (config.seq_len // s.cp) ** 2
+    amounts["cp_block"] = amounts["cp"] * block
+    return amounts
+
+
+def rank_cpu(
+    config: LMConfig, settings: ParallelSettings, rates: Rates, batch: int, pp_rank: int, e: int
+) -> float:
+    """CPU seconds one rank of pipeline rank ``pp_rank`` spends in a step, for a machine whose
+    ranks share cores (the kernel lends a core to whichever rank can run, so the step takes about
+    every rank's CPU over the cores): :func:`rank_cpu_parts`, calibrated by the model's own
+    anchor steps where they were measured (:func:`calibration`; they stand in for the tiny
+    model's per-call and per-round constants)."""
+    if not rates.anchors:
+        return sum(rank_cpu_parts(config, settings, rates, batch, pp_rank, e).values())
+    fitted = calibration(rates)
+    parts = rank_cpu_parts(config, settings, rates, batch, pp_rank, e, framework=False)
+    amounts = _kind_amounts(config, settings, batch, pp_rank, e)
     return (
-        rates.contention * compute
-        + rates.action_cpu * actions
-        + rates.call_cpu * calls
-        + comm.time(rates.comm_cpu.alpha + rates.round_cpu, rates.comm_cpu.beta)
+        parts["actions"]
+        + fitted.common * sum(v for part, v in parts.items() if part != "actions")
+        + sum(fitted.extra.get(kind, 0.0) * amount for kind, amount in amounts.items())
     )
+
+
+COMMON_RANGE = (0.25, 4.0)  # a common scale outside it says the anchor is noise, not signal
+_CALIBRATIONS: dict[int, tuple[Rates, Calibration]] = {}
+
+
+def _world_parts(anchor: Anchor, rates: Rates) -> tuple[dict[str, float], dict[str, float]]:
+    """Every rank's :func:`rank_cpu_parts` (without the tiny model's framework constants) and
+    :func:`_kind_amounts` under an anchor's layout, each summed over the world."""
+    s = anchor.settings
+    e = getattr(torch, rates.dtype).itemsize
+    parts: dict[str, float] = {}
+    amounts: dict[str, float] = {}
+    ranks = s.world_size // s.pp
+    for pp_rank in range(s.pp):
+        rank = rank_cpu_parts(anchor.model, s, rates, anchor.sequences, pp_rank, e, False)
+        for part, seconds in rank.items():
+            parts[part] = parts.get(part, 0.0) + seconds * ranks
+        for kind, amount in _kind_amounts(anchor.model, s, anchor.sequences, pp_rank, e).items():
+            amounts[kind] = amounts.get(kind, 0.0) + amount * ranks
+    return parts, amounts
+
+
+def calibration(rates: Rates) -> Calibration:
+    """:class:`Calibration` from the anchor steps' measured CPU (``Rates.anchors``). Data
+    parallelism's anchor gives the common scale: its measured CPU, less the actions, over the
+    compute and collectives :func:`rank_cpu_parts` counts (what the layer, contention and link
+    rates miss on this machine in common). Each other anchor adds one kind to it: what its
+    measurement leaves after the common parts is that kind's extra, over its calls for ``tp``
+    and ``zero`` (at least 0). The ring passes have two anchors, cp2 and cp4 at the same batch
+    (the same bytes per pass, blocks half as large at cp4): two equations give the CPU per pass
+    and per block element; with one of them (or a solution below 0), all of it per pass. Without
+    anchors: scale 1, nothing extra; a common scale outside :data:`COMMON_RANGE` is taken as
+    noise and left at 1."""
+    cached = _CALIBRATIONS.get(id(rates))
+    if cached is not None and cached[0] is rates:
+        return cached[1]
+    anchors = {anchor.kind: anchor for anchor in rates.anchors}
+    fitted = Calibration()
+    if rates.comm_cpu is not None and "dp" in anchors:
+        parts, _ = _world_parts(anchors["dp"], rates)
+        common = (anchors["dp"].cpu - parts["actions"]) / sum(
+            v for part, v in parts.items() if part != "actions"
+        )
+        low, high = COMMON_RANGE
+        common = common if low <= common <= high else 1.0
+
+        def left(kind: str) -> tuple[float, dict[str, float]]:
+            parts, amounts = _world_parts(anchors[kind], rates)
+            explained = parts["actions"] + common * sum(
+                v for part, v in parts.items() if part != "actions"
+            )
+            return anchors[kind].cpu - explained, amounts
+
+        extra: dict[str, float] = {}
+        for kind in PER_CALL:
+            if kind in anchors:
+                rest, amounts = left(kind)
+                if amounts[kind] > 0:
+                    extra[kind] = max(rest / amounts[kind], 0.0)
+        if "cp" in anchors:
+            rest, amounts = left("cp")
+            extra["cp"], extra["cp_block"] = max(rest / amounts["cp"], 0.0), 0.0
+            if "cp4" in anchors:
+                rest4, amounts4 = left("cp4")
+                n2, b2, n4, b4 = (
+                    amounts["cp"],
+                    amounts["cp_block"],
+                    amounts4["cp"],
+                    amounts4["cp_block"],
+                )
+                det = n2 * b4 - n4 * b2
+                if det:
+                    per_pass = (rest * b4 - rest4 * b2) / det
+                    per_element = (n2 * rest4 - n4 * rest) / det
+                    if per_pass >= 0 and per_element >= 0:
+                        extra["cp"], extra["cp_block"] = per_pass, per_element
+        fitted = Calibration(common, extra)
+    _CALIBRATIONS[id(rates)] = (rates, fitted)
+    return fitted
 
 
 def collective_cost(
     config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
 ) -> tuple[Cost, int]:
     """Every collective and message one rank of pipeline rank ``pp_rank`` takes part in during
-    a step: their ring rounds and bytes sent (3.2's ``Cost``) and how many calls, from the calls
-    ``lm.traffic``'s formulas count (its module doc): the tp regions, the ring-attention passes,
-    the pipeline's messages, the data-parallel gradients (each ZeRO unit apart), the report and
-    the count. Groups of one rank call nothing."""
+    a step: their ring rounds and bytes sent (3.2's ``Cost``) and how many calls (the sum of
+    :func:`collective_costs`' kinds)."""
+    total, calls = Cost(0, 0), 0
+    for cost, count in collective_costs(config, settings, batch, pp_rank, e).values():
+        total, calls = total + cost, calls + count
+    return total, calls
+
+
+def collective_costs(
+    config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
+) -> dict[str, tuple[Cost, int]]:
+    """:func:`collective_cost` by kind (:data:`KINDS`): ``tp`` (the tensor-parallel regions'
+    all-reduces, or all-gathers and reduce-scatters with sequence parallelism, and the norms'
+    gradients), ``cp`` (the ring-attention passes), ``pp`` (the pipeline's messages and its
+    report), ``dp`` (the data-parallel gradients' all-reduce, the report and the count) and
+    ``zero`` (ZeRO's reduce-scatters and all-gathers, each unit apart), from the calls
+    ``lm.traffic``'s formulas count (its module doc). Groups of one rank call nothing."""
     s, h = settings, config.width
     m, tp, cp = s.microbatches, s.tp, s.cp
     act = batch // (s.dp * m) * (config.seq_len // cp) * h * e  # a micro-batch's activation
     between = act // tp if s.sequence_parallel else act
     runs = split_layers(config.layers, s.virtual_stages)
     last = s.virtual_stages - 1
-    total, calls = Cost(0, 0), 0
+    kinds = {kind: (Cost(0, 0), 0) for kind in KINDS}
 
-    def add(cost: Cost, times: int, group: int) -> None:
-        nonlocal total, calls
+    def add(kind: str, cost: Cost, times: int, group: int) -> None:
         if group > 1 and times > 0:
-            total += Cost(cost.rounds * times, cost.bytes_sent * times)
-            calls += times
+            total, calls = kinds[kind]
+            kinds[kind] = (total + Cost(cost.rounds * times, cost.bytes_sent * times),
+                           calls + times)  # fmt: skip
 
     stages = rank_stages(s, pp_rank)
     for stage in stages:
@@ -355,28 +526,28 @@ def collective_cost(
         passes = 2 if s.schedule in ZERO_BUBBLE and stage > 0 else 1
         regions = 2 * layers * m * (1 + passes)
         if s.sequence_parallel:  # an all-gather and a reduce-scatter per region
-            add(_gather_cost(act, tp), 2 * regions, tp)
+            add("tp", _gather_cost(act, tp), 2 * regions, tp)
         else:
-            add(ring_cost(act, tp), regions, tp)
+            add("tp", ring_cost(act, tp), regions, tp)
         ring_passes = layers * m * (1 + 2 * passes) * (cp - 1)  # K and V (dK and dV) together
-        add(Cost(2, 2 * act // tp), ring_passes, cp)
+        add("cp", Cost(2, 2 * act // tp), ring_passes, cp)
         for neighbour in (stage + 1, stage - 1):
             if 0 <= neighbour <= last and neighbour not in stages:  # activations and gradients
-                add(Cost(1, between), 2 * m, s.pp)
-                add(Cost(1, 64), 1, s.pp)  # the header
+                add("pp", Cost(1, between), 2 * m, s.pp)
+                add("pp", Cost(1, 64), 1, s.pp)  # the header
     shards = s.dp * cp
     units = rank_units(config, s, pp_rank)
-    add(ring_cost(16, shards), 2, shards)  # the count and the report
+    add("dp", ring_cost(16, shards), 2, shards)  # the count and the report
     if s.zero == 0:
-        add(ring_cost(sum(units) * e, shards), 1, shards)
+        add("dp", ring_cost(sum(units) * e, shards), 1, shards)
     else:
         per_unit = {1: 2, 2: m + 1}.get(s.zero, 3 * m) if isinstance(s.zero, int) else 3 * m
         for unit in units:
-            add(_gather_cost(unit * e, shards), per_unit, shards)
-    add(ring_cost(16, s.pp), 1, s.pp)  # the report over the stages
+            add("zero", _gather_cost(unit * e, shards), per_unit, shards)
+    add("pp", ring_cost(16, s.pp), 1, s.pp)  # the report over the stages
     if s.sequence_parallel:
-        add(ring_cost(16 * h, tp), 2, tp)  # the report; the norms' gradients
-    return total, calls
+        add("tp", ring_cost(16 * h, tp), 2, tp)  # the report; the norms' gradients
+    return kinds
 
 
 def plan(

@@ -6,8 +6,8 @@ runs a spread of them (the planner's first choices, and layouts from the whole l
 ranking) in one world, their steps interleaved round after round (``lm.benchmark``), and prints
 for each the predicted and measured step time, the measured step over every rank's measured CPU
 time divided by the cores (how much a shared machine leaves idle: the planner's model for ranks
-that share cores takes it as 1), and bytes held per rank (model states, and the activations
-autograd saved during a step), then three verdicts:
+that share cores takes the anchor steps' median, ``lm.anchors``), and bytes held per rank
+(model states, and the activations autograd saved during a step), then three verdicts:
 
 * the rank correlation (Spearman) between the predicted and the measured order of the layouts;
 * whether the planner's first choice is within 10% of the fastest layout measured;
@@ -33,7 +33,14 @@ from course.results import Table, write_results
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase4_production.lm.benchmark import BenchConfig, measure_layouts
-from solutions.phase4_production.lm.planner import GIB, Machine, Prediction, plan
+from solutions.phase4_production.lm.planner import (
+    GIB,
+    Machine,
+    Prediction,
+    anchor_idle,
+    calibration,
+    plan,
+)
 from solutions.phase4_production.lm.rates import Rates, measure_rates
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
@@ -118,7 +125,7 @@ def measure(config: CheckConfig) -> tuple[Rates, list[WorldCheck]]:
     out = []
     rates = None
     for world in worlds_of(config):
-        rates = measure_rates(model, torch.float32, world)
+        rates = measure_rates(model, torch.float32, world, batch=config.batch)
         machine = Machine(world, world, 16 * GIB)
         chosen = spread(plan(model, rates, machine, config.batch), config.layouts)
         layouts = {p.settings.label(): (_options(p.settings), False) for p in chosen}
@@ -135,14 +142,19 @@ def measure(config: CheckConfig) -> tuple[Rates, list[WorldCheck]]:
 
 
 def shared_rates(rates: Rates) -> dict[str, str]:
-    """The rates the shared-core model used, as recorded values."""
+    """The rates the shared-core model used, and the anchors' calibration, as recorded values."""
     comm = rates.comm_cpu
+    fitted = calibration(rates)
     return {
         "comm_cpu_per_round_us": f"{comm.alpha * 1e6:.0f}" if comm is not None else "-",
         "contention": f"{rates.contention:.2f}",
         "action_cpu_us": f"{rates.action_cpu * 1e6:.0f}",
-        "call_cpu_us": f"{rates.call_cpu * 1e6:.0f}",
-        "round_cpu_us": f"{rates.round_cpu * 1e6:.0f}",
+        "common_scale": f"{fitted.common:.2f}",
+        "tp_call_extra_us": f"{fitted.extra.get('tp', 0.0) * 1e6:.0f}",
+        "zero_call_extra_us": f"{fitted.extra.get('zero', 0.0) * 1e6:.0f}",
+        "cp_pass_extra_us": f"{fitted.extra.get('cp', 0.0) * 1e6:.0f}",
+        "cp_block_extra_ns": f"{fitted.extra.get('cp_block', 0.0) * 1e9:.1f}",
+        "idle": f"{anchor_idle(rates):.2f}",
     }
 
 

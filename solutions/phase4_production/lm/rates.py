@@ -29,13 +29,15 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   collective (an alpha-beta fit on the process's CPU seconds, gloo's threads included, of the
   same all-reduces and messages as the links, each run after one layer's work as in a step);
   how much slower a layer computes when every rank computes at once than alone
-  (``contention``); and the framework's own CPU per pipeline action, per collective call and per
+  (``contention``); the framework's own CPU per pipeline action, per collective call and per
   ring round (``action_cpu``, ``call_cpu``, ``round_cpu``: 4.7's step on a model too small to
-  compute anything, in the running world: :func:`framework_cpu`).
+  compute anything, in the running world: :func:`framework_cpu`); and, given the model, its own
+  steps at four layouts in that world (``lm.anchors``), which the planner calibrates the rest
+  by (they then stand in for ``call_cpu`` and ``round_cpu``).
 
 Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not the
-tests' 20 s world deadline: a quiet 2-core machine measures everything for a world of 4 in about 11
-s and for one of 8 in about 18 s (starting the world included), but on a busy one a world that
+tests' 20 s world deadline: a quiet 2-core machine measures everything for a world of 4 in about 14
+s and for one of 8 in about 22 s (starting the world included), but on a busy one a world that
 measures slowly is not hung, and was reported as "another rank skipped or reordered a collective"
 (issue 38). Past the deadline, :class:`MachineTooBusy` says so with the machine's load and the
 fixes.
@@ -69,6 +71,7 @@ from course.topology import RankGrid, Topology
 from course.world import WorldHung, run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
+from solutions.phase4_production.lm.anchors import Anchor, measure_anchors
 from solutions.phase4_production.lm.shard_compute import ShardedBlock, tp_degrees
 
 SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]  # bytes per collective / message
@@ -145,6 +148,7 @@ class Rates:
     action_cpu: float = 0.0  # the framework's CPU seconds per pipeline action (F, B or W)
     call_cpu: float = 0.0  # the framework's CPU seconds per collective call, beyond comm_cpu
     round_cpu: float = 0.0  # and per ring round of its collectives (waiting on more ranks)
+    anchors: tuple[Anchor, ...] = ()  # the model's own steps, one layout per kind (lm.anchors)
 
     def layer_seconds(self, tokens: float, tp: int) -> tuple[float, float]:
         """One tp rank's forward and backward CPU seconds for one layer's ``tokens``: its share
@@ -302,15 +306,20 @@ def out_of_time(began: float, deadline: float) -> bool:
 
 
 def link_times(
-    repeats: int, per_node: int | None = None, deadline: float | None = None
-) -> dict[str, list[float]]:
+    repeats: int,
+    per_node: int | None = None,
+    deadline: float | None = None,
+    model: LMConfig | None = None,
+    batch: int | None = None,
+) -> dict[str, Any]:
     """On every rank: median seconds of an all-reduce over the world (over this rank's node
     when the world spans nodes, see :func:`two_kinds`, and then also across nodes), and of a
     send/recv exchange with the neighbouring rank (every pair at once), per size. With a
     ``deadline`` (seconds; torchrun's world, where no harness watches the clock) every rank
-    raises :class:`MachineTooBusy` after the size during which it passed."""
+    raises :class:`MachineTooBusy` after the size during which it passed. With ``model``, also
+    its anchor steps (``lm.anchors``, at ``batch`` where they take it), under ``"anchors"``."""
     began = time.monotonic()
-    out: dict[str, list[float]] = {
+    out: dict[str, Any] = {
         "all_reduce": [], "point_to_point": [], "all_reduce_cpu": [], "point_to_point_cpu": []
     }  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -363,6 +372,8 @@ def link_times(
         if deadline is not None and out_of_time(began, deadline):
             raise MachineTooBusy(f"the links of {world} ranks", deadline)
     out.update({f"framework_{k}": [v] for k, v in framework_cpu(repeats).items()})
+    if model is not None:
+        out["anchors"] = measure_anchors(model, 2 * repeats, batch)  # the steps vary the most
     if deadline is not None and out_of_time(began, deadline):
         raise MachineTooBusy(f"the links of {world} ranks", deadline)
     return out
@@ -485,9 +496,10 @@ class Links:
     action_cpu: float = 0.0
     call_cpu: float = 0.0
     round_cpu: float = 0.0
+    anchors: tuple[Anchor, ...] = ()
 
 
-def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = None) -> Links:
+def fit_links(times: dict[str, Any], world: int, per_node: int | None = None) -> Links:
     """3.2's alpha and beta through :func:`link_times`' medians (ring costs for each group's
     size, one message for point to point)."""
     inside = per_node if per_node is not None and two_kinds(world, per_node) else world
@@ -507,11 +519,17 @@ def fit_links(times: dict[str, list[float]], world: int, per_node: int | None = 
         framework = {k.removeprefix("framework_"): v for k, v in times.items()}
         call_cpu, round_cpu = framework_call_and_round(framework, world, comm_cpu)
     return Links(ring, p2p, inter, comm_cpu, times.get("contention", [1.0])[0],
-                 times.get("framework_action", [0.0])[0], call_cpu, round_cpu)  # fmt: skip
+                 times.get("framework_action", [0.0])[0], call_cpu, round_cpu,
+                 tuple(times.get("anchors", ())))  # fmt: skip
 
 
 def measure_links(
-    world: int = 2, repeats: int = 7, per_node: int | None = None, deadline: float | None = None
+    world: int = 2,
+    repeats: int = 7,
+    per_node: int | None = None,
+    deadline: float | None = None,
+    model: LMConfig | None = None,
+    batch: int | None = None,
 ) -> Links:
     """The links' alpha and beta, fitted in a world of ``world`` ranks (even), as nodes of
     ``per_node`` ranks when that makes two kinds (:func:`two_kinds`). The world runs under
@@ -521,7 +539,8 @@ def measure_links(
         raise ValueError(f"world={world}: the links are measured by pairs, in an even world")
     deadline = rates_timeout() if deadline is None else deadline
     try:
-        times = run_world(link_times, world, (repeats, per_node), {}, timeout=deadline)[0]
+        times = run_world(link_times, world, (repeats, per_node, None, model, batch), {},
+                          timeout=deadline)[0]  # fmt: skip
     except WorldHung as hung:
         if hung.deadlocked_after is not None:
             raise
@@ -535,11 +554,13 @@ def measure_rates(
     world: int = 2,
     per_node: int | None = None,
     deadline: float | None = None,
+    batch: int | None = None,
 ) -> Rates:
-    """Every rate, on this machine (a world of ``world`` ranks is started for the links); each
-    measurement within ``deadline`` seconds (default :func:`rates_timeout`)."""
+    """Every rate, on this machine (a world of ``world`` ranks is started for the links and the
+    anchor steps, these at ``batch``, the global batch to be planned); each measurement within
+    ``deadline`` seconds (default :func:`rates_timeout`)."""
     compute = measure_compute(config, dtype, deadline=deadline)
-    links = measure_links(world, per_node=per_node, deadline=deadline)
+    links = measure_links(world, per_node=per_node, deadline=deadline, model=config, batch=batch)
     cores = len(os.sched_getaffinity(0))
     name = str(dtype).removeprefix("torch.")
     sources = {
@@ -582,4 +603,5 @@ def rates_from(
         action_cpu=links.action_cpu,
         call_cpu=links.call_cpu,
         round_cpu=links.round_cpu,
+        anchors=links.anchors,
     )
