@@ -362,7 +362,8 @@ PER_CALL = ("tp", "zero")  # kinds whose framework code costs per call (3.6's re
 class Calibration:
     """What the anchor steps (``lm.anchors``) add to :func:`rank_cpu_parts`: one scale for the
     compute and the collectives' alpha-beta CPU together (``common``), and each other kind's CPU
-    beyond that (``extra``): per call for :data:`PER_CALL`; for the ring passes per pass
+    beyond that (``extra``): per call for :data:`PER_CALL` (for the tp regions also per ring
+    round, ``tp_round``, when tp2 and tp4 were both measured); for the ring passes per pass
     (``cp``) and per element of the attention block each pass computes (``cp_block``: 2.7
     attends the local queries to the arriving block and merges the result, work that grows with
     the block, which shrinks as cp grows)."""
@@ -374,14 +375,16 @@ class Calibration:
 def _kind_amounts(
     config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
 ) -> dict[str, float]:
-    """For one rank: each kind's calls, and ``cp_block``, the attention-block elements of its
-    ring passes (each pass: a micro-batch's local queries against one arriving block of keys,
+    """For one rank: each kind's calls, ``tp_round``, the ring rounds of its tensor-parallel
+    calls, and ``cp_block``, the attention-block elements of its ring passes (each pass: a
+    micro-batch's local queries against one arriving block of keys,
     ``sequences x (seq / cp)^2``)."""
     s = settings
     costs = collective_costs(config, s, batch, pp_rank, e)
     amounts = {kind: float(calls) for kind, (_, calls) in costs.items()}
     block = batch // (s.dp * s.microbatches) * (config.seq_len // s.cp) ** 2
     amounts["cp_block"] = amounts["cp"] * block
+    amounts["tp_round"] = float(costs["tp"][0].rounds)
     return amounts
 
 
@@ -426,15 +429,37 @@ def _world_parts(anchor: Anchor, rates: Rates) -> tuple[dict[str, float], dict[s
     return parts, amounts
 
 
+def _two_by_two(
+    first: tuple[float, float, float], second: tuple[float, float, float]
+) -> tuple[float, float]:
+    """(x, y) >= 0 with ``a x + b y = c`` for both rows ``(a, b, c)``; when the exact solution
+    has a part below 0 (the anchors' noise, not a cost), the better of the two one-part least
+    squares fits (all of it in x, or all in y) over both rows."""
+    (a1, b1, c1), (a2, b2, c2) = first, second
+    det = a1 * b2 - a2 * b1
+    if det:
+        x, y = (c1 * b2 - c2 * b1) / det, (a1 * c2 - a2 * c1) / det
+        if x >= 0 and y >= 0:
+            return x, y
+    fits = []
+    for u1, u2, as_pair in ((a1, a2, lambda v: (v, 0.0)), (b1, b2, lambda v: (0.0, v))):
+        norm = u1 * u1 + u2 * u2
+        value = max((u1 * c1 + u2 * c2) / norm, 0.0) if norm else 0.0
+        fits.append(((c1 - u1 * value) ** 2 + (c2 - u2 * value) ** 2, as_pair(value)))
+    return min(fits, key=lambda fit: fit[0])[1]
+
+
 def calibration(rates: Rates) -> Calibration:
     """:class:`Calibration` from the anchor steps' measured CPU (``Rates.anchors``). Data
     parallelism's anchor gives the common scale: its measured CPU, less the actions, over the
     compute and collectives :func:`rank_cpu_parts` counts (what the layer, contention and link
     rates miss on this machine in common). Each other anchor adds one kind to it: what its
     measurement leaves after the common parts is that kind's extra, over its calls for ``tp``
-    and ``zero`` (at least 0). The ring passes have two anchors, cp2 and cp4 at the same batch
-    (the same bytes per pass, blocks half as large at cp4): two equations give the CPU per pass
-    and per block element; with one of them (or a solution below 0), all of it per pass. Without
+    and ``zero`` (at least 0). Two kinds have two anchors each, and two equations: tp2 and tp4
+    (as many region calls, three times the rounds) give the CPU per call and per round; cp2 and
+    cp4 at the same batch (the same bytes per pass, blocks half as large at cp4) the CPU per
+    pass and per block element (:func:`_two_by_two`). With one of the pair, all of it per call
+    or pass. Without
     anchors: scale 1, nothing extra; a common scale outside :data:`COMMON_RANGE` is taken as
     noise and left at 1."""
     cached = _CALIBRATIONS.get(id(rates))
@@ -463,23 +488,22 @@ def calibration(rates: Rates) -> Calibration:
                 rest, amounts = left(kind)
                 if amounts[kind] > 0:
                     extra[kind] = max(rest / amounts[kind], 0.0)
+        if "tp" in anchors and "tp4" in anchors:  # per call and per ring round of a region
+            rest, amounts = left("tp")
+            rest4, amounts4 = left("tp4")
+            extra["tp"], extra["tp_round"] = _two_by_two(
+                (amounts["tp"], amounts["tp_round"], rest),
+                (amounts4["tp"], amounts4["tp_round"], rest4),
+            )
         if "cp" in anchors:
             rest, amounts = left("cp")
             extra["cp"], extra["cp_block"] = max(rest / amounts["cp"], 0.0), 0.0
             if "cp4" in anchors:
                 rest4, amounts4 = left("cp4")
-                n2, b2, n4, b4 = (
-                    amounts["cp"],
-                    amounts["cp_block"],
-                    amounts4["cp"],
-                    amounts4["cp_block"],
+                extra["cp"], extra["cp_block"] = _two_by_two(
+                    (amounts["cp"], amounts["cp_block"], rest),
+                    (amounts4["cp"], amounts4["cp_block"], rest4),
                 )
-                det = n2 * b4 - n4 * b2
-                if det:
-                    per_pass = (rest * b4 - rest4 * b2) / det
-                    per_element = (n2 * rest4 - n4 * rest) / det
-                    if per_pass >= 0 and per_element >= 0:
-                        extra["cp"], extra["cp_block"] = per_pass, per_element
         fitted = Calibration(common, extra)
     _CALIBRATIONS[id(rates)] = (rates, fitted)
     return fitted
