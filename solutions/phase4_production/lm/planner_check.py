@@ -159,6 +159,18 @@ def shared_rates(rates: Rates) -> dict[str, str]:
     }
 
 
+def anchor_repeat(check_: WorldCheck, batch: int) -> str:
+    """For a checked layout that is also an anchor (the same layout at the same batch, measured
+    once in the rates' world and once here): its CPU here over its CPU there, the noise a
+    prediction can at best match. "-" when none is."""
+    anchors = {(a.settings.label(), a.sequences): a for a in check_.rates.anchors}
+    for p, cpu in zip(check_.chosen, check_.cpu, strict=True):
+        anchor = anchors.get((p.settings.label(), batch))
+        if anchor is not None and anchor.cpu > 0:
+            return f"{p.settings.label()}: {cpu / anchor.cpu:.2f}x"
+    return "-"
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
 
@@ -208,6 +220,7 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
             "time_ratios": f"{low:.2f}-{high:.2f}x",
             "time_band_met": "met" if in_band else "not met",
             "wall_over_cpu": f"{min(wasted):.2f}-{max(wasted):.2f}x",
+            "anchor_repeat": anchor_repeat(check_, config.batch),
             **shared_rates(check_.rates),
         }
         if config.record:
