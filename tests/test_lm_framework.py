@@ -220,26 +220,32 @@ def test_ranks_that_share_cores_are_planned_by_every_ranks_cpu_over_the_cores() 
     assert "cores" not in " ".join(alone.notes)
 
 
+ANCHOR_KINDS = ("dp", "zero", "tp", "tp4", "tp_micro", "cp", "cp4", "cp_micro")
+
+
 def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
-    """Anchors whose CPU is made from known costs (every part but the actions x1.2; on top, 300
-    us per tensor-parallel call and 100 us per round of one, 200 us per ZeRO call, 100 us per
-    ring pass and 20 ns per element of its attention block): the planner recovers them, prices
-    every layout with them, and stretches the step by the anchors' median idle share."""
+    """Anchors whose CPU is made from known costs (the actions as they are; the compute and the
+    pipeline's, data-parallel and ZeRO collectives x1.2; 200 us per ZeRO call on top; the
+    tensor-parallel regions 300 us per call, 100 us per round and 1 ns per byte sent; the ring
+    attention 500 us per call, 100 us per pass and 2 ns per byte): the planner recovers them,
+    prices every layout with them, and stretches the step by the anchors' median idle share."""
     from solutions.phase4_production.lm.anchors import Anchor, anchor_layouts
 
     config = LMConfig()
     rates = dataclasses.replace(fake_rates(), cores=2, comm_cpu=AlphaBeta(1e-4, 1e-10),
                                 action_cpu=1e-3, call_cpu=2e-4, contention=1.1)  # fmt: skip
-    truth = {"tp": 3e-4, "tp_round": 1e-4, "zero": 2e-4, "cp": 1e-4, "cp_block": 2e-8}
+    truth = {"tp": 3e-4, "tp_round": 1e-4, "tp_byte": 1e-9, "zero": 2e-4, "cp_call": 5e-4,
+             "cp": 1e-4, "cp_byte": 2e-9}  # fmt: skip
+    scaled = ("compute", "pp", "dp", "zero")
     anchors = []
     for index, (kind, (settings, sequences)) in enumerate(anchor_layouts(config, 4, 16).items()):
         blank = Anchor(kind, settings, config, sequences, 0.0, 1.0)
         parts, amounts = lm_planner._world_parts(blank, rates)
-        cpu = parts["actions"] + 1.2 * sum(v for p, v in parts.items() if p != "actions")
+        cpu = parts["actions"] + 1.2 * sum(parts[p] for p in scaled)
         cpu += sum(truth[k] * amounts[k] for k in truth)
-        anchors.append(dataclasses.replace(blank, cpu=cpu, idle=1.05 + 0.1 * index))
+        anchors.append(dataclasses.replace(blank, cpu=cpu, idle=1.0 + 0.1 * index))
     kinds = [(a.kind, a.sequences) for a in anchors]
-    assert kinds == [(k, 16) for k in ("dp", "zero", "tp", "tp4", "cp", "cp4")], kinds
+    assert kinds == [(k, 16) for k in ANCHOR_KINDS], kinds
     calibrated = dataclasses.replace(rates, anchors=tuple(anchors))
     fitted = lm_planner.calibration(calibrated)
     assert fitted.common == pytest.approx(1.2), fitted
@@ -251,21 +257,31 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
         for pp_rank in range(settings.pp):
             parts = lm_planner.rank_cpu_parts(config, settings, calibrated, 16, pp_rank, 4, False)
             costs = lm_planner.collective_costs(config, settings, 16, pp_rank, 4)
-            by_hand = parts["actions"] + 1.2 * sum(v for p, v in parts.items() if p != "actions")
+            by_hand = parts["actions"] + 1.2 * sum(parts[p] for p in scaled)
             by_hand += truth["tp"] * costs["tp"][1] + truth["tp_round"] * costs["tp"][0].rounds
+            by_hand += truth["tp_byte"] * costs["tp"][0].bytes_sent
             by_hand += truth["zero"] * costs["zero"][1]
-            block = 16 // (settings.dp * settings.microbatches) * (config.seq_len // 2) ** 2
-            by_hand += (truth["cp"] + truth["cp_block"] * block) * costs["cp"][1]
+            passes = costs["cp"][1]  # at cp2 one pass per ring-attention call
+            by_hand += (truth["cp_call"] + truth["cp"]) * passes
+            by_hand += truth["cp_byte"] * costs["cp"][0].bytes_sent
             got = lm_planner.rank_cpu(config, settings, calibrated, 16, pp_rank, 4)
             assert got == pytest.approx(by_hand), (options, pp_rank)
             work += got * (4 // settings.pp)
         predicted = lm_planner.predict(config, settings, calibrated, machine, 16)
-        assert predicted.seconds == pytest.approx(work / 2 * 1.3)  # the median of 1.05 ... 1.55
+        assert predicted.seconds == pytest.approx(work / 2 * 1.35)  # the median of 1.0 ... 1.7
     # an anchor that says nothing (its CPU below what it must cost) leaves the model as it was
     silent = dataclasses.replace(rates, anchors=(dataclasses.replace(anchors[0], cpu=-1.0),))
     assert lm_planner.calibration(silent) == lm_planner.Calibration(1.0, {})
-    # a pair of anchors whose exact split has a part below 0 takes the better one-part fit
-    assert lm_planner._two_by_two((1.0, 1.0, 2.0), (1.0, 2.0, 1.0)) == pytest.approx((1.5, 0.0))
+    # with fewer anchors of a kind than unknowns, the earlier unknowns take it: tp2 and tp4
+    # alone split the tensor-parallel extra into per call and per round, nothing per byte
+    two = dataclasses.replace(calibrated, anchors=tuple(a for a in anchors if a.kind != "tp_micro"))
+    split = lm_planner.calibration(two).extra
+    assert split["tp_byte"] == 0.0 and split["tp"] > 0 and split["tp_round"] > 0, split
+    # an exact split with a part below 0 gives way to the better fit with the part at 0
+    fit = lm_planner.non_negative_fit
+    assert fit([([1.0, 1.0], 2.0), ([1.0, 2.0], 1.0)]) == pytest.approx([1.5, 0.0])
+    assert fit([([1.0, 0.0], 1.0), ([0.0, 1e9], 2.0)]) == pytest.approx([1.0, 2e-9])
+    assert fit([([1.0], -1.0)]) == [0.0]
 
 
 def _anchors(config: LMConfig) -> list[Any]:
@@ -280,7 +296,7 @@ def test_the_anchor_steps_are_measured_in_the_world() -> None:
     config = LMConfig(width=16, heads=4, layers=2, ffn=32, seq_len=16)
     out = run_world(_anchors, 4, (config,))
     kinds = [a.kind for a in out[0]]
-    assert kinds == ["dp", "zero", "tp", "tp4", "cp", "cp4"], kinds
+    assert kinds == list(ANCHOR_KINDS), kinds
     assert all(rank == out[0] for rank in out), "the ranks measured different anchors"
     assert all(a.cpu > 0 and a.idle > 0 and a.sequences == 8 for a in out[0]), out[0]
 

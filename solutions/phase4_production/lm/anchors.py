@@ -8,15 +8,17 @@ collectives of each kind (tensor-parallel regions, ring-attention passes, pipeli
 data-parallel gradients). Each part comes from rates measured apart (a layer alone, collectives
 after a layer's work, a tiny model's framework overhead); on a machine whose ranks share two
 cores those move from run to run (the planner check records them), and one kind's framework
-code is not another's (3.6's region functions, 2.7's block merges). Six steps of the model
+code is not another's (3.6's region functions, 2.7's block merges). Eight steps of the model
 itself, each adding one kind to plain data parallelism, measure what those parts sum to:
 
 * ``dp``: data parallelism over the world; ``zero``: the same with ZeRO-2 (the gradients'
   reduce-scatters and all-gathers per unit);
 * ``tp``: dp ``world / 2`` x tp2; ``tp4``: dp ``world / 4`` x tp4 (as many region calls, three
-  times the ring rounds);
+  times the ring rounds); ``tp_micro``: ``tp`` with sequence parallelism and 4 micro-batches (8
+  times the calls, the same bytes);
 * ``cp``: dp ``world / 2`` x cp2; ``cp4``: dp ``world / 4`` x cp4 (the same bytes per ring pass
-  as cp2, attention blocks half as large),
+  as cp2, attention blocks half as large); ``cp_micro``: ``cp`` with 4 micro-batches (4 times
+  the passes, the same bytes and block elements),
 
 at the batch to be planned (where the layout takes it; else two sequences per data-parallel
 rank), played in turn round after round (a load that comes and goes lands on all of them alike).
@@ -70,8 +72,10 @@ def anchor_layouts(
         "zero": {"dp": world, "zero": 2},
         "tp": {"dp": half, "tp": 2},
         "tp4": {"dp": world // 4, "tp": 4},
+        "tp_micro": {"dp": half, "tp": 2, "sequence_parallel": True, "microbatches": 4},
         "cp": {"dp": half, "cp": 2},
         "cp4": {"dp": world // 4, "cp": 4},
+        "cp_micro": {"dp": half, "cp": 2, "microbatches": 4},
     }
     out = {}
     for kind, chosen in options.items():

@@ -61,6 +61,7 @@ AdamW holds 2 + 2 + 12 bytes per parameter, ``lm.memory.MIXED_ADAMW``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Collection, Iterator, Mapping
@@ -356,36 +357,59 @@ def rank_cpu_parts(
     return parts
 
 
-PER_CALL = ("tp", "zero")  # kinds whose framework code costs per call (3.6's regions, 3.5's units)
+# Each kind's CPU fitted to the anchors (:class:`Calibration`): its unknowns, in the order a
+# fit with fewer anchors than unknowns keeps them, and the anchors (``lm.anchors``) that
+# measure them.
+EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "tp": (("tp", "tp_round", "tp_byte"), ("tp", "tp4", "tp_micro")),
+    "cp": (("cp_call", "cp", "cp_byte"), ("cp", "cp4", "cp_micro")),
+    "zero": (("zero",), ("zero",)),
+}
+REPLACED = frozenset({"tp", "cp"})  # kinds whose fit stands for all their CPU (see Calibration)
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the anchor steps (``lm.anchors``) add to :func:`rank_cpu_parts`: one scale for the
+    """What the anchor steps (``lm.anchors``) make of :func:`rank_cpu_parts`: one scale for the
     compute and the collectives' alpha-beta CPU together (``common``), and each other kind's CPU
-    beyond that (``extra``): per call for :data:`PER_CALL` (for the tp regions also per ring
-    round, ``tp_round``, when tp2 and tp4 were both measured); for the ring passes per pass
-    (``cp``) and per element of the attention block each pass computes (``cp_block``: 2.7
-    attends the local queries to the arriving block and merges the result, work that grows with
-    the block, which shrinks as cp grows)."""
+    in seconds per amount of :func:`_kind_amounts` (``extra``). For the kinds in ``replaced``
+    the fit stands for all their CPU, their alpha-beta part is left out: the tensor-parallel
+    regions per call (``tp``), per ring round (``tp_round``) and per byte sent (``tp_byte``);
+    the ring attention per call (``cp_call``: each layer's forward and backward, whatever its
+    passes), per pass (``cp``) and per byte a pass sends (``cp_byte``). The CPU of those is
+    mostly the framework's, not the link's: 3.6's region functions and 2.7's block attention and
+    merges, whose cost follows calls and bytes rather than gloo's rounds (measured: cp4's three
+    times the passes of cp2, at the same bytes, cost about what cp2's did). ZeRO's calls add to
+    their alpha-beta CPU, per call (``zero``)."""
 
     common: float = 1.0
-    extra: Mapping[str, float] = field(default_factory=dict)  # seconds per call or element
+    extra: Mapping[str, float] = field(default_factory=dict)  # seconds per call, round, byte...
+    replaced: frozenset[str] = frozenset()
+
+    def explained(self, parts: Mapping[str, float]) -> float:
+        """The CPU of :func:`rank_cpu_parts`' ``parts`` before the fitted kinds: the actions as
+        they are, the rest times ``common``, the ``replaced`` kinds left out."""
+        scaled = sum(v for part, v in parts.items() if part not in ("actions", *self.replaced))
+        return parts["actions"] + self.common * scaled
 
 
 def _kind_amounts(
     config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
 ) -> dict[str, float]:
-    """For one rank: each kind's calls, ``tp_round``, the ring rounds of its tensor-parallel
-    calls, and ``cp_block``, the attention-block elements of its ring passes (each pass: a
-    micro-batch's local queries against one arriving block of keys,
-    ``sequences x (seq / cp)^2``)."""
+    """For one rank: each kind's calls (:data:`KINDS`), ``tp_round`` and ``tp_byte``, the ring
+    rounds and bytes sent of its tensor-parallel calls, and ``cp_block``, the attention-block
+    elements of its ring passes (each pass: a micro-batch's local queries, on this rank's
+    ``heads / tp`` heads, against one arriving block of keys,
+    ``sequences x (seq / cp)^2 / tp``)."""
     s = settings
     costs = collective_costs(config, s, batch, pp_rank, e)
     amounts = {kind: float(calls) for kind, (_, calls) in costs.items()}
-    block = batch // (s.dp * s.microbatches) * (config.seq_len // s.cp) ** 2
+    block = batch // (s.dp * s.microbatches) * (config.seq_len // s.cp) ** 2 / s.tp
     amounts["cp_block"] = amounts["cp"] * block
+    amounts["cp_call"] = amounts["cp"] / (s.cp - 1) if s.cp > 1 else 0.0
+    amounts["cp_byte"] = float(costs["cp"][0].bytes_sent)
     amounts["tp_round"] = float(costs["tp"][0].rounds)
+    amounts["tp_byte"] = float(costs["tp"][0].bytes_sent)
     return amounts
 
 
@@ -402,11 +426,8 @@ def rank_cpu(
     fitted = calibration(rates)
     parts = rank_cpu_parts(config, settings, rates, batch, pp_rank, e, framework=False)
     amounts = _kind_amounts(config, settings, batch, pp_rank, e)
-    return (
-        parts["actions"]
-        + fitted.common * sum(v for part, v in parts.items() if part != "actions")
-        + sum(fitted.extra.get(kind, 0.0) * amount for kind, amount in amounts.items())
-    )
+    extra = sum(fitted.extra.get(kind, 0.0) * amount for kind, amount in amounts.items())
+    return fitted.explained(parts) + extra
 
 
 COMMON_RANGE = (0.25, 4.0)  # a common scale outside it says the anchor is noise, not signal
@@ -430,24 +451,36 @@ def _world_parts(anchor: Anchor, rates: Rates) -> tuple[dict[str, float], dict[s
     return parts, amounts
 
 
-def _two_by_two(
-    first: tuple[float, float, float], second: tuple[float, float, float]
-) -> tuple[float, float]:
-    """(x, y) >= 0 with ``a x + b y = c`` for both rows ``(a, b, c)``; when the exact solution
-    has a part below 0 (the anchors' noise, not a cost), the better of the two one-part least
-    squares fits (all of it in x, or all in y) over both rows."""
-    (a1, b1, c1), (a2, b2, c2) = first, second
-    det = a1 * b2 - a2 * b1
-    if det:
-        x, y = (c1 * b2 - c2 * b1) / det, (a1 * c2 - a2 * c1) / det
-        if x >= 0 and y >= 0:
-            return x, y
-    fits = []
-    for u1, u2, as_pair in ((a1, a2, lambda v: (v, 0.0)), (b1, b2, lambda v: (0.0, v))):
-        norm = u1 * u1 + u2 * u2
-        value = max((u1 * c1 + u2 * c2) / norm, 0.0) if norm else 0.0
-        fits.append(((c1 - u1 * value) ** 2 + (c2 - u2 * value) ** 2, as_pair(value)))
-    return min(fits, key=lambda fit: fit[0])[1]
+def non_negative_fit(rows: list[tuple[list[float], float]]) -> list[float]:
+    """The least-squares ``x >= 0`` of ``sum(a_i x_i) = c`` over ``rows`` of ``(a, c)``, found
+    exactly by trying every set of parts allowed above 0 (at most three here; Lawson and
+    Hanson's NNLS gives the same answer): each set's least squares, kept when all its parts are
+    at least 0, the smallest residual wins. Among fits that leave the same residual (fewer
+    anchors than unknowns) the one with the fewest parts, the earlier ones first: a kind
+    measured by one anchor puts all of it per call. Columns are scaled to unit length first
+    (calls, bytes and elements differ by orders of magnitude)."""
+    width = len(rows[0][0])
+    a = torch.tensor([row for row, _ in rows], dtype=torch.float64)
+    c = torch.tensor([value for _, value in rows], dtype=torch.float64)
+    norms = a.norm(dim=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    best: tuple[float, list[float]] = (float(c.square().sum()), [0.0] * width)
+    for size in range(1, width + 1):
+        for kept in map(list, itertools.combinations(range(width), size)):
+            columns = a[:, kept]
+            if torch.linalg.matrix_rank(columns) < size:
+                continue
+            x = torch.linalg.lstsq(columns, c.unsqueeze(1)).solution.squeeze(1)
+            if bool((x < 0).any()):
+                continue
+            residual = float((columns @ x - c).square().sum())
+            if residual < best[0] - 1e-12 * max(1.0, float(c.square().sum())):
+                full = [0.0] * width
+                for index, value in zip(kept, x.tolist(), strict=True):
+                    full[index] = value / float(norms[index])
+                best = (residual, full)
+    return best[1]
 
 
 def calibration(rates: Rates) -> Calibration:
@@ -455,14 +488,14 @@ def calibration(rates: Rates) -> Calibration:
     parallelism's anchor gives the common scale: its measured CPU, less the actions, over the
     compute and collectives :func:`rank_cpu_parts` counts (what the layer, contention and link
     rates miss on this machine in common). Each other anchor adds one kind to it: what its
-    measurement leaves after the common parts is that kind's extra, over its calls for ``tp``
-    and ``zero`` (at least 0). Two kinds have two anchors each, and two equations: tp2 and tp4
-    (as many region calls, three times the rounds) give the CPU per call and per round; cp2 and
-    cp4 at the same batch (the same bytes per pass, blocks half as large at cp4) the CPU per
-    pass and per block element (:func:`_two_by_two`). With one of the pair, all of it per call
-    or pass. Without
-    anchors: scale 1, nothing extra; a common scale outside :data:`COMMON_RANGE` is taken as
-    noise and left at 1."""
+    measurement leaves after the common parts is that kind's extra, fitted over the kind's
+    anchors (:data:`EXTRAS`) by :func:`non_negative_fit`. tp2 and tp4 (as many region calls,
+    three times the rounds) and tp2 with sequence parallelism at 4 micro-batches (8 times the
+    calls, the same bytes) tell the CPU per call, per round and per byte apart; cp2, cp4 (the
+    same bytes per pass, blocks half as large) and cp2 at 4 micro-batches (4 times the passes,
+    the same elements) the CPU per pass and per block element. With fewer anchors of a kind,
+    the earlier parts (all of it per call, with one). Without anchors: scale 1, nothing extra;
+    a common scale outside :data:`COMMON_RANGE` is taken as noise and left at 1."""
     cached = _CALIBRATIONS.get(id(rates))
     if cached is not None and cached[0] is rates:
         return cached[1]
@@ -475,37 +508,19 @@ def calibration(rates: Rates) -> Calibration:
         )
         low, high = COMMON_RANGE
         common = common if low <= common <= high else 1.0
-
-        def left(kind: str) -> tuple[float, dict[str, float]]:
-            parts, amounts = _world_parts(anchors[kind], rates)
-            explained = parts["actions"] + common * sum(
-                v for part, v in parts.items() if part != "actions"
-            )
-            return anchors[kind].cpu - explained, amounts
-
         extra: dict[str, float] = {}
-        for kind in PER_CALL:
-            if kind in anchors:
-                rest, amounts = left(kind)
-                if amounts[kind] > 0:
-                    extra[kind] = max(rest / amounts[kind], 0.0)
-        if "tp" in anchors and "tp4" in anchors:  # per call and per ring round of a region
-            rest, amounts = left("tp")
-            rest4, amounts4 = left("tp4")
-            extra["tp"], extra["tp_round"] = _two_by_two(
-                (amounts["tp"], amounts["tp_round"], rest),
-                (amounts4["tp"], amounts4["tp_round"], rest4),
-            )
-        if "cp" in anchors:
-            rest, amounts = left("cp")
-            extra["cp"], extra["cp_block"] = max(rest / amounts["cp"], 0.0), 0.0
-            if "cp4" in anchors:
-                rest4, amounts4 = left("cp4")
-                extra["cp"], extra["cp_block"] = _two_by_two(
-                    (amounts["cp"], amounts["cp_block"], rest),
-                    (amounts4["cp"], amounts4["cp_block"], rest4),
-                )
-        fitted = Calibration(common, extra)
+        replaced = frozenset(k for k in REPLACED if any(a in anchors for a in EXTRAS[k][1]))
+        before = Calibration(common, {}, replaced)
+        for unknowns, kinds in EXTRAS.values():
+            rows = []
+            for kind in kinds:
+                if kind in anchors:
+                    parts, amounts = _world_parts(anchors[kind], rates)
+                    rest = anchors[kind].cpu - before.explained(parts)
+                    rows.append(([amounts[u] for u in unknowns], rest))
+            if rows:
+                extra.update(zip(unknowns, non_negative_fit(rows), strict=True))
+        fitted = Calibration(common, extra, replaced)
     _CALIBRATIONS[id(rates)] = (rates, fitted)
     return fitted
 

@@ -152,6 +152,7 @@ def shared_rates(rates: Rates) -> dict[str, str]:
         "common_scale": f"{fitted.common:.2f}",
         "tp_call_extra_us": f"{fitted.extra.get('tp', 0.0) * 1e6:.0f}",
         "tp_round_extra_us": f"{fitted.extra.get('tp_round', 0.0) * 1e6:.0f}",
+        "tp_byte_extra_ns_per_kib": f"{fitted.extra.get('tp_byte', 0.0) * 1024 * 1e9:.0f}",
         "zero_call_extra_us": f"{fitted.extra.get('zero', 0.0) * 1e6:.0f}",
         "cp_pass_extra_us": f"{fitted.extra.get('cp', 0.0) * 1e6:.0f}",
         "cp_block_extra_ns": f"{fitted.extra.get('cp_block', 0.0) * 1e9:.1f}",

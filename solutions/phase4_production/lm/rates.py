@@ -32,7 +32,7 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   (``contention``); the framework's own CPU per pipeline action, per collective call and per
   ring round (``action_cpu``, ``call_cpu``, ``round_cpu``: 4.7's step on a model too small to
   compute anything, in the running world: :func:`framework_cpu`); and, given the model, its own
-  steps at six layouts in that world (``lm.anchors``), which the planner calibrates the rest
+  steps at eight layouts in that world (``lm.anchors``), which the planner calibrates the rest
   by (they then stand in for ``call_cpu`` and ``round_cpu``).
 
 Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not the
