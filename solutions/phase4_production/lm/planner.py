@@ -25,17 +25,18 @@ core to whichever rank can run, so a step takes about every rank's CPU time over
 ``Rates.contention``; the framework's CPU per pipeline action, collective call and round; each
 collective's CPU in an alpha-beta fit of what gloo's threads spend between computations, counted
 call by call as ``lm.traffic`` counts them), calibrated by the model's own steps measured in
-the same world (``lm.anchors``: data parallelism, ZeRO-2, tp2, tp4, cp2 and cp4 at the planned
-batch; :func:`calibration` scales the compute and collectives by what data parallelism's step
-says and adds each other kind's measured extra: per ZeRO call, per tp call and ring round, per
-ring pass and attention-block element), times the share of the cores those steps left idle
-while ranks waited to be woken. A rank slowed by ``ranks / cores`` (the critical path's view)
+the same world (``lm.anchors``: data parallelism, ZeRO-2, tp2, tp4, tp2+sp at 4 micro-batches,
+cp2, cp4 and cp2 at 4 micro-batches, at the planned batch; :func:`calibration` scales the
+compute and collectives by what data parallelism's step says, adds ZeRO's measured extra per
+call, and fits the tp regions' and the ring attention's whole CPU per call, per round or pass
+and per byte), times the share of the cores those steps left idle while ranks waited to be
+woken. A rank slowed by ``ranks / cores`` (the critical path's view)
 misses the cores that a pipeline's bubble or a waiting rank leaves to the others, and the links'
 times measured there are mostly ranks waiting to be scheduled, which the CPU count already
-holds. What it leaves out: the anchors add one kind at a time to data parallelism, with one
-micro-batch, so a layout that combines kinds or cuts the batch into many small micro-batches
-pays extras measured on other message and block sizes; ``lm.planner_check`` records where that
-misses, and how each layout's idle share differs from the anchors'.
+holds. What it leaves out: the anchors add one kind at a time to data parallelism, every rank
+busy, so a layout that combines kinds, or a pipeline whose bubble leaves ranks waiting, pays
+each kind's CPU as it was measured alone; ``lm.planner_check`` records where that misses, and
+how each layout's idle share differs from the anchors'.
 
 It then adds, for each layout that does not fit, the same layout with activation checkpointing (each
 layer keeps its input and recomputes its forward in backward: less memory, one more forward),

@@ -10,7 +10,7 @@ that share cores takes the anchor steps' median, ``lm.anchors``), and bytes held
 (model states, and the activations autograd saved during a step), then three verdicts:
 
 * the rank correlation (Spearman) between the predicted and the measured order of the layouts;
-* whether the planner's first choice is within 10% of the fastest layout measured;
+* whether the planner's first choice is the fastest layout measured or within 5% of it;
 * whether every layout's measured step is within 0.8-1.25x of its prediction.
 
 All three are stated as measured, met or not; the guide says where the model misses and why::
@@ -44,7 +44,7 @@ from solutions.phase4_production.lm.planner import (
 from solutions.phase4_production.lm.rates import Rates, measure_rates
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
-TOP_CHOICE = 1.10  # the first choice must be within 10% of the fastest measured
+TOP_CHOICE = 1.05  # issue 40: the first choice the fastest measured, or within 5% of it
 TIME_BAND = (0.8, 1.25)  # issue 40: every measured / predicted step time inside this band
 
 
@@ -150,12 +150,13 @@ def shared_rates(rates: Rates) -> dict[str, str]:
         "contention": f"{rates.contention:.2f}",
         "action_cpu_us": f"{rates.action_cpu * 1e6:.0f}",
         "common_scale": f"{fitted.common:.2f}",
-        "tp_call_extra_us": f"{fitted.extra.get('tp', 0.0) * 1e6:.0f}",
-        "tp_round_extra_us": f"{fitted.extra.get('tp_round', 0.0) * 1e6:.0f}",
-        "tp_byte_extra_ns_per_kib": f"{fitted.extra.get('tp_byte', 0.0) * 1024 * 1e9:.0f}",
+        "tp_call_us": f"{fitted.extra.get('tp', 0.0) * 1e6:.0f}",
+        "tp_round_us": f"{fitted.extra.get('tp_round', 0.0) * 1e6:.0f}",
+        "tp_kib_us": f"{fitted.extra.get('tp_byte', 0.0) * 1024 * 1e6:.1f}",
+        "cp_call_us": f"{fitted.extra.get('cp_call', 0.0) * 1e6:.0f}",
+        "cp_pass_us": f"{fitted.extra.get('cp', 0.0) * 1e6:.0f}",
+        "cp_kib_us": f"{fitted.extra.get('cp_byte', 0.0) * 1024 * 1e6:.1f}",
         "zero_call_extra_us": f"{fitted.extra.get('zero', 0.0) * 1e6:.0f}",
-        "cp_pass_extra_us": f"{fitted.extra.get('cp', 0.0) * 1e6:.0f}",
-        "cp_block_extra_ns": f"{fitted.extra.get('cp_block', 0.0) * 1e9:.1f}",
         "idle": f"{anchor_idle(rates):.2f}",
     }
 
@@ -207,7 +208,8 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
         in_band = TIME_BAND[0] <= low and high <= TIME_BAND[1]
         verdict = (
             f"world {check_.world}: rank correlation {rho:.2f}; the first choice measured "
-            f"{first:.2f}x the fastest layout measured ({'within' if met else 'not within'} 10%); "
+            f"{first:.2f}x the fastest layout measured ({'within' if met else 'not within'} "
+            f"{(TOP_CHOICE - 1) * 100:.0f}%); "
             f"measured / predicted {low:.2f}-{high:.2f}x ({'met' if in_band else 'not met'}: "
             f"goal {TIME_BAND[0]:g}-{TIME_BAND[1]:g}x for every layout)"
         )

@@ -36,8 +36,8 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   by (they then stand in for ``call_cpu`` and ``round_cpu``).
 
 Measuring has its own deadline, :func:`rates_timeout` (120 s, or ``DTFS_RATES_TIMEOUT``), not the
-tests' 20 s world deadline: a quiet 2-core machine measures everything for a world of 4 in about 18
-s and for one of 8 in about 30 s (starting the world included), but on a busy one a world that
+tests' 20 s world deadline: a quiet 2-core machine measures everything for a world of 4 in about 24
+s and for one of 8 in about 40 s (starting the world included), but on a busy one a world that
 measures slowly is not hung, and was reported as "another rank skipped or reordered a collective"
 (issue 38). Past the deadline, :class:`MachineTooBusy` says so with the machine's load and the
 fixes.
