@@ -241,17 +241,20 @@ class StageChunk(nn.Module):
         self.dtype = dense.head.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topology, sp = self.wiring.topology, self.wiring.settings.sequence_parallel
+        settings = self.wiring.settings
+        topology, sp = self.wiring.topology, settings.sequence_parallel
         if self.embedding is not None:
             if sp:
                 x = sequence_share(x, topology.tp_rank, topology.tp_size)
             x = self.embedding(x)
-        recompute = self.wiring.settings.activation_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks.values():  # with recompute, your 2.3 checkpoint keeps x only
-            x = self.wiring.functions.checkpoint(block, x) if recompute else block(x)
-        if self.final_norm is not None and self.head is not None:
-            x = self.head(self.final_norm(x))
-        return x
+        recompute = settings.activation_checkpointing and torch.is_grad_enabled()
+        # bf16 autocast: the products in bf16, the residual stream (float32 + bf16) float32
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=settings.bf16_autocast):
+            for block in self.blocks.values():  # with recompute, your 2.3 checkpoint keeps x
+                x = self.wiring.functions.checkpoint(block, x) if recompute else block(x)
+            if self.final_norm is not None and self.head is not None:
+                x = self.head(self.final_norm(x))
+        return x.to(self.dtype)  # what output_meta promises the next stage and the loss
 
     def output_meta(self, meta: TensorMeta) -> TensorMeta:
         """The output's shape and dtype for an input described by ``meta`` (the pipeline asks

@@ -59,6 +59,10 @@ class ParallelSettings:
     # (``nn.Module.compile``: TorchDynamo traces it, Inductor generates its kernels)
     fused_adamw: bool = False
     compile: bool = False
+    # mixed precision: the chunks' forward under ``torch.autocast`` in bfloat16 (matrix products
+    # in bf16, reductions and the loss in float32), the parameters, gradients and AdamW's states
+    # float32, as GPU runs train (torchtitan's default; Micikevicius et al. 2018 for the idea)
+    bf16_autocast: bool = False
 
     @property
     def world_size(self) -> int:
@@ -97,6 +101,8 @@ class ParallelSettings:
             text += ", fused AdamW"
         if self.compile:
             text += ", compiled"
+        if self.bf16_autocast:
+            text += ", bf16 autocast"
         return text
 
     def grid(self) -> RankGrid:

@@ -118,6 +118,11 @@ class LanguageModelRuntime:
                 f"the topology is {topology.grid.degrees()} but the settings say "
                 f"{settings.label()}: build the Topology from the same degrees"
             )
+        if settings.bf16_autocast and dense.head.weight.dtype != torch.float32:
+            raise ValueError(
+                f"bf16_autocast with a {dense.head.weight.dtype} model: autocast computes in "
+                "bf16 from float32 parameters; build the model in float32"
+            )
         fns = self.functions
         self.config, self.topology, self.settings = config, topology, settings
         self.placement = fns.placement_of(settings.schedule)

@@ -331,6 +331,9 @@ def test_spearman_and_the_spread_of_checked_layouts() -> None:
     assert torch.tensor([p.seconds for p in chosen[:3]]).diff().ge(0).all()
 
 
+BF16_LOSS_RTOL = 1e-2  # bf16 keeps 8 bits of mantissa: 2^-8 = 0.4% per rounding
+
+
 def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() -> None:
     from solutions.phase4_production.lm import throughput as lm_throughput
 
@@ -346,7 +349,7 @@ def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() 
     rows = result["rows"]
     assert [r.name for r in rows] == [
         "PyTorch, one process", "4.7 composition, one rank", lm_throughput.COMPILED_ROW,
-        "PyTorch, one process, bf16 autocast",
+        lm_throughput.BF16_ROW, "PyTorch, one process, bf16 autocast",
     ]  # fmt: skip
     assert all(len(r.seconds) == 3 and len(r.losses) == 4 for r in rows)
     # the composition at one rank is the one-process step: the same losses, step by step, and
@@ -355,6 +358,11 @@ def test_the_throughput_benchmark_counts_palms_flops_and_its_rows_train_alike() 
         assert composed.losses == pytest.approx(rows[0].losses, rel=1e-6), (
             composed.name, composed.losses, rows[0].losses,
         )  # fmt: skip
+    # and in bf16 autocast it follows PyTorch's bf16 step, to bf16's precision
+    assert rows[3].losses == pytest.approx(rows[4].losses, rel=BF16_LOSS_RTOL), (
+        rows[3].losses, rows[4].losses, rows[0].losses,
+    )  # fmt: skip
+    assert rows[3].losses != pytest.approx(rows[0].losses, rel=1e-6), "bf16 computed in float32"
     table = lm_throughput.report(result, config)
     assert "MFU" in table and "relative difference" in table
 
@@ -645,3 +653,92 @@ def test_the_layouts_benchmark_judges_each_layout_against_the_library_round_by_r
                         "FSDP-style": "inconclusive (spread)"}, verdicts  # fmt: skip
     assert values["vs_library_zero_2"] == "1.30x"
     assert values["vs_library_pipeline_1f1b_verdict"] == "not met"
+
+
+# ----------------------------------------------------------------------------- bf16 autocast
+
+BF16_MODEL = LMConfig(width=32, heads=4, layers=2, ffn=64, seq_len=16)
+BF16_LAYOUTS = ({"dp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 2},
+                {"dp": 2, "zero": 3}, {"cp": 2})  # fmt: skip
+
+
+def _bf16_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(3):
+        data = torch.randint(0, BF16_MODEL.vocab, (4, BF16_MODEL.seq_len + 1), generator=generator)
+        out.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
+    return out
+
+
+def _bf16_one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three AdamW steps of one process, its forward under bf16 autocast."""
+    model = build_language_model(BF16_MODEL, 0, torch.float32)
+    settings = ParallelSettings(lr=1e-2, max_norm=1.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=settings.betas,
+                                  weight_decay=0.0, eps=1e-8)  # fmt: skip
+    losses = []
+    for tokens, targets in _bf16_batches():
+        with torch.autocast("cpu", torch.bfloat16):
+            loss, _ = model.loss(tokens, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_norm)  # type: ignore[arg-type]
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _bf16_composed(layout: dict[str, Any]) -> tuple[list[float], dict[str, Any], set[Any]]:
+    """The composition's 3 steps under bf16 autocast: its losses, its whole state, and the
+    dtypes its matrix products (the chunks' LocalLinear layers) returned."""
+    from course.impl import load_impl
+
+    lm = load_impl("phase4_production", "lm_parallel", "solutions")
+    settings = ParallelSettings(lr=1e-2, max_norm=1.0, bf16_autocast=True, **layout)
+    topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
+    model = lm.ParallelLanguageModel(build_language_model(BF16_MODEL, 0, torch.float32),
+                                     topology, settings)  # fmt: skip
+    products: set[Any] = set()
+    for module in model.model.modules():
+        if type(module).__name__ == "LocalLinear":
+            module.register_forward_hook(lambda _m, _i, out: products.add(out.dtype))
+    losses = [float(model.train_step(*batch).loss) for batch in _bf16_batches()]
+    return losses, model.full_state(), products
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_bf16_autocast_trains_like_one_process_in_bf16(layout: dict[str, Any]) -> None:
+    """``precision: bf16-mixed``: each layout's 3 AdamW steps follow one process whose forward
+    runs under the same autocast, to bf16's precision (losses within 1%, the parameters 5% of
+    their move apart at most, summed), every matrix product in bf16, the parameters float32."""
+    reference, ref_state = _bf16_one_process()
+    initial = build_language_model(BF16_MODEL, 0, torch.float32).state_dict()
+    losses, state, products = run_world(_bf16_composed, 2, (layout,))[0]
+    assert losses == pytest.approx(reference, rel=BF16_LOSS_RTOL), (layout, losses, reference)
+    assert products == {torch.bfloat16}, f"{layout}: the matrix products returned {products}"
+    assert all(v.dtype == torch.float32 for v in state.values()), "parameters must stay float32"
+    moved = sum(float((ref_state[k] - initial[k]).abs().sum()) for k in ref_state)
+    apart = sum(float((state[k] - ref_state[k]).abs().sum()) for k in ref_state)
+    assert apart < 0.05 * moved, f"{layout}: parameters {apart / moved:.1%} of their move apart"
+
+
+def test_the_planners_choice_trains_with_the_configs_run_options() -> None:
+    """``sharding: auto`` chooses the layout, the config the rest: every planned layout carries
+    the config's weight decay, fused AdamW, compile and bf16 autocast, and with a hand-made
+    all-reduce it offers no ZeRO layout (ZeRO reduces with its own collectives). Before, the
+    planner's settings ran with its defaults, and a run asked for weight decay trained without."""
+    from solutions.phase4_production.lm import framework as lm_framework
+
+    config = lm_config.FrameworkConfig.model_validate({
+        "sharding": "auto", "precision": "bf16-mixed", "communication": "ring",
+        "train": {"weight_decay": 0.1, "fused_adamw": True, "compile": True},
+    })  # fmt: skip
+    assert config.settings(4).bf16_autocast
+    predictions = lm_framework.choose(config, fake_rates(), 4)
+    assert predictions
+    for p in predictions:
+        s = p.settings
+        assert (s.weight_decay, s.fused_adamw, s.compile, s.bf16_autocast, s.communication) == (
+            0.1, True, True, True, "ring"), s.label()  # fmt: skip
+        assert s.zero == 0 and not s.problems(config.model.lm(), config.train.batch), s.label()

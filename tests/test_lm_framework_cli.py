@@ -35,6 +35,7 @@ from course.language_model import LMConfig
 from course.topology import Topology
 from course.world import RankFailed, WorldHung, run_world
 from phase4_production.lm_layout import ParallelSettings
+from solutions.phase4_production.lm import config as lm_config_cli
 from solutions.phase4_production.lm import framework as lm_framework
 from solutions.phase4_production.lm import progress as lm_progress
 from solutions.phase4_production.lm import rates as lm_rates
@@ -106,6 +107,24 @@ def test_an_empty_config_file_and_a_key_given_twice_are_refused_by_name(
 
     with pytest.raises(ConfigError, match=r"train\.lr is given twice"):
         imagenet_config.load_config(str(twice))
+
+
+def test_every_set_flag_applies_when_given_more_than_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--set a=1 --set b=2`` is ``--set a=1 b=2``: a second flag used to replace the first,
+    and a run asked for bf16 trained in float32 without a word."""
+    from solutions.phase4_production.lm.config import load_config
+
+    given = ["--set", "precision=bf16-mixed", "--set", "train.lr=0.01", "zero=2"]
+    args = lm_framework.parse_args(given)
+    assert args.set == ["precision=bf16-mixed", "train.lr=0.01", "zero=2"], args.set
+    config = load_config(lm_framework.DEFAULT_CONFIG, args.set)
+    assert (config.precision, config.train.lr, config.zero) == ("bf16-mixed", 0.01, 2)
+    assert config.settings(4).bf16_autocast
+    assert lm_config_cli.main(given) == 0  # the config printer reads its flags alike
+    printed = capsys.readouterr().out
+    assert "precision: bf16-mixed" in printed and "zero: 2" in printed, printed
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ pydantic model with unknown keys refused, and the whole is checked against the w
     communication:  the data-parallel gradients' all-reduce (with zero: 0): library (torch's),
                     ring (3.1's ring_all_reduce), tree (3.2's halving-doubling)
     sharding:       manual (the parallel section as written) or auto (the planner chooses)
-    precision:      fp32 or fp64
+    precision:      fp32, fp64, or bf16-mixed (float32 parameters and optimizer, the forward's
+                    products in bfloat16 under torch.autocast)
     activation_checkpointing: true: each layer keeps only its input and recomputes its forward
                     in backward (2.3's checkpoint; not with zero-bubble schedules or MoE)
     train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...,
@@ -130,7 +131,7 @@ class FrameworkConfig(Section):
     pipeline: PipelineSection = Field(default_factory=PipelineSection)
     communication: Literal["library", "ring", "tree"] = "library"
     sharding: Literal["manual", "auto"] = "manual"
-    precision: Literal["fp32", "fp64"] = "fp32"
+    precision: Literal["fp32", "fp64", "bf16-mixed"] = "fp32"
     activation_checkpointing: bool = False
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
@@ -163,6 +164,7 @@ class FrameworkConfig(Section):
             communication=self.communication,
             activation_checkpointing=self.activation_checkpointing,
             fused_adamw=self.train.fused_adamw, compile=self.train.compile,
+            bf16_autocast=self.precision == "bf16-mixed",
         )  # fmt: skip
 
 
@@ -226,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Print a language-model config as read.")
     parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--world", type=int, default=None, help="also check it on N ranks")
     args = parser.parse_args(argv)
     try:

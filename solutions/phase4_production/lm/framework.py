@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,7 +72,8 @@ from solutions.phase4_production.lm.rates import (
 )
 from solutions.phase4_production.lm.trainer import RunOptions, run, say
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# the parameters' dtype of each precision (bf16-mixed: float32 parameters, bf16 autocast)
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16-mixed": torch.float32}
 
 
 def machine_of(config: FrameworkConfig, world: int) -> Machine:
@@ -146,9 +148,25 @@ def rates_in_world(
     return rates_from(compute, links, cores, str(dtype).removeprefix("torch."), sources)
 
 
+# what the config says of a run that is not its layout: the planner's choice keeps them
+RUN_OPTIONS = ("weight_decay", "betas", "communication", "fused_adamw", "compile", "bf16_autocast")
+
+
 def choose(config: FrameworkConfig, rates: Rates, world: int) -> list[Prediction]:
-    predictions = plan(config.model.lm(), rates, machine_of(config, world), config.train.batch,
-                       max_norm=config.train.max_norm, lr=config.train.lr)  # fmt: skip
+    """The planner's ranking for ``sharding: auto``, among the layouts the config's run options
+    allow (a hand-made all-reduce: no ZeRO, which reduces with its own collectives), each
+    carrying those options (:data:`RUN_OPTIONS`: a planned run trains with the config's weight
+    decay, optimizer and precision)."""
+    allowed: dict[str, Any] = {}
+    if config.communication != "library":
+        allowed["zeros"] = (0,)
+    written = config.settings(world)
+    options = {name: getattr(written, name) for name in RUN_OPTIONS}
+    predictions = [
+        replace(p, settings=replace(p.settings, **options))
+        for p in plan(config.model.lm(), rates, machine_of(config, world), config.train.batch,
+                      max_norm=config.train.max_norm, lr=config.train.lr, **allowed)
+    ]  # fmt: skip
     if not predictions or not predictions[0].fits:
         raise ConfigError(
             f"sharding: auto found no layout of {world} ranks that fits "
@@ -209,7 +227,7 @@ def world_to_plan(world: int | None, plan_only: bool, under_torchrun: bool) -> i
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = RankZeroParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plan-only", action="store_true", help="print the plan and stop")
     parser.add_argument("--world", type=int, default=None,
                         help=f"--plan-only outside torchrun: plan for this many ranks (even; "

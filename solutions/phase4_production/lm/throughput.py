@@ -13,7 +13,9 @@ Three rows on one device (a GPU when there is one), the same model, the same bat
   the precision GPU runs train in;
 - with ``--compiled``, **4.7 composition, fused AdamW, compiled**: the second row with the
   framework's ``train.fused_adamw`` and ``train.compile`` (each chunk through ``torch.compile``:
-  TorchDynamo's graphs between the hooks and collectives, Inductor's kernels inside them).
+  TorchDynamo's graphs between the hooks and collectives, Inductor's kernels inside them); and
+  the same in the framework's ``precision: bf16-mixed`` (the chunks' forward under bf16
+  autocast, float32 parameters and AdamW), whose losses follow the bf16 PyTorch row's.
 
 MFU divides the model's FLOPs by the device's peak for the row's precision
 (phase4_production/device_peaks.py: the datasheet's dense figure for a known GPU, a measured
@@ -51,6 +53,7 @@ from phase4_production.lm_layout import ParallelSettings
 
 PHASE = "phase4_production"
 COMPILED_ROW = "4.7 composition, one rank, fused AdamW, compiled"
+BF16_ROW = "4.7 composition, one rank, fused AdamW, compiled, bf16 autocast"
 
 
 @dataclass
@@ -180,6 +183,12 @@ def measure_rank(config: ThroughputConfig) -> dict[str, Any]:
         timed = timed_steps(composed_step(composed, batches), config, device)
         rows.append(Row(COMPILED_ROW, torch.float32, *timed))
         del composed
+        fast = replace(fast, bf16_autocast=True)  # the framework's precision: bf16-mixed
+        composed = lm.ParallelLanguageModel(build_language_model(model_config, 0, torch.float32),
+                                            Topology.build(1, 1, 1), fast)  # fmt: skip
+        timed = timed_steps(composed_step(composed, batches), config, device)
+        rows.append(Row(BF16_ROW, torch.bfloat16, *timed))
+        del composed
 
     dense = build_language_model(model_config, 0, torch.float32).to(device)
     rows.append(Row("PyTorch, one process, bf16 autocast", torch.bfloat16,
@@ -204,7 +213,8 @@ def report(result: dict[str, Any], config: ThroughputConfig) -> str:
                    "MFU", "peak used", "max allocated MiB"])  # fmt: skip
     values: dict[str, str] = {}
     keys = {"PyTorch, one process": "plain", "4.7 composition, one rank": "composed",
-            "PyTorch, one process, bf16 autocast": "bf16", COMPILED_ROW: "compiled"}  # fmt: skip
+            "PyTorch, one process, bf16 autocast": "bf16", COMPILED_ROW: "compiled",
+            BF16_ROW: "compiled_bf16"}  # fmt: skip
     for row in rows:
         key = keys[row.name]
         median = statistics.median(row.seconds)
