@@ -284,6 +284,11 @@ def report(result: tuple[list[dict[str, Any]], Load], config: BenchConfig) -> st
     total_off = sum(int(cells[6]) for cells in table.rows if cells[6].isdigit())
     values = {"bytes_off": str(total_off), "world": str(config.world),
               "rounds": str(config.rounds)}  # fmt: skip
+    for name, row in per_rank[0].items():  # the planner's choice beside plain data parallel
+        if name.startswith("planner's choice: ") and "data parallel" in per_rank[0]:
+            values["planner_choice"] = name.removeprefix("planner's choice: ")
+            speed = per_rank[0]["data parallel"]["seconds"] / row["seconds"]
+            values["planner_choice_vs_data_parallel"] = f"{speed:.2f}x"
     versus, verdicts = library_table(per_rank[0], load, tokens)
     values.update(verdicts)
     tables = {f"layouts_w{config.world}": table}
