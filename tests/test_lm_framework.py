@@ -67,6 +67,11 @@ def test_the_shipped_configs_validate_on_their_worlds(name: str, world: int) -> 
             "activation_checkpointing with schedule=zb-h1",
         ),
         (
+            ["sharding=auto", "activation_checkpointing=true"],
+            4,
+            "activation_checkpointing: true with sharding: auto: the planner turns recompute on",
+        ),
+        (
             ["communication=mesh"],
             4,
             "communication='mesh': Input should be 'library', 'ring' or 'tree'",

@@ -17,7 +17,8 @@ pydantic model with unknown keys refused, and the whole is checked against the w
     precision:      fp32, fp64, or bf16-mixed (float32 parameters and optimizer, the forward's
                     products in bfloat16 under torch.autocast)
     activation_checkpointing: true: each layer keeps only its input and recomputes its forward
-                    in backward (2.3's checkpoint; not with zero-bubble schedules or MoE)
+                    in backward (2.3's checkpoint; not with zero-bubble schedules or MoE;
+                    with sharding: auto the planner decides it)
     train:          batch, epochs, steps_per_epoch, lr, weight_decay, max_norm, seed, ...,
                     fused_adamw (AdamW's fused kernel), compile (each chunk, torch.compile)
     checkpoint:     dir, every (steps between saves; 0: none), keep; a run resumes from the
@@ -196,6 +197,12 @@ def check_world(config: FrameworkConfig, world_size: int) -> ParallelSettings:
     model = config.model.lm()
     problems = [f"model: {p}" for p in model.problems()]
     if config.sharding == "auto":
+        if config.activation_checkpointing:  # it would be dropped without a word
+            problems.append(
+                "activation_checkpointing: true with sharding: auto: the planner turns recompute "
+                "on for the layouts that need it to fit; set activation_checkpointing: false, or "
+                "sharding: manual to recompute a layout of your own"
+            )
         if problems:
             raise ConfigError("; ".join(problems))
         return config.settings(world_size)
