@@ -379,9 +379,9 @@ class Calibration:
     the ring attention per call (``cp_call``: each layer's forward and backward, whatever its
     passes), per pass (``cp``) and per byte a pass sends (``cp_byte``). The CPU of those is
     mostly the framework's, not the link's: 3.6's region functions and 2.7's block attention and
-    merges, whose cost follows calls and bytes rather than gloo's rounds (measured: cp4's three
-    times the passes of cp2, at the same bytes, cost about what cp2's did). ZeRO's calls add to
-    their alpha-beta CPU, per call (``zero``)."""
+    merges, whose cost follows calls and bytes rather than gloo's rounds (the recorded fits,
+    ``lm_planner_w*.json``, put more of the ring attention's CPU per call than per pass). ZeRO's
+    calls add to their alpha-beta CPU, per call (``zero``)."""
 
     common: float = 1.0
     extra: Mapping[str, float] = field(default_factory=dict)  # seconds per call, round, byte...
@@ -398,15 +398,12 @@ def _kind_amounts(
     config: LMConfig, settings: ParallelSettings, batch: int, pp_rank: int, e: int
 ) -> dict[str, float]:
     """For one rank: each kind's calls (:data:`KINDS`), ``tp_round`` and ``tp_byte``, the ring
-    rounds and bytes sent of its tensor-parallel calls, and ``cp_block``, the attention-block
-    elements of its ring passes (each pass: a micro-batch's local queries, on this rank's
-    ``heads / tp`` heads, against one arriving block of keys,
-    ``sequences x (seq / cp)^2 / tp``)."""
+    rounds and bytes sent of its tensor-parallel calls, ``cp_call``, its ring-attention calls
+    (each layer's forward and backward: its passes over ``cp - 1``), and ``cp_byte``, the bytes
+    its passes send (on this rank's ``heads / tp`` heads)."""
     s = settings
     costs = collective_costs(config, s, batch, pp_rank, e)
     amounts = {kind: float(calls) for kind, (_, calls) in costs.items()}
-    block = batch // (s.dp * s.microbatches) * (config.seq_len // s.cp) ** 2 / s.tp
-    amounts["cp_block"] = amounts["cp"] * block
     amounts["cp_call"] = amounts["cp"] / (s.cp - 1) if s.cp > 1 else 0.0
     amounts["cp_byte"] = float(costs["cp"][0].bytes_sent)
     amounts["tp_round"] = float(costs["tp"][0].rounds)
@@ -489,13 +486,15 @@ def calibration(rates: Rates) -> Calibration:
     parallelism's anchor gives the common scale: its measured CPU, less the actions, over the
     compute and collectives :func:`rank_cpu_parts` counts (what the layer, contention and link
     rates miss on this machine in common). Each other anchor adds one kind to it: what its
-    measurement leaves after the common parts is that kind's extra, fitted over the kind's
-    anchors (:data:`EXTRAS`) by :func:`non_negative_fit`. tp2 and tp4 (as many region calls,
-    three times the rounds) and tp2 with sequence parallelism at 4 micro-batches (8 times the
-    calls, the same bytes) tell the CPU per call, per round and per byte apart; cp2, cp4 (the
-    same bytes per pass, blocks half as large) and cp2 at 4 micro-batches (4 times the passes,
-    the same elements) the CPU per pass and per block element. With fewer anchors of a kind,
-    the earlier parts (all of it per call, with one). Without anchors: scale 1, nothing extra;
+    measurement leaves after the common parts (and, for the kinds in :data:`REPLACED`, without
+    their alpha-beta CPU) is fitted over the kind's anchors (:data:`EXTRAS`) by
+    :func:`non_negative_fit`. tp2 and tp4 (as many region calls, three times the rounds) and
+    tp2 with sequence parallelism at 4 micro-batches (8 times the calls, the same bytes) tell
+    the CPU per call, per round and per byte apart; cp2, cp4 (as many ring-attention calls,
+    three times the passes at the same bytes per pass) and cp2 at 4 micro-batches (4 times the
+    calls and passes, the same bytes in all) the CPU per call, per pass and per byte; ZeRO-2's
+    the CPU per ZeRO call. With fewer anchors of a kind, the earlier parts (all of it per call,
+    with one). Without anchors: scale 1, nothing extra;
     a common scale outside :data:`COMMON_RANGE` is taken as noise and left at 1."""
     cached = _CALIBRATIONS.get(id(rates))
     if cached is not None and cached[0] is rates:
