@@ -212,7 +212,7 @@ def dropless_moe(moe: DenseMoE, x: torch.Tensor) -> tuple[torch.Tensor, Routing]
         token, choice = torch.nonzero(top_experts == expert_id, as_tuple=True)
         if token.numel():
             contribution = expert(flat[token]) * weights[token, choice, None]
-            out = out.index_add(0, token, contribution)
+            out = out.index_add(0, token, contribution.to(out.dtype))  # bf16 under autocast
     routing = Routing(probs.view(batch, tokens, -1), top_experts.view(batch, tokens, -1))
     return out.view(batch, tokens, width), routing
 

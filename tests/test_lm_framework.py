@@ -663,52 +663,58 @@ def test_the_layouts_benchmark_judges_each_layout_against_the_library_round_by_r
 # ----------------------------------------------------------------------------- bf16 autocast
 
 BF16_MODEL = LMConfig(width=32, heads=4, layers=2, ffn=64, seq_len=16)
+BF16_MOE = dataclasses.replace(BF16_MODEL, moe_layers=(1,), num_experts=4, top_k=2, expert_ffn=32)
 BF16_LAYOUTS = ({"dp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 2},
-                {"dp": 2, "zero": 3}, {"cp": 2})  # fmt: skip
+                {"dp": 2, "zero": 3}, {"cp": 2},
+                {"pp": 2, "microbatches": 2, "activation_checkpointing": True},
+                {"dp": 2, "ep": 2, "moe": True})  # fmt: skip
 
 
-def _bf16_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _bf16_batches(model: LMConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(5)
     out = []
     for _ in range(3):
-        data = torch.randint(0, BF16_MODEL.vocab, (4, BF16_MODEL.seq_len + 1), generator=generator)
+        data = torch.randint(0, model.vocab, (4, model.seq_len + 1), generator=generator)
         out.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
     return out
 
 
-def _bf16_one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _bf16_one_process(model_config: LMConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Three AdamW steps of one process, its forward under bf16 autocast."""
-    model = build_language_model(BF16_MODEL, 0, torch.float32)
+    model = build_language_model(model_config, 0, torch.float32)
     settings = ParallelSettings(lr=1e-2, max_norm=1.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=settings.betas,
                                   weight_decay=0.0, eps=1e-8)  # fmt: skip
     losses = []
-    for tokens, targets in _bf16_batches():
+    for tokens, targets in _bf16_batches(model_config):
         with torch.autocast("cpu", torch.bfloat16):
-            loss, _ = model.loss(tokens, targets)
+            loss, balance = model.loss(tokens, targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + model_config.aux_coefficient * balance).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_norm)  # type: ignore[arg-type]
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _bf16_composed(layout: dict[str, Any]) -> tuple[list[float], dict[str, Any], set[Any]]:
+def _bf16_composed(
+    model_config: LMConfig, layout: dict[str, Any]
+) -> tuple[list[float], dict[str, Any], set[Any]]:
     """The composition's 3 steps under bf16 autocast: its losses, its whole state, and the
     dtypes its matrix products (the chunks' LocalLinear layers) returned."""
     from course.impl import load_impl
 
     lm = load_impl("phase4_production", "lm_parallel", "solutions")
     settings = ParallelSettings(lr=1e-2, max_norm=1.0, bf16_autocast=True, **layout)
-    topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
-    model = lm.ParallelLanguageModel(build_language_model(BF16_MODEL, 0, torch.float32),
+    topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp,
+                              ep=settings.ep)  # fmt: skip
+    model = lm.ParallelLanguageModel(build_language_model(model_config, 0, torch.float32),
                                      topology, settings)  # fmt: skip
     products: set[Any] = set()
     for module in model.model.modules():
         if type(module).__name__ == "LocalLinear":
             module.register_forward_hook(lambda _m, _i, out: products.add(out.dtype))
-    losses = [float(model.train_step(*batch).loss) for batch in _bf16_batches()]
+    losses = [float(model.train_step(*batch).loss) for batch in _bf16_batches(model_config)]
     return losses, model.full_state(), products
 
 
@@ -716,10 +722,13 @@ def _bf16_composed(layout: dict[str, Any]) -> tuple[list[float], dict[str, Any],
 def test_bf16_autocast_trains_like_one_process_in_bf16(layout: dict[str, Any]) -> None:
     """``precision: bf16-mixed``: each layout's 3 AdamW steps follow one process whose forward
     runs under the same autocast, to bf16's precision (losses within 1%, the parameters 5% of
-    their move apart at most, summed), every matrix product in bf16, the parameters float32."""
-    reference, ref_state = _bf16_one_process()
-    initial = build_language_model(BF16_MODEL, 0, torch.float32).state_dict()
-    losses, state, products = run_world(_bf16_composed, 2, (layout,))[0]
+    their move apart at most, summed), every matrix product in bf16, the parameters float32;
+    with recompute (your 2.3 checkpoint replays the autocast) and with MoE layers too."""
+    layout = dict(layout)
+    model_config = BF16_MOE if layout.pop("moe", False) else BF16_MODEL
+    reference, ref_state = _bf16_one_process(model_config)
+    initial = build_language_model(model_config, 0, torch.float32).state_dict()
+    losses, state, products = run_world(_bf16_composed, 2, (model_config, layout))[0]
     assert losses == pytest.approx(reference, rel=BF16_LOSS_RTOL), (layout, losses, reference)
     assert products == {torch.bfloat16}, f"{layout}: the matrix products returned {products}"
     assert all(v.dtype == torch.float32 for v in state.values()), "parameters must stay float32"
