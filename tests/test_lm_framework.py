@@ -667,7 +667,8 @@ BF16_MOE = dataclasses.replace(BF16_MODEL, moe_layers=(1,), num_experts=4, top_k
 BF16_LAYOUTS = ({"dp": 2}, {"tp": 2, "sequence_parallel": True}, {"pp": 2, "microbatches": 2},
                 {"dp": 2, "zero": 3}, {"cp": 2},
                 {"pp": 2, "microbatches": 2, "activation_checkpointing": True},
-                {"dp": 2, "ep": 2, "moe": True})  # fmt: skip
+                {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}, {"dp": 2, "zero": "fsdp"},
+                {"dp": 2, "communication": "ring"}, {"dp": 2, "ep": 2, "moe": True})  # fmt: skip
 
 
 def _bf16_batches(model: LMConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
