@@ -362,6 +362,7 @@ def run_torchrun(
     stagger: float = 0.0,
     fork_workers: bool = False,
     fresh_agents: bool = False,
+    agent_args: Sequence[Sequence[str]] = (),
 ) -> TorchrunRun:
     """Run ``python -m module *args`` under ``agents`` torchrun agents on 127.0.0.1.
 
@@ -374,8 +375,16 @@ def run_torchrun(
     says ``timed_out``; no process outlives this call either way. ``fork_workers`` forks each
     worker from its agent instead of starting a fresh interpreter; it and ``agents > 1`` run on
     the CPU (see the module docstring). ``fresh_agents`` starts each agent as a fresh
-    interpreter instead of forking it from the warm fork server.
+    interpreter instead of forking it from the warm fork server. ``agent_args[i]`` is appended to
+    agent ``i``'s program arguments: what one node does and another does not (``--leave-after``)
+    must follow the agent, because torchrun's ranks do not (rendezvous sorts agents by process id,
+    which wraps, so the agent started second can hold rank 0).
     """
+    if len(agent_args) > agents:
+        raise ValueError(
+            f"agent_args has {len(agent_args)} entries for agents={agents}: give at most one "
+            "list of arguments per agent"
+        )
     if agents < 1 or nproc_per_node < 1:
         raise ValueError(
             f"agents={agents}, nproc_per_node={nproc_per_node}: both must be at least 1"
@@ -410,8 +419,9 @@ def run_torchrun(
         for index in range(agents):
             log_dir = root / f"agent{index}"
             log_dir.mkdir()
+            own = list(agent_args[index]) if index < len(agent_args) else []
             argv = _torchrun_argv(
-                module, args, nproc_per_node, agents, nnodes, port, run_id, max_restarts,
+                module, [*args, *own], nproc_per_node, agents, nnodes, port, run_id, max_restarts,
                 log_dir / "logs", torchrun_args, fork_workers,
             )  # fmt: skip
             outputs.append(log_dir / "agent.log")

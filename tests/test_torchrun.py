@@ -81,10 +81,15 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted() -> No
 
 @pytest.mark.torchrun
 def test_two_agents_on_loopback_are_two_nodes_of_one_world() -> None:
-    run = run_torchrun("tests.workers.node_worker", nproc_per_node=1, agents=2, time_limit=60)
+    run = run_torchrun(
+        "tests.workers.node_worker", ["--both"], nproc_per_node=1, agents=2, time_limit=60,
+        agent_args=[[], ["--second-only"]],
+    )  # fmt: skip
     assert run.ok, run.describe()
     seen = [line for agent in (0, 1) for line in _lines(run, "NODE ", agent)]
     assert len(seen) == 2, run.describe()
+    # what one node does and the other does not follows the agent, not the rank it drew
+    assert [s["argv"] for s in seen] == [["--both"], ["--both", "--second-only"]], seen
     # with c10d the first agent to arrive is group 0, whichever was started first
     assert sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"], run.describe()
     assert sorted(s["RANK"] for s in seen) == ["0", "1"], run.describe()
@@ -176,3 +181,5 @@ def test_forked_workers_run_the_modules_file_and_a_non_project_module_is_refused
     assert plain[1:3] == ["-m", "torch.distributed.run"], plain
     with pytest.raises(ValueError, match=r"module 'json'.*fork_workers runs a project module"):
         run_torchrun("json", fork_workers=True)
+    with pytest.raises(ValueError, match=r"agent_args has 2 entries for agents=1"):
+        run_torchrun("tests.workers.node_worker", agent_args=[[], ["--x"]])

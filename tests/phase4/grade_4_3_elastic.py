@@ -163,9 +163,8 @@ def test_an_agent_joins_and_later_leaves_and_every_epoch_is_complete(tmp_path: P
     # machine (DTFS_WORLD_TIMEOUT raised) startup is slower, so both stretch together
     slower = slow_machine_limit(1.0)
     cfg = config(
-        tmp_path / "ckpt", elastic=True, epochs=4, checkpoint_every=2, leave_after=8,
-        step_sleep=0.25 * slower,
-    )  # fmt: skip
+        tmp_path / "ckpt", elastic=True, epochs=4, checkpoint_every=2, step_sleep=0.25 * slower
+    )
     run = torchrun_trainer(
         cfg,
         nproc_per_node=1,
@@ -176,6 +175,7 @@ def test_an_agent_joins_and_later_leaves_and_every_epoch_is_complete(tmp_path: P
         time_limit=120,
         env=ELASTIC_ENV,
         torchrun_args=[ELASTIC_RDZV],
+        agent_args=[[], ["--leave-after", "8"]],  # the joining agent leaves, whatever its rank
     )
     what = (
         f"4.3 torchrun --nnodes=1:2, a second agent joins after {12 * slower:.0f} s and leaves "

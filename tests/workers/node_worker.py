@@ -1,12 +1,14 @@
 """Print what torchrun told this worker about its node, and check an all-reduce across nodes.
 
-Run by tests/test_torchrun.py under two agents on loopback: each prints one ``NODE {...}`` line.
+Run by tests/test_torchrun.py under two agents on loopback: each prints one ``NODE {...}`` line
+(its arguments too: each agent may be given its own).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ def main() -> None:
     total = torch.tensor([float(info.rank + 1)])
     dist.all_reduce(total)
     seen = {name: os.environ.get(name) for name in VARS}
-    print("NODE " + json.dumps({**seen, "sum": total.item()}), flush=True)
+    print("NODE " + json.dumps({**seen, "sum": total.item(), "argv": sys.argv[1:]}), flush=True)
     dist.barrier()
     cleanup_distributed()
 

@@ -114,7 +114,8 @@ class ResilientConfig:
         default=-1,
         metadata={
             "ge": -1,
-            "help": "elastic demo: rank 1 of 2 makes its agent leave after this many steps",
+            "help": "elastic demo: this node's agent leaves after this many steps in a world "
+            "of more than one (give it to one agent only)",
         },
     )
     step_sleep: float = field(
@@ -377,8 +378,13 @@ class Tracker(Callback):
         if t.config.step_sleep:
             time.sleep(t.config.step_sleep)
         t.steps_here += 1
-        if t.config.leave_after == t.steps_here and t.world == 2 and t.rank == 1:
-            print("rank 1 leaves: SIGTERM to its torchrun agent (a preempted node)", flush=True)
+        if t.config.leave_after == t.steps_here and t.world > 1 and t.local_rank == 0:
+            # the flag follows the agent it was given to, not a rank: rendezvous orders agents by
+            # process id, so the agent that joined last may hold rank 0
+            print(
+                f"rank {t.rank} leaves: SIGTERM to its torchrun agent (a preempted node)",
+                flush=True,
+            )
             os.kill(os.getppid(), signal.SIGTERM)
             time.sleep(60)  # the agent stops this worker
         if not t.config.fail_during_save:
@@ -485,6 +491,7 @@ class Trainer:
         self.progress = self.fault.Progress()
         self.last_saved = -1
         self.steps_here = 0  # steps this process ran (for --leave-after)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # one worker per node leaves
 
     def log(self, line: str) -> None:
         """The checkpoint manager's lines (a checkpoint passed over, and why) in the journal."""
