@@ -90,7 +90,7 @@ def test_two_agents_on_loopback_are_two_nodes_of_one_world() -> None:
     assert len(seen) == 2, run.describe()
     # what one node does and the other does not follows the agent, not the rank it drew
     assert [s["argv"] for s in seen] == [["--both"], ["--both", "--second-only"]], seen
-    # with c10d the first agent to arrive is group 0, whichever was started first
+    # c10d numbers the agents in the order of their process ids, not of their starts
     assert sorted(s["GROUP_RANK"] for s in seen) == ["0", "1"], run.describe()
     assert sorted(s["RANK"] for s in seen) == ["0", "1"], run.describe()
     for s in seen:
