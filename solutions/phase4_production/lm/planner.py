@@ -364,9 +364,10 @@ def rank_cpu_parts(
 EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "tp": (("tp", "tp_round", "tp_byte"), ("tp", "tp4", "tp_micro")),
     "cp": (("cp_call", "cp", "cp_byte"), ("cp", "cp4", "cp_micro")),
-    "zero": (("zero",), ("zero",)),
+    "zero": (("zero_byte",), ("zero",)),
+    "pp": (("pp_step", "pp_action"), ("pp", "pp_micro")),
 }
-REPLACED = frozenset({"tp", "cp"})  # kinds whose fit stands for all their CPU (see Calibration)
+REPLACED = frozenset({"tp", "cp", "pp"})  # kinds whose fit stands for all their CPU (Calibration)
 
 
 @dataclass(frozen=True)
@@ -374,24 +375,36 @@ class Calibration:
     """What the anchor steps (``lm.anchors``) make of :func:`rank_cpu_parts`: one scale for the
     compute and the collectives' alpha-beta CPU together (``common``), and each other kind's CPU
     in seconds per amount of :func:`_kind_amounts` (``extra``). For the kinds in ``replaced``
-    the fit stands for all their CPU, their alpha-beta part is left out: the tensor-parallel
+    the fit stands for all their CPU, their alpha-beta part is left out (and, for ``pp``, a
+    pipelined layout's actions at the tiny model's rate): the tensor-parallel
     regions per call (``tp``), per ring round (``tp_round``) and per byte sent (``tp_byte``);
     the ring attention per call (``cp_call``: each layer's forward and backward, whatever its
     passes), per pass (``cp``) and per byte a pass sends (``cp_byte``). The CPU of those is
     mostly the framework's, not the link's: 3.6's region functions and 2.7's block attention and
     merges, whose cost follows calls and bytes rather than gloo's rounds (the recorded fits,
     ``lm_planner_w*.json``, put more of the ring attention's CPU per call than per pass). ZeRO's
-    calls add to their alpha-beta CPU, per call (``zero``)."""
+    reduce-scatters and all-gathers add to their alpha-beta CPU per byte sent (``zero_byte``):
+    its one anchor shards over the whole world, and priced per call that extra charged ZeRO
+    over 2 ranks as much as over 8 (probes: 0.60-0.80x at world 8), priced per ring round it
+    charged ZeRO over 2 ranks a third of ZeRO over 4 (1.3x at world 4); a byte sent, (n - 1) / n
+    of the unit, lies between and held both worlds. A pipelined rank's own CPU is fitted whole,
+    per step (``pp_step``) and per action (``pp_action``: F and B, and W under zero bubble),
+    from the two pipeline anchors: the tiny model's CPU per action and the messages' alpha-beta
+    CPU undercharged the anchors' pipelines by 6-12% and overcharged pipelines of many
+    micro-batches (probes: down to 0.65x at 16), the per-action rate of a model with almost no
+    layers standing for this model's actions."""
 
     common: float = 1.0
     extra: Mapping[str, float] = field(default_factory=dict)  # seconds per call, round, byte...
     replaced: frozenset[str] = frozenset()
 
-    def explained(self, parts: Mapping[str, float]) -> float:
+    def explained(self, parts: Mapping[str, float], pipelined: bool = False) -> float:
         """The CPU of :func:`rank_cpu_parts`' ``parts`` before the fitted kinds: the actions as
-        they are, the rest times ``common``, the ``replaced`` kinds left out."""
+        they are (left out too for a ``pipelined`` layout when ``pp`` is replaced), the rest
+        times ``common``, the ``replaced`` kinds left out."""
         scaled = sum(v for part, v in parts.items() if part not in ("actions", *self.replaced))
-        return parts["actions"] + self.common * scaled
+        actions = 0.0 if pipelined and "pp" in self.replaced else parts["actions"]
+        return actions + self.common * scaled
 
 
 def _kind_amounts(
@@ -399,8 +412,9 @@ def _kind_amounts(
 ) -> dict[str, float]:
     """For one rank: each kind's calls (:data:`KINDS`), ``tp_round`` and ``tp_byte``, the ring
     rounds and bytes sent of its tensor-parallel calls, ``cp_call``, its ring-attention calls
-    (each layer's forward and backward: its passes over ``cp - 1``), and ``cp_byte``, the bytes
-    its passes send (on this rank's ``heads / tp`` heads)."""
+    (each layer's forward and backward: its passes over ``cp - 1``), ``cp_byte``, the bytes
+    its passes send (on this rank's ``heads / tp`` heads), ``zero_byte``, the bytes its ZeRO
+    calls send, and on a pipelined rank ``pp_step`` (1) and ``pp_action``, its actions."""
     s = settings
     costs = collective_costs(config, s, batch, pp_rank, e)
     amounts = {kind: float(calls) for kind, (_, calls) in costs.items()}
@@ -408,6 +422,12 @@ def _kind_amounts(
     amounts["cp_byte"] = float(costs["cp"][0].bytes_sent)
     amounts["tp_round"] = float(costs["tp"][0].rounds)
     amounts["tp_byte"] = float(costs["tp"][0].bytes_sent)
+    amounts["zero_byte"] = float(costs["zero"][0].bytes_sent)
+    pipelined = s.pp > 1
+    per_micro = 3 if s.schedule in ZERO_BUBBLE else 2  # F and B, and W under zero bubble
+    actions = s.microbatches * per_micro * len(rank_stages(s, pp_rank))
+    amounts["pp_step"] = 1.0 if pipelined else 0.0
+    amounts["pp_action"] = float(actions) if pipelined else 0.0
     return amounts
 
 
@@ -425,7 +445,7 @@ def rank_cpu(
     parts = rank_cpu_parts(config, settings, rates, batch, pp_rank, e, framework=False)
     amounts = _kind_amounts(config, settings, batch, pp_rank, e)
     extra = sum(fitted.extra.get(kind, 0.0) * amount for kind, amount in amounts.items())
-    return fitted.explained(parts) + extra
+    return fitted.explained(parts, settings.pp > 1) + extra
 
 
 COMMON_RANGE = (0.25, 4.0)  # a common scale outside it says the anchor is noise, not signal
@@ -493,8 +513,10 @@ def calibration(rates: Rates) -> Calibration:
     the CPU per call, per round and per byte apart; cp2, cp4 (as many ring-attention calls,
     three times the passes at the same bytes per pass) and cp2 at 4 micro-batches (4 times the
     calls and passes, the same bytes in all) the CPU per call, per pass and per byte; ZeRO-2's
-    the CPU per ZeRO call. With fewer anchors of a kind, the earlier parts (all of it per call,
-    with one). Without anchors: scale 1, nothing extra;
+    the CPU per byte ZeRO sends; dp ``world / 2`` x pp2 at 2 and 4 micro-batches (twice the
+    actions, the same step) a pipelined rank's CPU per step and per action.
+    With fewer anchors of a kind, the earlier parts (all of it per call, with one). Without
+    anchors: scale 1, nothing extra;
     a common scale outside :data:`COMMON_RANGE` is taken as noise and left at 1."""
     cached = _CALIBRATIONS.get(id(rates))
     if cached is not None and cached[0] is rates:
@@ -516,7 +538,8 @@ def calibration(rates: Rates) -> Calibration:
             for kind in kinds:
                 if kind in anchors:
                     parts, amounts = _world_parts(anchors[kind], rates)
-                    rest = anchors[kind].cpu - before.explained(parts)
+                    pipelined = anchors[kind].settings.pp > 1
+                    rest = anchors[kind].cpu - before.explained(parts, pipelined)
                     rows.append(([amounts[u] for u in unknowns], rest))
             if rows:
                 extra.update(zip(unknowns, non_negative_fit(rows), strict=True))

@@ -156,7 +156,9 @@ def shared_rates(rates: Rates) -> dict[str, str]:
         "cp_call_us": f"{fitted.extra.get('cp_call', 0.0) * 1e6:.0f}",
         "cp_pass_us": f"{fitted.extra.get('cp', 0.0) * 1e6:.0f}",
         "cp_kib_us": f"{fitted.extra.get('cp_byte', 0.0) * 1024 * 1e6:.1f}",
-        "zero_call_extra_us": f"{fitted.extra.get('zero', 0.0) * 1e6:.0f}",
+        "zero_kib_us": f"{fitted.extra.get('zero_byte', 0.0) * 1024 * 1e6:.1f}",
+        "pp_step_us": f"{fitted.extra.get('pp_step', 0.0) * 1e6:.0f}",
+        "pp_action_us": f"{fitted.extra.get('pp_action', 0.0) * 1e6:.0f}",
         "idle": f"{anchor_idle(rates):.2f}",
     }
 
