@@ -293,6 +293,33 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
     assert fit([([1.0], -1.0)]) == [0.0]
 
 
+def test_a_zero_bubble_rank_pays_its_measured_split_backward_and_w_is_no_messaging_action() -> None:
+    """Under ZB-H1 a stage after the first walks its backward twice (B to the input, W to the
+    weights): the planner charges the measured ratio of the two walks to one backward, not 2,
+    and prices W's work in that compute, not as an action (F and B send and wait, W does not).
+    The ratio itself is timed on the model's layer: above 1, at most 2 and a margin."""
+    config = LMConfig()
+    rates = dataclasses.replace(fake_rates(), comm_cpu=AlphaBeta(1e-4, 1e-10), action_cpu=1e-3,
+                                zero_bubble_walks=1.75)  # fmt: skip
+    one_f_one_b = ParallelSettings(pp=2, microbatches=4)
+    zero_bubble = dataclasses.replace(one_f_one_b, schedule="zb-h1")
+    for pp_rank in (0, 1):
+        plain = lm_planner.rank_cpu_parts(config, one_f_one_b, rates, 16, pp_rank, 4, False)
+        split = lm_planner.rank_cpu_parts(config, zero_bubble, rates, 16, pp_rank, 4, False)
+        layers = config.layers // 2
+        tokens = 16 // 4 * config.seq_len
+        backward = rates.layer_backward.seconds(tokens) * rates.contention
+        extra = 0.75 * 4 * layers * backward if pp_rank == 1 else 0.0  # stage 0: no B walk
+        assert split["compute"] - plain["compute"] == pytest.approx(extra), pp_rank
+        amounts = lm_planner._kind_amounts(config, zero_bubble, 16, pp_rank, 4)
+        assert amounts["pp_action"] == 2 * 4, amounts  # F and B per micro-batch
+    from solutions.phase4_production.lm.rates import measure_compute
+
+    tiny = LMConfig(width=16, heads=2, layers=1, ffn=32, seq_len=16)
+    walks = measure_compute(tiny, torch.float32, repeats=3)["zero_bubble_walks"]
+    assert 1.0 < walks < 2.6, walks
+
+
 def _anchors(config: LMConfig) -> list[Any]:
     from solutions.phase4_production.lm.anchors import measure_anchors
 

@@ -341,7 +341,8 @@ def rank_cpu_parts(
     zero_bubble = s.schedule in ZERO_BUBBLE
     compute, actions = 0.0, 0
     for stage in rank_stages(s, pp_rank):
-        walks = 2 if zero_bubble and stage > 0 else 1  # B for the input, W again for the weights
+        # B for the input, then W again for the weights (measured: Rates.zero_bubble_walks)
+        walks = rates.zero_bubble_walks if zero_bubble and stage > 0 else 1.0
         recompute = forward if s.activation_checkpointing else 0.0
         compute += m * len(runs[stage]) * (forward + walks * backward + recompute)
         actions += m * (3 if zero_bubble else 2)
@@ -388,7 +389,7 @@ class Calibration:
     over 2 ranks as much as over 8 (probes: 0.60-0.80x at world 8), priced per ring round it
     charged ZeRO over 2 ranks a third of ZeRO over 4 (1.3x at world 4); a byte sent, (n - 1) / n
     of the unit, lies between and held both worlds. A pipelined rank's own CPU is fitted whole,
-    per step (``pp_step``) and per action (``pp_action``: F and B, and W under zero bubble),
+    per step (``pp_step``) and per F or B action (``pp_action``: each sends and waits),
     from the two pipeline anchors: the tiny model's CPU per action and the messages' alpha-beta
     CPU undercharged the anchors' pipelines by 6-12% and overcharged pipelines of many
     micro-batches (probes: down to 0.65x at 16), the per-action rate of a model with almost no
@@ -414,7 +415,8 @@ def _kind_amounts(
     rounds and bytes sent of its tensor-parallel calls, ``cp_call``, its ring-attention calls
     (each layer's forward and backward: its passes over ``cp - 1``), ``cp_byte``, the bytes
     its passes send (on this rank's ``heads / tp`` heads), ``zero_byte``, the bytes its ZeRO
-    calls send, and on a pipelined rank ``pp_step`` (1) and ``pp_action``, its actions."""
+    calls send, and on a pipelined rank ``pp_step`` (1) and ``pp_action``, its F and B
+    actions (each sends a message and waits for one; a zero-bubble W does neither)."""
     s = settings
     costs = collective_costs(config, s, batch, pp_rank, e)
     amounts = {kind: float(calls) for kind, (_, calls) in costs.items()}
@@ -424,8 +426,8 @@ def _kind_amounts(
     amounts["tp_byte"] = float(costs["tp"][0].bytes_sent)
     amounts["zero_byte"] = float(costs["zero"][0].bytes_sent)
     pipelined = s.pp > 1
-    per_micro = 3 if s.schedule in ZERO_BUBBLE else 2  # F and B, and W under zero bubble
-    actions = s.microbatches * per_micro * len(rank_stages(s, pp_rank))
+    # F and B, each with its message and its wait; W's work is in the compute (its walk)
+    actions = s.microbatches * 2 * len(rank_stages(s, pp_rank))
     amounts["pp_step"] = 1.0 if pipelined else 0.0
     amounts["pp_action"] = float(actions) if pipelined else 0.0
     return amounts

@@ -8,7 +8,8 @@ the machine it plans for, and carries the sentence that says how (``Rates.source
   four token counts; a least-squares line ``c0 + c1·tokens`` through each (medians of
   repeats). The RMSNorms' share is timed apart: it is the part tensor parallelism does not divide
   when sequence parallelism is off. The embedding, final norm, head and loss are timed the same
-  way, per token;
+  way, per token; and the layer's backward split as a zero-bubble schedule splits it (B to the
+  input, then W to the weights) over the one backward (``zero_bubble_walks``);
 * **activations**: the bytes autograd saves for one layer's backward, per token
   (``SavedTensorMeter``, parameters excluded), and the part of them the two norms save (whole on
   every tp rank without sequence parallelism);
@@ -149,6 +150,7 @@ class Rates:
     call_cpu: float = 0.0  # the framework's CPU seconds per collective call, beyond comm_cpu
     round_cpu: float = 0.0  # and per ring round of its collectives (waiting on more ranks)
     anchors: tuple[Anchor, ...] = ()  # the model's own steps, one layout per kind (lm.anchors)
+    zero_bubble_walks: float = 2.0  # a layer's B and W together over its one backward
 
     def layer_seconds(self, tokens: float, tp: int) -> tuple[float, float]:
         """One tp rank's forward and backward CPU seconds for one layer's ``tokens``: its share
@@ -192,13 +194,28 @@ def _median_wall_and_cpu(work: Callable[[], object], repeats: int) -> tuple[floa
 
 
 def _line(points: Sequence[tuple[float, float]]) -> Line:
-    """Least squares ``seconds = fixed + per_token · tokens`` through (tokens, seconds)."""
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_s = sum(s for _, s in points) / n
-    spread = sum((t - mean_t) ** 2 for t, _ in points)
-    per_token = max(sum((t - mean_t) * (s - mean_s) for t, s in points) / spread, 0.0)
-    return Line(max(mean_s - per_token * mean_t, 0.0), per_token)
+    """Least squares ``seconds = fixed + per_token · tokens`` through (tokens, seconds), each
+    point's error relative to its own time (as 3.2's alpha-beta fit weighs its sizes): an
+    absolute fit is decided by the largest counts and missed a one-sequence micro-batch by
+    15-18% here, where pipelines of many micro-batches live. Both parts at least 0."""
+    weights = [1.0 / s**2 if s > 0 else 0.0 for _, s in points]
+    sw = sum(weights)
+    swt = sum(w * t for w, (t, _) in zip(weights, points, strict=True))
+    swtt = sum(w * t * t for w, (t, _) in zip(weights, points, strict=True))
+    sws = sum(w * s for w, (_, s) in zip(weights, points, strict=True))
+    swts = sum(w * t * s for w, (t, s) in zip(weights, points, strict=True))
+    det = sw * swtt - swt * swt
+    if sw == 0 or det <= 0:  # one count or no time: a line through the origin and the mean
+        mean_t = sum(t for t, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        return Line(0.0, mean_s / mean_t if mean_t > 0 else 0.0)
+    per_token = (sw * swts - swt * sws) / det
+    fixed = (sws - per_token * swt) / sw
+    if per_token < 0:  # no growth with tokens: the weighted mean, fixed
+        return Line(max(sws / sw, 0.0), 0.0)
+    if fixed < 0:  # through the origin, still relative: sum(w t s) / sum(w t t)
+        return Line(0.0, max(swts / swtt, 0.0))
+    return Line(fixed, per_token)
 
 
 def measure_compute(
@@ -245,6 +262,7 @@ def measure_compute(
             torch.set_num_threads(threads)
             raise MachineTooBusy("one layer's compute", deadline)
     layer_forward, layer_backward = _line(forward), _line(backward)
+    walks = zero_bubble_walks(block, config, cos, sin, repeats)
     tp_layers = {}
     for tp in tp_degrees(config):
         shard = ShardedBlock(config, tp).to(dtype)
@@ -287,9 +305,39 @@ def measure_compute(
         "norm_activation_bytes_per_token": float(norm_saved),
         "optimizer_per_element": _median_seconds(optimizer.step, repeats) / flat.numel(),
         "tp_layers": tp_layers,
+        "zero_bubble_walks": walks,
     }
     torch.set_num_threads(threads)
     return result
+
+
+def zero_bubble_walks(
+    block: Block, config: LMConfig, cos: torch.Tensor, sin: torch.Tensor, repeats: int
+) -> float:
+    """A layer's split backward over its whole backward, timed: B (autograd to the input
+    alone, the graph kept) then W (autograd to the weights, 2.5's ``_backward_weight``) against
+    one ``backward()``, at 4 sequences. Not 2: B skips the weights' products, and W walks back
+    through the layer again only as far as its weights need (Qi et al., 2023, "Zero Bubble
+    Pipeline Parallelism", split B and W the same way)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+
+    def timed(split: bool) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            x = torch.randn(4, config.seq_len, config.width, dtype=cos.dtype, requires_grad=True)
+            y = block(x, cos, sin, causal_attention)[0]
+            g = torch.randn_like(y)
+            started = time.perf_counter()
+            if split:
+                torch.autograd.grad(y, x, g, retain_graph=True)
+                torch.autograd.backward(y, g, inputs=params)
+            else:
+                y.backward(g)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+
+    whole = timed(False)
+    return timed(True) / whole if whole > 0 else 2.0
 
 
 def two_kinds(world: int, per_node: int | None) -> bool:
@@ -604,4 +652,5 @@ def rates_from(
         call_cpu=links.call_cpu,
         round_cpu=links.round_cpu,
         anchors=links.anchors,
+        zero_bubble_walks=float(compute.get("zero_bubble_walks", 2.0)),
     )
