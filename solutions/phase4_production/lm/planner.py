@@ -183,6 +183,23 @@ def anchor_idle(rates: Rates) -> float:
     return max(1.0, statistics.median(anchor.idle for anchor in rates.anchors))
 
 
+def layout_idle(rates: Rates, settings: ParallelSettings) -> float:
+    """How much longer this layout's step takes than every rank's CPU over the cores: the
+    median idle share of the anchor steps that ran its kinds (data parallelism's always, and
+    ZeRO's, tp's, cp's and the pipeline's where the layout has them), at least 1; without
+    anchors, :func:`anchor_idle`. Why per layout: eight ranks of plain data parallelism wait
+    for each other at one all-reduce and leave more of the cores idle than a pipeline, whose
+    ranks take turns (the check's column "measured / (all ranks' CPU / cores)"), and one
+    median for all made dp8 and dp4 x pp2 a coin flip at world 8."""
+    kinds = {"dp", "zero"} if settings.zero else {"dp"}
+    for axis, named in (("tp", ("tp", "tp4", "tp_micro")), ("cp", ("cp", "cp4", "cp_micro")),
+                        ("pp", ("pp", "pp_micro"))):  # fmt: skip
+        if getattr(settings, axis) > 1:
+            kinds.update(named)
+    found = [anchor.idle for anchor in rates.anchors if anchor.kind in kinds]
+    return max(1.0, statistics.median(found)) if found else anchor_idle(rates)
+
+
 def _collective(link: AlphaBeta, cost: Cost) -> float:
     return cost.time(link.alpha, link.beta)
 
@@ -276,11 +293,11 @@ def predict(
             s.world_size // s.pp
         )
         busy = work / rates.cores
-        idle = anchor_idle(rates)
+        idle = layout_idle(rates, s)
         notes.append(
             f"{s.world_size} ranks on {rates.cores} cores: all ranks' CPU {work * 1e3:.1f} ms / "
             f"{rates.cores} = {busy * 1e3:.1f} ms, x{idle:.2f} for the cores left idle (the "
-            f"anchor steps'); the critical path alone {seconds * 1e3:.1f} ms"
+            f"anchor steps of its kinds); the critical path alone {seconds * 1e3:.1f} ms"
         )
         busy *= idle
         seconds = busy
