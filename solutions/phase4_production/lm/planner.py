@@ -186,16 +186,14 @@ def anchor_idle(rates: Rates) -> float:
 def layout_idle(rates: Rates, settings: ParallelSettings) -> float:
     """How much longer this layout's step takes than every rank's CPU over the cores: the
     median idle share of the anchor steps that ran its kinds (data parallelism's always, and
-    ZeRO's, tp's, cp's and the pipeline's where the layout has them), at least 1; without
-    anchors, :func:`anchor_idle`. Why per layout: eight ranks of plain data parallelism wait
-    for each other at one all-reduce and leave more of the cores idle than a pipeline, whose
-    ranks take turns (the check's column "measured / (all ranks' CPU / cores)"), and one
-    median for all made dp8 and dp4 x pp2 a coin flip at world 8."""
-    kinds = {"dp", "zero"} if settings.zero else {"dp"}
-    for axis, named in (("tp", ("tp", "tp4", "tp_micro")), ("cp", ("cp", "cp4", "cp_micro")),
-                        ("pp", ("pp", "pp_micro"))):  # fmt: skip
-        if getattr(settings, axis) > 1:
-            kinds.update(named)
+    those :data:`EXTRAS` lists for ZeRO, tp, cp and the pipeline where the layout has them),
+    at least 1; without anchors, :func:`anchor_idle`. Why per layout: how idle the cores sit
+    depends on the kinds (ranks that wait at one all-reduce together, a pipeline's ranks that
+    take turns; the check's column "measured / (all ranks' CPU / cores)"), and one median for
+    all made dp8 and dp4 x pp2 a coin flip at world 8."""
+    has = {"zero": bool(settings.zero), "tp": settings.tp > 1, "cp": settings.cp > 1,
+           "pp": settings.pp > 1}  # fmt: skip
+    kinds = {"dp"}.union(*(EXTRAS[kind][1] for kind, present in has.items() if present))
     found = [anchor.idle for anchor in rates.anchors if anchor.kind in kinds]
     return max(1.0, statistics.median(found)) if found else anchor_idle(rates)
 
