@@ -427,6 +427,45 @@ def ranks_per_node_from_env(world_size: int, rank: int) -> int:
     return per_node
 
 
+class GroupPool:
+    """The process groups made in one world, by rank set, for every :class:`Topology` built with
+    it: a program that builds many layouts in one world (a benchmark's interleaved rounds, the
+    planner's anchor steps) then makes one group per distinct set of ranks, not one per layout.
+
+    Why it matters: each gloo process group gets its own TCP device, whose event loop thread
+    wakes every 10 ms even when idle (gloo/transport/tcp/loop.cc, ``Loop::run``:
+    ``epoll_wait(..., 10)``). Groups are never freed until the world ends, so without a pool
+    every layout built adds loops that wake on every rank, and on a machine whose ranks share
+    few cores each one takes CPU from every later step: the steps of a world grow slower the
+    more layouts it has built. :meth:`destroy` frees the pool's groups once its layouts are
+    done (call it on every rank, at the same point).
+
+    The pool belongs to the world it was filled in; every rank must build the same layouts with
+    it in the same order, as :meth:`Topology.build` requires anyway."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, ...], Any] = {}
+
+    def group(self, ranks: tuple[int, ...], description: str) -> Any:
+        """The group of ``ranks``, made with ``dist.new_group`` (a collective over the world)
+        the first time those ranks are asked for; the non-member sentinel on other ranks."""
+        if ranks not in self._made:
+            self._made[ranks] = dist.new_group(list(ranks), group_desc=description)
+        return self._made[ranks]
+
+    def __len__(self) -> int:
+        """How many distinct rank sets the pool has made groups for."""
+        return len(self._made)
+
+    def destroy(self) -> None:
+        """Free the groups this rank belongs to; the pool is empty afterwards. Topologies built
+        with it must not be used again."""
+        for group in self._made.values():
+            if isinstance(group, dist.ProcessGroup):
+                dist.destroy_process_group(group)
+        self._made.clear()
+
+
 @dataclass(frozen=True, eq=False)  # process groups compare by identity: so do topologies
 class Topology:
     """The grid and this rank's process groups. Build it with :meth:`Topology.build` on every rank.
@@ -451,13 +490,15 @@ class Topology:
         ep: int = 1,
         world_size: int | None = None,
         ranks_per_node: int | None = None,
+        pool: GroupPool | None = None,
     ) -> Topology:
         """Create every group once, in the same order on every rank (a collective: call it on all).
 
         Order: the groups of each name of :data:`GROUP_NAMES` in turn; each rank calls
         ``dist.new_group`` for every group, including the ones it is not in, because
         ``new_group`` is itself a collective over the world (as Megatron's
-        ``initialize_model_parallel`` does).
+        ``initialize_model_parallel`` does). With a :class:`GroupPool`, a set of ranks that an
+        earlier topology of the pool already has takes that group instead of a new one.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -475,14 +516,12 @@ class Topology:
             ranks_per_node = ranks_per_node_from_env(actual, rank)
         grid = RankGrid.for_world(actual, dp, tp, pp, ranks_per_node, cp=cp, ep=ep)
         mine: dict[str, dist.ProcessGroup] = {}
-        made: dict[tuple[int, ...], Any] = {}
+        made = GroupPool() if pool is None else pool
         for name in GROUP_NAMES:
             for index, ranks in enumerate(grid.groups(name)):
                 # one process group per set of ranks: a name whose groups repeat another's (cp
                 # when cp == 1 and tp == 1, say) shares its objects, and its creation costs nothing
-                if ranks not in made:
-                    made[ranks] = dist.new_group(list(ranks), group_desc=f"{name}{index}")
-                group = made[ranks]
+                group = made.group(ranks, f"{name}{index}")
                 if rank in ranks:
                     assert isinstance(group, dist.ProcessGroup), (name, ranks, rank)
                     mine[name] = group

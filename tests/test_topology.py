@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from course.comm_counter import CommCounter
-from course.topology import GROUP_NAMES, Coords, RankGrid, Topology
+from course.topology import GROUP_NAMES, Coords, GroupPool, RankGrid, Topology
 from course.world import run_world
 
 pytestmark = pytest.mark.harness
@@ -250,6 +250,17 @@ def topology_rank() -> dict[str, Any]:
         }
     topo = Topology.build(1, 1, 2, cp=2, ep=2)
     results["cp2ep2"] = {"sums": _all_reduce_sums(topo), "describe": topo.describe()}
+    pool = GroupPool()
+    first = Topology.build(2, 2, 1, pool=pool)
+    second = Topology.build(1, 2, 2, pool=pool)
+    results["pool"] = {
+        "tp_shared": first.tp_group is second.tp_group,  # (0, 1) and (2, 3) in both layouts
+        "dp_apart": first.dp_group is not second.dp_group,
+        "sets": len(pool),
+        "sums": _all_reduce_sums(second),
+    }
+    pool.destroy()
+    results["pool"]["sets_after_destroy"] = len(pool)
     topo = Topology.build(tp=2)  # dp=None: the rest of the world
     mesh = topo.as_device_mesh("cpu")
     results["mesh"] = {
@@ -292,6 +303,24 @@ def test_cp_and_ep_groups_reduce_exactly_their_members(
     text = topology_world[1]["cp2ep2"]["describe"]
     assert "dp=1 x cp=2 x tp=1 x pp=2 (ep=2 over dp x cp) = 4 ranks" in text
     assert "pp0  [0][1*]" in text and "ep (0, 1)" in text and "edp (1,)" in text
+
+
+def test_a_pool_shares_one_group_per_rank_set_across_layouts(
+    topology_world: list[dict[str, Any]],
+) -> None:
+    """Two layouts built with one GroupPool: one process group per distinct set of ranks over
+    both (gloo gives each group an event loop that wakes every 10 ms), each still reducing
+    exactly its members; destroy empties the pool."""
+    grids = [RankGrid(2, 2, 1, ranks_per_node=2), RankGrid(1, 2, 2, ranks_per_node=2)]
+    distinct = {ranks for grid in grids for name in GROUP_NAMES for ranks in grid.groups(name)}
+    for rank, result in enumerate(topology_world):
+        pooled = result["pool"]
+        assert pooled["tp_shared"] and pooled["dp_apart"], (rank, pooled)
+        assert pooled["sets"] == len(distinct), (rank, pooled["sets"], sorted(distinct))
+        for name, got in pooled["sums"].items():
+            members = grids[1].group_of(name, rank)
+            assert got["ranks"] == members and got["sum"] == sum(members), (rank, name, got)
+        assert pooled["sets_after_destroy"] == 0
 
 
 def test_each_rank_knows_its_place(topology_world: list[dict[str, Any]]) -> None:

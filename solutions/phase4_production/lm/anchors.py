@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from course.impl import load_impl
 from course.language_model import LMConfig, build_language_model
-from course.topology import Topology
+from course.topology import GroupPool, Topology
 from phase4_production.lm_layout import ParallelSettings
 
 
@@ -101,11 +101,13 @@ def measure_anchors(config: LMConfig, repeats: int, batch: int | None = None) ->
     world, cores = dist.get_world_size(), len(os.sched_getaffinity(0))
     layouts = anchor_layouts(config, world, batch)
     generator = torch.Generator().manual_seed(0)
+    pool = GroupPool()  # one group per rank set for all the anchors, freed after them
     steps = {}
     for kind, (settings, sequences) in layouts.items():
         data = torch.randint(0, config.vocab, (sequences, config.seq_len + 1), generator=generator)
         tokens, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp)
+        topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp,
+                                  pool=pool)  # fmt: skip
         model = lm.ParallelLanguageModel(build_language_model(config, 0, torch.float32),
                                          topology, settings)  # fmt: skip
         model.train_step(tokens, targets)  # warm-up
@@ -124,9 +126,11 @@ def measure_anchors(config: LMConfig, repeats: int, batch: int | None = None) ->
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             cpu[kind].append(float(summed[0]))
             idle[kind].append(float(slowest[1]) / (float(summed[0]) / min(cores, world)))
+    steps.clear()
+    pool.destroy()
     out = []
     base = statistics.median(cpu["dp"]) if "dp" in cpu else 0.0
-    for kind in steps:
+    for kind in cpu:
         settings, sequences = layouts[kind]
         median_cpu = statistics.median(cpu[kind])
         if kind != "dp" and base > 0:  # each round's ratio to its own dp step, times dp's median

@@ -37,7 +37,7 @@ from course.cli import benchmark_main, run_main
 from course.impl import IMPLS, load_impl
 from course.language_model import LMConfig, build_language_model
 from course.results import Table, write_results
-from course.topology import Topology
+from course.topology import GroupPool, Topology
 from course.verdicts import Goal, Load, LoadMeter, pair_ratios
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
@@ -184,10 +184,11 @@ def measure_layouts(
     _quiet_library_warnings()
     lm = load_impl(PHASE, "lm_parallel", config.impl)
     entries = []
+    pool = GroupPool()  # one group per rank set for all the layouts, freed after them
     for name, (options, moe) in layouts.items():
         settings = settings_of(options)
         topology = Topology.build(settings.dp, settings.tp, settings.pp, cp=settings.cp,
-                                  ep=settings.ep)  # fmt: skip
+                                  ep=settings.ep, pool=pool)  # fmt: skip
         dense = build_language_model(config.model(moe), 0, torch.float32)
         entries.append(Entry(name, lm.ParallelLanguageModel(dense, topology, settings)))
     entries += _library_entries(config) if library else []
@@ -229,6 +230,8 @@ def measure_layouts(
             held = held_bytes(nn.ModuleList(entry.model.stages), entry.model.optimizer)
             row["held"] = (held.params, held.grads, held.optimizer)
         rows[("library " if entry.library else "") + entry.name] = row
+    entries.clear()
+    pool.destroy()
     return rows
 
 

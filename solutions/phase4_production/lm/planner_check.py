@@ -1,13 +1,15 @@
 """The layout planner checked against reality: predicted and measured, layout by layout.
 
-For each world size (4 and 8 ranks on this machine), the planner (``lm/planner.py``) ranks every
-legal layout of the language model from the rates ``lm.rates`` measured here; this program then
-runs a spread of them (the planner's first choices, and layouts from the whole length of its
-ranking) in one world, their steps interleaved round after round (``lm.benchmark``), and prints
+For each world size (4 and 8 ranks on this machine), one world does what ``sharding: auto`` does
+under torchrun: it measures the rates (``lm.framework.rates_in_world``), and the planner
+(``lm/planner.py``) ranks every legal layout of the language model from them; the same world
+then runs a spread of those layouts (the planner's first choices, and layouts from the whole
+length of its ranking), their steps interleaved round after round (``lm.benchmark``). It prints
 for each the predicted and measured step time, the measured step over every rank's measured CPU
 time divided by the cores (how much a shared machine leaves idle: the planner's model for ranks
-that share cores takes the anchor steps' median, ``lm.anchors``), and bytes held per rank
-(model states, and the activations autograd saved during a step), then three verdicts:
+that share cores takes it from the anchor steps that ran the layout's kinds, ``lm.anchors``), and
+bytes held per rank (model states, and the activations autograd saved during a step), then three
+verdicts:
 
 * the rank correlation (Spearman) between the predicted and the measured order of the layouts;
 * whether the planner's first choice is the fastest layout measured or within 5% of it;
@@ -27,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from course.cli import benchmark_main, run_main
 from course.results import Table, write_results
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase4_production.lm.benchmark import BenchConfig, measure_layouts
+from solutions.phase4_production.lm.framework import rates_in_world
 from solutions.phase4_production.lm.planner import (
     GIB,
     Machine,
@@ -41,7 +45,7 @@ from solutions.phase4_production.lm.planner import (
     calibration,
     plan,
 )
-from solutions.phase4_production.lm.rates import Rates, measure_rates
+from solutions.phase4_production.lm.rates import Rates
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
 TOP_CHOICE = 1.05  # issue 40: the first choice the fastest measured, or within 5% of it
@@ -120,25 +124,39 @@ class WorldCheck:
     rates: Rates  # measured for this world (its links in a world of its size)
 
 
-def measure(config: CheckConfig) -> tuple[Rates, list[WorldCheck]]:
+def check_world(config: CheckConfig) -> tuple[Rates, list[Prediction], dict[str, Any]]:
+    """On every rank of one world: what ``sharding: auto`` does under torchrun (the rates
+    measured in this world, ``lm.framework.rates_in_world``, then the plan), and then, in the
+    same processes a minute later rather than in another world, the spread of the plan's
+    layouts timed round after round (``lm.benchmark.measure_layouts``). Rates measured in a
+    world of their own had drifted from the checked world's by up to a fifth at 8 ranks (the
+    anchor layout's CPU at 0.78x in the 2026-11-28 record), which is the machine's noise, not
+    the model's."""
     model = config.model(False)
+    world = dist.get_world_size()
+    rates = rates_in_world(model, torch.float32, batch=config.batch)
+    chosen: list[Any] = [None]
+    if dist.get_rank() == 0:  # every rank runs the layouts rank 0 planned, in its order
+        chosen = [spread(plan(model, rates, Machine(world, world, 16 * GIB), config.batch),
+                         config.layouts)]  # fmt: skip
+    dist.broadcast_object_list(chosen, src=0)
+    layouts = {p.settings.label(): (_options(p.settings), False) for p in chosen[0]}
+    base = {f.name: getattr(config, f.name) for f in fields(BenchConfig)}
+    bench = BenchConfig(**{**base, "world": world, "library": False})
+    return rates, chosen[0], measure_layouts(bench, layouts, False)
+
+
+def measure(config: CheckConfig) -> tuple[Rates, list[WorldCheck]]:
     out = []
-    rates = None
     for world in worlds_of(config):
-        rates = measure_rates(model, torch.float32, world, batch=config.batch)
-        machine = Machine(world, world, 16 * GIB)
-        chosen = spread(plan(model, rates, machine, config.batch), config.layouts)
-        layouts = {p.settings.label(): (_options(p.settings), False) for p in chosen}
-        base = {f.name: getattr(config, f.name) for f in fields(BenchConfig)}
-        bench = BenchConfig(**{**base, "world": world, "library": False})
-        per_rank = run_world(measure_layouts, world, (bench, layouts, False), {}, timeout=3600)
-        names = list(layouts)
-        rows = [per_rank[0][n] for n in names]
-        peaks = [max(r[n]["activations"] for r in per_rank) for n in names]
-        cpu = [sum(r[n]["cpu"] for r in per_rank) for n in names]
+        per_rank = run_world(check_world, world, (config,), {}, timeout=3600)
+        rates, chosen, _ = per_rank[0]
+        names = [p.settings.label() for p in chosen]
+        rows = [per_rank[0][2][n] for n in names]
+        peaks = [max(r[2][n]["activations"] for r in per_rank) for n in names]
+        cpu = [sum(r[2][n]["cpu"] for r in per_rank) for n in names]
         out.append(WorldCheck(world, chosen, rows, peaks, cpu, rates))
-    assert rates is not None
-    return rates, out
+    return out[-1].rates, out
 
 
 def shared_rates(rates: Rates) -> dict[str, str]:

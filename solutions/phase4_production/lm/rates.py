@@ -68,7 +68,7 @@ from course.language_model import (
     rotary_tables,
 )
 from course.memory import SavedTensorMeter
-from course.topology import RankGrid, Topology
+from course.topology import GroupPool, RankGrid, Topology
 from course.world import WorldHung, run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
@@ -489,10 +489,12 @@ def framework_cpu(repeats: int) -> dict[str, float]:
     if pairs:
         layouts += [(2, world // 2, 1, 0), (2, world // 2, 1, 2)]
     steps = []
+    pool = GroupPool()  # one group per rank set for the tiny layouts, freed after them
     for dp, tp, m, zero in layouts:
         settings = ParallelSettings(dp=dp, tp=tp, microbatches=m, zero=zero, lr=1e-3)
+        topology = Topology.build(dp, tp, 1, pool=pool)
         model = lm.ParallelLanguageModel(build_language_model(config, 0, torch.float32),
-                                         Topology.build(dp, tp, 1), settings)  # fmt: skip
+                                         topology, settings)  # fmt: skip
         model.train_step(tokens, targets)  # warm-up
         steps.append(partial(model.train_step, tokens, targets))
     rounds: list[list[float]] = []
@@ -504,6 +506,8 @@ def framework_cpu(repeats: int) -> dict[str, float]:
             step()
             cpu.append(process_cpu() - started)
         rounds.append(cpu)
+    steps.clear()
+    pool.destroy()
     out = {
         "action": max(statistics.median((c[1] - c[0]) / (3 * 2) for c in rounds), 0.0),
         "zero_world": statistics.median(c[2] - c[0] for c in rounds),
