@@ -8,7 +8,7 @@ collectives of each kind (tensor-parallel regions, ring-attention passes, pipeli
 data-parallel gradients). Each part comes from rates measured apart (a layer alone, collectives
 after a layer's work, a tiny model's framework overhead); on a machine whose ranks share two
 cores those move from run to run (the planner check records them), and one kind's framework
-code is not another's (3.6's region functions, 2.7's block merges). Ten steps of the model
+code is not another's (3.6's region functions, 2.7's block merges). Eleven steps of the model
 itself, each adding one kind to plain data parallelism, measure what those parts sum to:
 
 * ``dp``: data parallelism over the world; ``zero``: the same with ZeRO-2 (the gradients'
@@ -21,7 +21,9 @@ itself, each adding one kind to plain data parallelism, measure what those parts
   the passes, the same bytes and block elements);
 * ``pp``: dp ``world / 2`` x pp2 under 1F1B at 2 micro-batches (the pipeline's own CPU: its
   actions, messages and waits); ``pp_micro``: the same at 4 micro-batches (twice the actions
-  and messages, the same step),
+  and messages, the same step); ``pp4``: dp ``world / 4`` x pp4 at 8 micro-batches (a quarter
+  of the layers per stage, twice ``pp_micro``'s actions: three pipelines fit step and action by
+  least squares over 4 to 16 actions a rank, and deep pipelines have an anchor of their own),
 
 at the batch to be planned (where the layout takes it; else two sequences per data-parallel
 rank), played in turn round after round (a load that comes and goes lands on all of them alike).
@@ -81,6 +83,7 @@ def anchor_layouts(
         "cp_micro": {"dp": half, "cp": 2, "microbatches": 4},
         "pp": {"dp": half, "pp": 2, "microbatches": 2},
         "pp_micro": {"dp": half, "pp": 2, "microbatches": 4},
+        "pp4": {"dp": world // 4, "pp": 4, "microbatches": 8},
     }
     out = {}
     for kind, chosen in options.items():

@@ -381,7 +381,7 @@ EXTRAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "tp": (("tp", "tp_round", "tp_byte"), ("tp", "tp4", "tp_micro")),
     "cp": (("cp_call", "cp", "cp_byte"), ("cp", "cp4", "cp_micro")),
     "zero": (("zero_byte",), ("zero",)),
-    "pp": (("pp_step", "pp_action"), ("pp", "pp_micro")),
+    "pp": (("pp_step", "pp_action"), ("pp", "pp_micro", "pp4")),
 }
 REPLACED = frozenset({"tp", "cp", "pp"})  # kinds whose fit stands for all their CPU (Calibration)
 
@@ -405,7 +405,7 @@ class Calibration:
     charged ZeRO over 2 ranks a third of ZeRO over 4 (1.3x at world 4); a byte sent, (n - 1) / n
     of the unit, lies between and held both worlds. A pipelined rank's own CPU is fitted whole,
     per step (``pp_step``) and per F or B action (``pp_action``: each sends and waits),
-    from the two pipeline anchors: the tiny model's CPU per action and the messages' alpha-beta
+    from the three pipeline anchors: the tiny model's CPU per action and the messages' alpha-beta
     CPU undercharged the anchors' pipelines by 6-12% and overcharged pipelines of many
     micro-batches (probes: down to 0.65x at 16), the per-action rate of a model with almost no
     layers standing for this model's actions."""
@@ -531,7 +531,8 @@ def calibration(rates: Rates) -> Calibration:
     three times the passes at the same bytes per pass) and cp2 at 4 micro-batches (4 times the
     calls and passes, the same bytes in all) the CPU per call, per pass and per byte; ZeRO-2's
     the CPU per byte ZeRO sends; dp ``world / 2`` x pp2 at 2 and 4 micro-batches (twice the
-    actions, the same step) a pipelined rank's CPU per step and per action.
+    actions, the same step) and dp ``world / 4`` x pp4 at 8 (a quarter of the layers per stage)
+    a pipelined rank's CPU per step and per action, a least-squares fit of three.
     With fewer anchors of a kind, the earlier parts (all of it per call, with one). Without
     anchors: scale 1, nothing extra;
     a common scale outside :data:`COMMON_RANGE` is taken as noise and left at 1."""

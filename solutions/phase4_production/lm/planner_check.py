@@ -54,9 +54,11 @@ TIME_BAND = (0.8, 1.25)  # issue 40: every measured / predicted step time inside
 
 @dataclass
 class CheckConfig(BenchConfig):
-    """The benchmark's flags, plus how many layouts to measure per world."""
+    """The benchmark's flags (9 rounds by default), plus how many layouts to measure per world."""
 
     layouts: int = field(default=8, metadata={"ge": 3, "le": 40, "fix": "e.g. 8"})
+    # the top layouts lie within a few percent of each other: a median of 9 rounds, not 5
+    rounds: int = field(default=9, metadata={"ge": 1, "le": 1000, "fix": "e.g. 9"})
     worlds: str = field(default="4,8", metadata={"help": "world sizes, comma separated"})
 
 
@@ -183,8 +185,9 @@ def shared_rates(rates: Rates) -> dict[str, str]:
 
 def anchor_repeat(check_: WorldCheck, batch: int) -> str:
     """For a checked layout that is also an anchor (the same layout at the same batch, measured
-    once in the rates' world and once here): its CPU here over its CPU there, the noise a
-    prediction can at best match. "-" when none is."""
+    once among the anchors and once among the checked layouts, in the same world about a minute
+    apart): its CPU here over its CPU there, the noise a prediction can at best match. "-" when
+    none is."""
     anchors = {(a.settings.label(), a.sequences): a for a in check_.rates.anchors}
     for p, cpu in zip(check_.chosen, check_.cpu, strict=True):
         anchor = anchors.get((p.settings.label(), batch))
