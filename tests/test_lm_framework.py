@@ -374,6 +374,34 @@ def test_spearman_and_the_spread_of_checked_layouts() -> None:
     assert torch.tensor([p.seconds for p in chosen[:3]]).diff().ge(0).all()
 
 
+def test_the_check_always_times_an_anchor_layout_and_a_moved_machine_is_inconclusive() -> None:
+    """The planner check adds data parallelism's anchor layout when the spread missed it (in the
+    planner's order), reads how far the machine moved from that layout's CPU among the anchors
+    and among the checked layouts, and calls a missed band inconclusive only past DRIFT."""
+    from solutions.phase4_production.lm import planner_check as check_
+    from solutions.phase4_production.lm.anchors import Anchor
+
+
+    config = LMConfig()
+    dp4 = ParallelSettings(dp=4, lr=1e-3)
+    rates = dataclasses.replace(fake_rates(), anchors=(Anchor("dp", dp4, config, 16, 0.1, 1.1),))
+    ranked = lm_planner.plan(config, rates, lm_planner.Machine(4, 4, 2**40), 16)
+    others = [p for p in ranked if p.fits and p.settings.label() != "dp4"][:4]
+    chosen = check_.with_an_anchor(others, ranked, rates, 16)
+    assert [p.settings.label() for p in chosen].count("dp4") == 1 and len(chosen) == 5
+    assert [p.seconds for p in chosen] == sorted(p.seconds for p in chosen)
+    assert check_.with_an_anchor(chosen, ranked, rates, 16) == chosen  # already there: unchanged
+    cpu = [0.11 if p.settings.label() == "dp4" else 1.0 for p in chosen]
+    check = check_.WorldCheck(4, chosen, [{}] * 5, [0] * 5, cpu, rates)
+    assert check_.anchor_repeat(check, 16) == ("dp4", pytest.approx(1.1))
+    assert check_.anchor_repeat(check, 8) == ("-", None)  # the anchor ran at another batch
+    verdict, drift = check_.band_verdict, check_.DRIFT
+    assert verdict(0.85, 1.2, 1.5) == "met"  # a band held is met, however the machine moved
+    assert verdict(0.7, 1.2, 1 + drift / 2) == "not met"
+    assert verdict(0.7, 1.2, 1 + 2 * drift) == "inconclusive (drift)"
+    assert verdict(0.7, 1.2, None) == "inconclusive (drift)"
+
+
 BF16_LOSS_RTOL = 1e-2  # bf16 keeps 8 bits of mantissa: 2^-8 = 0.4% per rounding
 
 
