@@ -395,6 +395,21 @@ def test_the_check_always_times_an_anchor_layout_and_a_moved_machine_is_inconclu
     check = check_.WorldCheck(4, chosen, [{}] * 5, [0] * 5, cpu, rates)
     assert check_.anchor_repeat(check, 16) == ("dp4", pytest.approx(1.1))
     assert check_.anchor_repeat(check, 8) == ("-", None)  # the anchor ran at another batch
+    # the first choice judged round by round against the fastest layout measured
+    first = chosen[0].seconds
+
+    def rows(first_rounds: list[float]) -> list[dict[str, Any]]:
+        out = [{"seconds": first, "times": [first] * 9, "held": (1, 1, 1)} for _ in chosen]
+        out[0] = {"seconds": sorted(first_rounds)[4], "times": first_rounds, "held": (1, 1, 1)}
+        return out
+
+    config_ = check_.CheckConfig()
+    for rounds, says in (([first] * 9, "within 5%: met"),
+                         ([first * 1.1] * 9, "within 5%: not met"),
+                         ([first * r for r in (0.9, 1.2) * 4 + (1.1,)],
+                          "within 5%: inconclusive (spread)")):  # fmt: skip
+        world = dataclasses.replace(check, rows=rows(rounds))
+        assert says in check_.report((rates, [world]), config_), (rounds, says)
     verdict, drift = check_.band_verdict, check_.DRIFT
     assert verdict(0.85, 1.2, 1.5) == "met"  # a band held is met, however the machine moved
     assert verdict(0.7, 1.2, 1 + drift / 2) == "not met"
