@@ -283,6 +283,16 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
         # steps (1.0-1.4); dp, the three cp steps and the three pipeline steps (1.0, 1.5-2.0)
         idle = 1.2 if settings.pp == 1 else 1.7
         assert predicted.seconds == pytest.approx(work / 2 * idle), options
+    # a layout an anchor ran (every setting but the learning rate, at the same batch) is
+    # predicted by that anchor's own measurement; one setting more and the model prices it
+    for anchor in anchors:
+        same = dataclasses.replace(anchor.settings, lr=0.5)
+        timed = lm_planner.predict(config, same, calibrated, machine, 16)
+        assert timed.seconds == pytest.approx(anchor.cpu / 2 * anchor.idle), anchor.kind
+        assert "measured by the anchor step" in " ".join(timed.notes), anchor.kind
+    clipped = dataclasses.replace(anchors[0].settings, max_norm=1.0)
+    assert lm_planner.anchor_of(calibrated, config, clipped, 16) is None
+    assert lm_planner.anchor_of(calibrated, config, anchors[0].settings, 8) is None
     # an anchor that says nothing (its CPU below what it must cost) leaves the model as it was
     silent = dataclasses.replace(rates, anchors=(dataclasses.replace(anchors[0], cpu=-1.0),))
     assert lm_planner.calibration(silent) == lm_planner.Calibration(1.0, {})

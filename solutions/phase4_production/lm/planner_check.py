@@ -5,7 +5,8 @@ under torchrun: it measures the rates (``lm.framework.rates_in_world``), and the
 (``lm/planner.py``) ranks every legal layout of the language model from them; the same world
 then runs a spread of those layouts (the planner's first choices, and layouts from the whole
 length of its ranking), their steps interleaved round after round (``lm.benchmark``). It prints
-for each the predicted and measured step time, the measured step over every rank's measured CPU
+for each the predicted and measured step time (a layout marked "(anchor)" is one an anchor step
+ran, predicted by that step's measurement), the measured step over every rank's measured CPU
 time divided by the cores (how much a shared machine leaves idle: the planner's model for ranks
 that share cores takes it from the anchor steps that ran the layout's kinds, ``lm.anchors``), and
 bytes held per rank (model states, and the activations autograd saved during a step), then three
@@ -49,6 +50,7 @@ from solutions.phase4_production.lm.planner import (
     Machine,
     Prediction,
     anchor_idle,
+    anchor_of,
     calibration,
     plan,
 )
@@ -245,6 +247,7 @@ def _mib(nbytes: float) -> str:
 
 def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
     rates, checks = result
+    model = config.model(False)
     text = []
     for check_ in checks:
         table = Table(["planner's rank", "layout", "predicted ms", "measured ms", "measured / "
@@ -261,7 +264,9 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
             measured.append(seconds)
             states = sum(row["held"])
             wasted.append(seconds / (cpu / cores))
-            table.add(rank, p.settings.label(), f"{p.seconds * 1e3:.1f}", f"{seconds * 1e3:.1f}",
+            timed = anchor_of(check_.rates, model, p.settings, config.batch) is not None
+            name = p.settings.label() + (" (anchor)" if timed else "")
+            table.add(rank, name, f"{p.seconds * 1e3:.1f}", f"{seconds * 1e3:.1f}",
                       f"{seconds / p.seconds:.2f}x", f"{wasted[-1]:.2f}x",
                       f"{_mib(p.held.states)} / {_mib(states)}",
                       f"{_mib(p.held.activations)} / {_mib(act)}")  # fmt: skip
