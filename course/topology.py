@@ -14,7 +14,8 @@ whose slices are the groups) and torchtitan's ``ParallelDims`` (validated degree
   which ranks form each group, which node holds a rank. No processes, so it is unit-tested alone
   and printed for learners.
 * :class:`Topology` is the grid plus this rank's process groups, each created once with
-  ``dist.new_group`` in the same order on every rank.
+  ``dist.new_group`` in the same order on every rank; the layouts a program builds in one world
+  can share them through a :class:`GroupPool` (an idle gloo group is not free).
 
 Rank order: (pp, dp, cp, tp), tp varying fastest, so
 ``rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i``. This is Megatron-LM's default order
