@@ -302,7 +302,17 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         entry_id = ledger.post(name, tensor, peer, tag, waiting=blocking)
         return _call_recorded(ledger, entry_id, blocking, original, args, kwargs)
 
-    return recorded
+    return _never_traced(recorded)
+
+
+def _never_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` runs as plain Python even when a compiled model calls it.
+
+    Without this, TorchDynamo traces into the ledger's bookkeeping when a compiled chunk calls a
+    collective (seen in the randomized layouts: frames of ``_call_recorded`` recompiled until
+    ``recompile_limit``), replaying its dict and counter updates as the side effects of a graph;
+    the ledger must count what the rank did, exactly, so the call breaks the graph instead."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def _call_recorded(
@@ -386,7 +396,7 @@ def _wrap_collective(
         entry_id = ledger.enter(name, key, members, waiting=blocking)
         return _call_recorded(ledger, entry_id, blocking, original, args, kwargs)
 
-    return recorded
+    return _never_traced(recorded)
 
 
 def _wrap_work_wait(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -403,7 +413,7 @@ def _wrap_work_wait(original: Callable[..., Any]) -> Callable[..., Any]:
         ledger.finish_work(self)
         return result
 
-    return wait
+    return _never_traced(wait)
 
 
 def install(path: str, rank: int, is_project_frame: Callable[[str], bool]) -> None:

@@ -9,12 +9,17 @@ world inside one Python program. These properties matter more than anything else
   so worlds never race for a port.
 * **Failures name their rank.** A rank that raises fails the whole world with that rank's exception
   type, message and the project frames it came from; the other ranks are stopped.
-* **Hangs end, fast.** One deadline for every world, :func:`world_timeout` (20 s, or
-  ``DTFS_WORLD_TIMEOUT``); the process group's own timeout is a little longer, so the harness, not
-  gloo, reports the hang. When ranks are still running at the deadline (say one rank skipped a
-  collective), each is asked for its Python stack (``faulthandler`` on SIGUSR1), and the error
-  names the hung ranks, the line each was stuck on, and the point-to-point messages that were
-  posted and never matched (see :mod:`course.p2p_ledger`). A deadlock does not wait for the
+* **Hangs end, fast; slow is not hung.** One deadline for every world, :func:`world_timeout`
+  (20 s, or ``DTFS_WORLD_TIMEOUT``). At the deadline a world whose unfinished ranks have all stood
+  still for :data:`STALL_WINDOW` seconds (no thread gained CPU time, no ledger event: see
+  :mod:`course.rank_activity`) is hung: each rank is asked for its Python stack (``faulthandler``
+  on SIGUSR1), and the error names the hung ranks, the line each was stuck on, and the
+  point-to-point messages that were posted and never matched (see :mod:`course.p2p_ledger`). A
+  world whose ranks are still computing (tracing a compiled model on a busy machine, say) keeps
+  running until they stand still that long, or until the ceiling (``ceiling``, 10x the deadline),
+  where it is reported as :class:`WorldStillComputing` with each rank's CPU seconds and stack,
+  never as a deadlock. The process group's own timeout is a little longer than the ceiling, so
+  the harness, not gloo, reports a hang. A deadlock does not wait for the
   deadline: when every unfinished rank has waited ``DEADLOCK_SETTLE`` seconds for a message that
   no rank posted, or in a collective that a member of its group never entered (the ranks'
   ledgers, read every ``_POLL`` seconds while nothing happens), none of them can ever move, and
@@ -38,6 +43,7 @@ import contextlib
 import ctypes
 import faulthandler
 import linecache
+import math
 import multiprocessing
 import os
 import pickle
@@ -58,7 +64,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from course import p2p_ledger
+from course import p2p_ledger, rank_activity
 from course.distributed import DEVICE_INDEX_ENV, choose_backend, device_for
 
 DEFAULT_WORLD_TIMEOUT = 20.0
@@ -67,7 +73,12 @@ WORLD_TIMEOUT_ENV = "DTFS_WORLD_TIMEOUT"
 # started it, the world size): the GPU batch of .ci/gpu-batch lists the tests that took a CUDA path.
 NCCL_LOG_ENV = "DTFS_NCCL_WORLD_LOG"
 PRELOAD_ENV = "DTFS_WORLD_PRELOAD"  # modules the fork server imports (preload_in_worlds)
-PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's deadline by this much
+PG_TIMEOUT_MARGIN = 10.0  # the process group outlives the world's ceiling by this much
+CEILING_FACTOR = 10.0  # a world still computing is stopped at this many times its deadline
+# At or past the deadline, a world is hung when none of its unfinished ranks moved (CPU, ledger,
+# a message) for this long. Long enough for a few CPU samples on a machine with other work.
+STALL_WINDOW = 5.0
+_SAMPLE_EVERY = 1.0  # seconds between CPU samples of the ranks (a clock tick is 10 ms)
 # A deadlock the ledgers show (every unfinished rank waits for a message no rank posted) is
 # reported once it has held this long, without waiting for the deadline.
 DEADLOCK_SETTLE = 2.0
@@ -151,8 +162,12 @@ class WorldHung(WorldError):
         posted: Mapping[int, p2p_ledger.Posted] | None = None,
         deadlocked_after: float | None = None,
         unjoined: Sequence[tuple[p2p_ledger.PendingCollective, list[int]]] = (),
+        elapsed: float | None = None,
+        stalled_for: float | None = None,
     ) -> None:
         self.timeout = timeout
+        self.elapsed = timeout if elapsed is None else elapsed  # seconds into the world
+        self.stalled_for = stalled_for  # how long no rank moved (None: not measured)
         self.deadlocked_after = deadlocked_after  # seconds into the world; None: the deadline
         self.unjoined = list(unjoined)  # collectives waited in that a member never entered
         self.hung = hung
@@ -184,7 +199,11 @@ class WorldHung(WorldError):
                 "collective."
             )
         if deadlocked_after is None:
-            first = f"rank(s) {ranks} still running after {timeout:g} s (finished: {done})."
+            first = f"rank(s) {ranks} still running after {self.elapsed:.0f} s (finished: {done})"
+            first += (
+                "." if stalled_for is None
+                else f", none of them using the CPU or communicating for {stalled_for:.0f} s."
+            )
         else:
             first = (
                 f"rank(s) {ranks} deadlocked (finished: {done}): each waits for a message or "
@@ -225,6 +244,48 @@ class WorldHung(WorldError):
                     f"    ... {len(described)} in all ({len(shown)} different); the first "
                     f"{min(len(shown), MAX_UNMATCHED_SHOWN)} different ones are listed"
                 )
+        super().__init__("\n".join(lines))
+
+
+class WorldStillComputing(WorldError):
+    """Ranks were still computing at the world's ceiling: slow or looping, not deadlocked.
+
+    Carries each unfinished rank's CPU seconds, the busiest thread's share of a core when last
+    sampled, and its stack, so that a loop that never ends is found at its line.
+    """
+
+    def __init__(
+        self,
+        elapsed: float,
+        timeout: float,
+        stacks: Mapping[int, list[Frame]],
+        cpu: Mapping[int, float],
+        share: Mapping[int, float],
+        moving: Sequence[int],
+        finished: Sequence[int],
+    ) -> None:
+        self.elapsed, self.timeout = elapsed, timeout
+        self.hung = dict(stacks)
+        self.cpu, self.share = dict(cpu), dict(share)
+        self.moving, self.finished = list(moving), list(finished)
+        ranks = ", ".join(str(rank) for rank in sorted(stacks))
+        done = ", ".join(str(rank) for rank in self.finished) or "none"
+        busy = ", ".join(str(rank) for rank in self.moving) or "none"
+        lines = [
+            f"rank(s) {ranks} still computing after {elapsed:.0f} s, this world's ceiling "
+            f"({elapsed / timeout:.0f}x its {timeout:g} s deadline; finished: {done}; using the "
+            f"CPU when stopped: {busy}). Not a deadlock: a rank kept using the CPU all along. "
+            "Either a loop that never ends (look at the lines below), or work far too large "
+            f"for this machine (smaller sizes, or a longer deadline: {WORLD_TIMEOUT_ENV}=60)."
+        ]
+        for rank in sorted(stacks):
+            frames = stacks[rank]
+            used = f"{self.cpu.get(rank, 0.0):.1f} CPU s, {self.share.get(rank, 0.0):.0%} of a core"
+            if frames:
+                lines.append(f"  rank {rank} ({used}) at {frames[-1]}")
+                lines += [f"      called from {frame}" for frame in reversed(frames[-3:-1])]
+            else:
+                lines.append(f"  rank {rank} ({used}): no Python stack could be read")
         super().__init__("\n".join(lines))
 
 
@@ -529,6 +590,7 @@ def run_world(
     backend: str | None = None,
     env: Mapping[str, str] | None = None,
     nodes: int = 1,
+    ceiling: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` processes in one process group.
 
@@ -540,7 +602,10 @@ def run_world(
 
     ``timeout`` defaults to :func:`world_timeout`. Returns the ranks' return values in rank order.
     Raises :class:`RankFailed` when a rank raises, :class:`WorldHung` when ranks are still running
-    after ``timeout`` seconds, and :class:`RankDied` when a rank's process ends without reporting.
+    after ``timeout`` seconds and none of them moved for :data:`STALL_WINDOW` seconds (or at once,
+    when their ledgers prove a deadlock), :class:`WorldStillComputing` when ranks still compute at
+    ``ceiling`` seconds (default ``CEILING_FACTOR`` x ``timeout``; pass ``ceiling=timeout`` for a
+    hard deadline), and :class:`RankDied` when a rank's process ends without reporting.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: a world needs at least one process")
@@ -551,6 +616,7 @@ def run_world(
             "--nproc_per_node on every node)"
         )
     timeout = world_timeout() if timeout is None else timeout
+    ceiling = CEILING_FACTOR * timeout if ceiling is None else max(ceiling, timeout)
     backend = backend or choose_backend(world_size)
     if backend == "nccl" and (log := os.environ.get(NCCL_LOG_ENV)):
         test = os.environ.get("PYTEST_CURRENT_TEST", "(no test)").split(" ")[0]
@@ -574,7 +640,7 @@ def run_world(
                     nodes,
                     store.port,
                     backend,
-                    timeout + PG_TIMEOUT_MARGIN,
+                    ceiling + PG_TIMEOUT_MARGIN,
                     child_end,
                     str(stack_file),
                     dict(env or {}),
@@ -587,7 +653,7 @@ def run_world(
             process.start()
             child_end.close()
             members.append(_Rank(rank, process, parent_end, stack_file))
-        _collect(members, timeout)
+        _collect(members, timeout, ceiling)
         graceful = True
         return [member.result for member in members]
     finally:
@@ -608,23 +674,43 @@ def set_progress_sink(sink: ProgressSink | None) -> None:
     _progress_sink = sink
 
 
-def _collect(members: list[_Rank], timeout: float) -> None:
+def _collect(members: list[_Rank], timeout: float, ceiling: float) -> None:
     started = time.monotonic()
-    deadline = started + timeout
+    deadline, stop_at = started + timeout, started + ceiling
     by_conn = {id(member.conn): member for member in members}
     by_sentinel = {member.process.sentinel: member for member in members}
     suspected: Any = None  # the deadlock the ledgers last showed, and since when
     suspected_since = started
+    activity = rank_activity.RankActivity({m.rank: m.process.pid for m in members})
+    ledger_stamps: dict[int, int] = {}
+    sampled = -_SAMPLE_EVERY
     while True:
         pending = [member for member in members if not member.done]
         if not pending:
             return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            _raise_hung(members, pending, timeout)
+        now = time.monotonic()
+        if now >= deadline - STALL_WINDOW - _SAMPLE_EVERY and now - sampled >= _SAMPLE_EVERY:
+            sampled = now  # CPU samples start shortly before the deadline: until then, free
+            activity.sample([m.rank for m in pending], now)
+            _note_ledger_news(pending, ledger_stamps, activity, now)
+        if now >= deadline:
+            # a rank that finished or reported is news too: its peers may be about to finish
+            last = max((activity.last_moved(m.rank) or -math.inf) for m in members)
+            if last <= now - STALL_WINDOW:
+                before = _ledger_stamps(members)
+                stacks = _read_stacks(pending)
+                if _ledger_stamps(members) != before:  # it moved while its stacks were read:
+                    activity.moved(pending[0].rank, time.monotonic())  # not stuck after all
+                    continue
+                stalled = now - max(last, started) if rank_activity.available() else None
+                _raise_hung(members, pending, timeout, elapsed=now - started,
+                            stalled_for=stalled, stacks=stacks)  # fmt: skip
+            if now >= stop_at:
+                _raise_still_computing(members, pending, timeout, activity, now - started)
+        next_event = deadline if now < deadline else stop_at
         waitables: list[Any] = [member.conn for member in pending]
         waitables += [member.process.sentinel for member in pending]
-        ready_now = wait(waitables, timeout=min(remaining, _POLL))
+        ready_now = wait(waitables, timeout=max(0.0, min(next_event - now, _POLL)))
         if not ready_now:
             state = _deadlock_seen(members, pending)
             if state is None or state != suspected:
@@ -645,6 +731,7 @@ def _collect(members: list[_Rank], timeout: float) -> None:
                 member.process.join(1.0)
                 raise RankDied(member.rank, member.process.exitcode) from None
             if status == "progress":
+                activity.moved(member.rank, time.monotonic())
                 if _progress_sink is not None:
                     _progress_sink(len(members), *payload)
                 continue
@@ -654,6 +741,27 @@ def _collect(members: list[_Rank], timeout: float) -> None:
                     _raise_if_a_peer_died(members, member)
                 raise RankFailed(member.rank, exc_type, message, frames)
             member.result, member.done = payload, True
+            activity.moved(member.rank, time.monotonic())
+
+
+def _ledger_stamps(members: list[_Rank]) -> dict[int, int]:
+    """When each rank's ledger file was last rewritten (ns): the ledger thread rewrites it only
+    when its rank posted, entered or finished a message or collective."""
+    stamps = {}
+    for member in members:
+        with contextlib.suppress(OSError):
+            stamps[member.rank] = os.stat(f"{member.stack_file}.p2p.json").st_mtime_ns
+    return stamps
+
+
+def _note_ledger_news(
+    pending: list[_Rank], stamps: dict[int, int], activity: rank_activity.RankActivity, now: float
+) -> None:
+    """A ledger file rewritten since the last look: its rank communicated, so it moved."""
+    for rank, stamp in _ledger_stamps(pending).items():
+        if rank in stamps and stamps[rank] != stamp:
+            activity.moved(rank, now)
+        stamps[rank] = stamp
 
 
 def _deadlock_seen(members: list[_Rank], pending: list[_Rank]) -> Any:
@@ -677,13 +785,37 @@ def _raise_hung(
     pending: list[_Rank],
     timeout: float,
     deadlocked_after: float | None = None,
+    elapsed: float | None = None,
+    stalled_for: float | None = None,
+    stacks: dict[int, list[Frame]] | None = None,
 ) -> NoReturn:
+    """Raise :class:`WorldHung` with the ranks' stacks (read now unless given) and their ledgers,
+    read after the stacks: a world that stands still shows the same messages in both."""
     finished = [member.rank for member in members if member.done]
-    stacks = _read_stacks(pending)
+    stacks = _read_stacks(pending) if stacks is None else stacks
     ledgers, posted = _read_ledgers(members), _read_posted(members)
     collectives, entered = _read_collectives(members)
     stuck = p2p_ledger.unjoined(collectives, entered)
-    raise WorldHung(timeout, stacks, finished, ledgers, posted, deadlocked_after, stuck)
+    raise WorldHung(
+        timeout, stacks, finished, ledgers, posted, deadlocked_after, stuck,
+        elapsed=elapsed, stalled_for=stalled_for,
+    )  # fmt: skip
+
+
+def _raise_still_computing(
+    members: list[_Rank],
+    pending: list[_Rank],
+    timeout: float,
+    activity: rank_activity.RankActivity,
+    elapsed: float,
+) -> NoReturn:
+    ranks = [member.rank for member in pending]
+    cpu = {rank: activity.cpu_seconds(rank) for rank in ranks}
+    share = {rank: activity.share(rank) for rank in ranks}
+    moving = [rank for rank in ranks if share[rank] >= rank_activity.MOVING_SHARE]
+    finished = [member.rank for member in members if member.done]
+    stacks = _read_stacks(pending)
+    raise WorldStillComputing(elapsed, timeout, stacks, cpu, share, moving, finished)
 
 
 _PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe")

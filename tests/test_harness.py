@@ -17,6 +17,7 @@ from course.world import (
     RankDied,
     RankFailed,
     WorldHung,
+    WorldStillComputing,
     run_world,
     world_timeout,
 )
@@ -636,3 +637,139 @@ def test_one_exercise_runs_without_workers(monkeypatch: pytest.MonkeyPatch) -> N
     assert pytest_xdist_auto_num_workers(config) == 0
     config.getoption = lambda name, default=None: "not first_failure"
     assert pytest_xdist_auto_num_workers(config) == 2
+
+
+# ----------------------------------------------------------------------------- slow is not hung
+
+
+def _spin(seconds: float) -> int:
+    """Use the CPU for ``seconds`` of wall time (a computation, or a compile, on a busy machine)."""
+    end, count = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        count += 1
+    return count
+
+
+def compute_past_the_deadline_then_reduce(seconds: float) -> float:
+    """Rank 1 computes well past the world's deadline while rank 0 waits in an all-reduce that
+    rank 1 joins at the end: slow, not hung."""
+    if dist.get_rank() == 1:
+        _spin(seconds)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def every_rank_sleeps_forever() -> None:
+    """A hang the ledgers cannot see: no message, no collective, no CPU."""
+    time.sleep(3600)
+
+
+def a_loop_that_never_ends() -> None:
+    """Rank 0 computes forever; rank 1 waits for it in an all-reduce."""
+    if dist.get_rank() == 0:
+        while True:
+            _spin(1.0)  # the line the report must point at
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.fixture
+def cpu_hogs() -> Any:
+    """One busy process per core beside the world, as a laptop doing other work."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    yield hogs
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
+def test_a_rank_that_computes_past_the_deadline_beside_cpu_hogs_is_not_called_hung(
+    cpu_hogs: Any,
+) -> None:
+    """Deadline 2 s, rank 1 computes for 7 s with a busy process on every core: the world
+    finishes, as a slow world must (before: 'still running after 2 s ... skipped or reordered
+    a collective')."""
+    assert run_world(compute_past_the_deadline_then_reduce, 2, (7.0,), timeout=2) == [2.0, 2.0]
+
+
+def test_a_hang_without_cpu_or_messages_is_reported_at_the_deadline() -> None:
+    run_world(rank_and_sum, 2)  # the fork server first: its start is not the hang's cost
+    start = time.monotonic()
+    with pytest.raises(WorldHung) as info:
+        run_world(every_rank_sleeps_forever, 2, timeout=4)
+    elapsed, text = time.monotonic() - start, str(info.value)
+    assert elapsed < 4 + 3, f"a hang took {elapsed:.1f} s to report (deadline 4 s):\n{text}"
+    assert info.value.deadlocked_after is None, text
+    assert "rank(s) 0, 1 still running after " in text, text
+    assert "none of them using the CPU or communicating for" in text, text
+    assert "in every_rank_sleeps_forever: time.sleep(3600)" in text, text
+
+
+def test_a_loop_that_never_ends_is_reported_as_computing_at_the_ceiling() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldStillComputing) as info:
+        run_world(a_loop_that_never_ends, 2, timeout=2, ceiling=8)
+    elapsed, err, text = time.monotonic() - start, info.value, str(info.value)
+    assert 8 <= elapsed < 8 + 6, f"the ceiling is 8 s; reported after {elapsed:.1f} s:\n{text}"
+    assert not isinstance(err, WorldHung) and "deadlock" not in text.lower().replace(
+        "not a deadlock", ""
+    ), text
+    assert "still computing after 8 s" in text and "using the CPU when stopped: 0" in text, text
+    assert err.moving == [0] and err.cpu[0] > 2.0, f"rank 0's CPU: {err.cpu}\n{text}"
+    assert "in a_loop_that_never_ends: _spin(1.0)" in text or "in _spin" in text, text
+    assert "rank 1 (" in text, text
+
+
+def ring_passes_for(seconds: float) -> int:
+    """Small messages around the ring, each after a short pause, for ``seconds``: little CPU,
+    but the ranks move all the time (their ledgers change with every message)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    end, passes = time.monotonic() + seconds, 0
+    out, incoming = torch.ones(4), torch.empty(4)
+    while True:
+        done = torch.tensor([float(time.monotonic() > end)])
+        dist.all_reduce(done)  # every rank stops after the same pass
+        if done.item() > 0:
+            return passes
+        ops = [dist.P2POp(dist.isend, out, (rank + 1) % world),
+               dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]  # fmt: skip
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        passes += 1
+        time.sleep(0.05)
+
+
+def test_a_world_that_keeps_communicating_past_its_deadline_is_not_hung() -> None:
+    """Before: reported 'still running after 2 s' with the messages in flight at that moment
+    listed as 'never matched' (its stacks and its ledgers read at different moments of a world
+    that was moving)."""
+    passes = run_world(ring_passes_for, 3, (6.0,), timeout=2)
+    assert passes[0] > 10 and len(set(passes)) == 1, passes
+
+
+def compiled_all_reduces(calls: int) -> tuple[int, int, int]:
+    """A compiled function that all-reduces (traced by TorchDynamo, eager backend), called with
+    shapes that make it recompile: the ledger must count every collective, and keep none."""
+    from course import p2p_ledger
+
+    def double_and_sum(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    compiled = torch.compile(double_and_sum, backend="eager")
+    for i in range(calls):
+        compiled(torch.ones(i % 4 + 1))
+    ledger = p2p_ledger._ledger
+    assert ledger is not None
+    with ledger.lock:
+        entered = sum(ledger.entered.values())
+        return entered, len(ledger.collectives), len(ledger.entries)
+
+
+def test_the_ledger_counts_collectives_called_from_compiled_code_exactly() -> None:
+    results = run_world(compiled_all_reduces, 2, (6,))
+    assert results == [(6, 0, 0)] * 2, f"(entered, collectives left, messages left): {results}"

@@ -69,7 +69,7 @@ from course.language_model import (
 )
 from course.memory import SavedTensorMeter
 from course.topology import GroupPool, RankGrid, Topology
-from course.world import WorldHung, run_world
+from course.world import WorldHung, WorldStillComputing, run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, fit_alpha_beta, ring_cost
 from solutions.phase4_production.lm.anchors import Anchor, measure_anchors
@@ -592,9 +592,9 @@ def measure_links(
     deadline = rates_timeout() if deadline is None else deadline
     try:
         times = run_world(link_times, world, (repeats, per_node, None, model, batch), {},
-                          timeout=deadline)[0]  # fmt: skip
-    except WorldHung as hung:
-        if hung.deadlocked_after is not None:
+                          timeout=deadline, ceiling=deadline)[0]  # fmt: skip
+    except (WorldHung, WorldStillComputing) as hung:
+        if isinstance(hung, WorldHung) and hung.deadlocked_after is not None:
             raise
         raise MachineTooBusy(f"the links of {world} ranks", deadline) from None
     return fit_links(times, world, per_node)
