@@ -245,14 +245,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="overwrite the templates with completed ones (CI, in a throwaway copy only)",
     )
+    parser.add_argument(
+        "--phase",
+        metavar="FOLDER",
+        help="only the templates of this phase folder (e.g. phase2_advanced); default: all",
+    )
     args = parser.parse_args(argv)
+    solutions = [s for s in solution_files() if args.phase in (None, s.parent.name)]
+    if args.phase is not None and not solutions:
+        parser.error(f"--phase {args.phase}: no solution with TODOs in solutions/{args.phase}/")
     if args.complete:
-        for solution in solution_files():
+        for solution in solutions:
             template_path(solution).write_text(make_completed_template(solution))
-        print(f"completed {len(solution_files())} templates")
+        print(f"completed {len(solutions)} templates")
         return 0
     drifted = 0
-    for solution in solution_files():
+    for solution in solutions:
         target = template_path(solution)
         text = make_template(solution)
         current = target.read_text() if target.exists() else None
