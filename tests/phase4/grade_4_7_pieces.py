@@ -66,6 +66,8 @@ from lm_pieces_helpers import (
     SEQ,
     SP_SHAPE,
     SP_TP,
+    TIE_DEGREES,
+    TIE_WORLD,
     WORLD,
     K,
     balance_reference,
@@ -81,6 +83,8 @@ from lm_pieces_helpers import (
     sp_grid,
     sp_input,
     sp_weight,
+    tie_expected,
+    tie_order_worker,
 )
 from phase4_helpers import fail
 
@@ -585,6 +589,61 @@ def test_finish_gradients_hands_the_data_parallel_sums_to_the_given_all_reduce(c
                     if missing
                     else "Each data-parallel sum goes through it once."
                 ),
+            )
+
+
+_TIE_RUN: list[dict[str, Any]] | None = None
+
+
+def tie_order_run() -> list[dict[str, Any]]:
+    """The dp4 x pp2 world of the tie's order (started once, on first use)."""
+    global _TIE_RUN
+    if _TIE_RUN is None:
+        from grading import world
+
+        needs_earlier_exercises()
+        _TIE_RUN = world(tie_order_worker, TIE_WORLD)
+    return _TIE_RUN
+
+
+@exercise("4.7")
+def test_finish_gradients_sums_a_tie_so_both_copies_keep_the_same_bits() -> None:
+    """dp4 x pp2 with a tied embedding: the two copies (embedding on stage 0, head on stage 1)
+    must end with one value and the same bits, since AdamW then updates them apart; at dp = 2,
+    where every other tied case runs, any order of the reductions gives the same bits."""
+    blocked_by(["finish_gradients"])
+    results = tie_order_run()
+    stop_if_stopped("finish_gradients", results)
+    grid = RankGrid.for_world(TIE_WORLD, TIE_DEGREES["dp"], 1, TIE_DEGREES["pp"])
+    expected = tie_expected(grid)
+    case = "4.7 finish_gradients, dp4 x pp2 with a tied embedding (embedding group: " + " ".join(
+        str(g) for g in grid.groups("embedding")
+    ) + ")"
+    for rank, got in enumerate(results):
+        if not torch.allclose(got["grad"], expected, rtol=1e-12, atol=1e-12):
+            error = (got["grad"] - expected).abs().max().item()
+            fail_piece(
+                "finish_gradients",
+                f"{case}: rank {rank}'s {got['name']} is off by up to {error:.3g} from the mean "
+                "of both ends' gradients over the 4 data-parallel ranks, summed (the cases at "
+                "dp2 passed: which sum changes with the number of data-parallel ranks?)"
+                f"{at('finish_gradients')}",
+            )
+    for first in range(TIE_WORLD):
+        partner = next(r for r in grid.group_of("embedding", first) if r != first)
+        a, b = results[first]["grad"], results[partner]["grad"]
+        if first < partner and not torch.equal(a, b):
+            differ = int((a != b).sum())
+            fail_piece(
+                "finish_gradients",
+                f"{case}: rank {first}'s embedding.weight and rank {partner}'s head.weight, "
+                f"the two copies of one tied weight, hold the right value but not the same bits "
+                f"({differ} of {a.numel()} elements differ, by up to "
+                f"{(a - b).abs().max().item():.2g}): each stage rounded its sums in its own "
+                "order, and AdamW will move the copies apart, step after step (ReplicasDiffer "
+                "after a few steps). At dp2 a two-term sum gave the same bits in either order. "
+                "Which reduction makes the two copies equal, and does any rounding happen on "
+                f"them after it?{at('finish_gradients')}",
             )
 
 

@@ -419,6 +419,59 @@ PARTS: tuple[tuple[str, Callable[[], Any]], ...] = (
 )
 
 
+# The tie's order, graded on dp4 x pp2 (a world of its own, 8 ranks): at dp x cp = 2 the
+# data-parallel sum has two terms, a + b = b + a, and any order of the reductions leaves both
+# copies of a tied embedding with the same bits; with four terms the order of additions depends
+# on where the element sits in the flat buffer, and the two stages hold it at different places
+# (the embedding first on stage 0, the head last on stage 1). Values of mixed magnitudes make
+# nearly every order round differently.
+TIE_WORLD = 8
+TIE_DEGREES = {"dp": 4, "pp": 2}
+TIE_SHAPE = (16, 8)
+TIE_OTHERS = {0: ("blocks.0.mlp_norm.weight", (20,)), 1: ("blocks.1.mlp_norm.weight", (36,))}
+
+
+def tie_value(rank: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A gradient of mixed magnitudes (1e-3 to 1e3), so that sums in another order round
+    differently: the synthetic integers of ``gradient_value`` add up exactly in any order."""
+    g = torch.Generator().manual_seed(sum(ord(c) for c in name) * 131 + rank)
+    scale = torch.pow(10.0, torch.randint(-3, 4, shape, generator=g).to(torch.float64))
+    return torch.randn(shape, generator=g, dtype=torch.float64) * scale
+
+
+def tie_held(rank: int, stage: int) -> list[HeldGradient]:
+    """Stage 0 holds the tied embedding first, stage 1 the tied head last."""
+    other, shape = TIE_OTHERS[stage]
+    norm = HeldGradient(other, tie_value(rank, other, shape), tp_replicated=True)
+    end = "embedding.weight" if stage == 0 else "head.weight"
+    tied = HeldGradient(end, tie_value(rank, end, TIE_SHAPE), tp_replicated=True, tied=True)
+    return [tied, norm] if stage == 0 else [norm, tied]
+
+
+def tie_order_worker() -> dict[str, Any]:
+    """On this rank of dp4 x pp2: the tied copy's gradient after finish_gradients, with its
+    stage and its data-parallel index (or what stopped the learner's code)."""
+    lm = lm_parallel()
+    top = Topology.build(TIE_DEGREES["dp"], 1, TIE_DEGREES["pp"])
+    stage = int(top.rank_in("pp"))
+    held = tie_held(top.rank, stage)
+    done = attempt(partial(lm.finish_gradients, held, top, False))
+    if stopped(done):
+        return done
+    tied = next(h for h in held if h.tied)
+    return {"grad": tied.grad, "stage": stage, "dp": int(top.rank_in("dp")),
+            "name": tied.name}  # fmt: skip
+
+
+def tie_expected(grid: RankGrid) -> torch.Tensor:
+    """What both copies must hold: each end's mean over the data-parallel ranks, summed."""
+    total = torch.zeros(TIE_SHAPE, dtype=torch.float64)
+    for rank in range(TIE_WORLD):
+        end = "embedding.weight" if grid.coords(rank).pp == 0 else "head.weight"
+        total += tie_value(rank, end, TIE_SHAPE)
+    return total / TIE_DEGREES["dp"]
+
+
 def pieces_worker() -> dict[str, Any]:
     """Every part in turn, on this rank of a world of 4."""
     results: dict[str, Any] = {}
