@@ -21,60 +21,17 @@ as moving: the deadline alone decides, as before this module.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from course.cpu_time import PROC, TICK, thread_ticks
 
 MOVING_SHARE = 0.03  # of one core, per thread, between two samples: "this rank is computing"
-_TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-_PROC = Path("/proc")
-
-
-def _thread_ticks(stat_text: str) -> int:
-    """utime + stime of one ``stat`` line (the command name may hold spaces and parentheses)."""
-    fields = stat_text[stat_text.rindex(")") + 2 :].split()
-    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5), counted from 1
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in _tasks(pid):
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except (OSError, ValueError):
-            continue
-    return kids
-
-
-def _tasks(pid: int) -> list[Path]:
-    try:
-        return list((_PROC / str(pid) / "task").iterdir())
-    except OSError:
-        return []
-
-
-def thread_ticks(pid: int) -> dict[tuple[int, int], int]:
-    """CPU ticks of every thread of ``pid`` and of its descendants, by (pid, tid)."""
-    out: dict[tuple[int, int], int] = {}
-    todo, seen = [pid], set()
-    while todo:
-        current = todo.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for task in _tasks(current):
-            try:
-                out[(current, int(task.name))] = _thread_ticks((task / "stat").read_text())
-            except (OSError, ValueError, IndexError):
-                continue  # the thread ended between the listing and the read
-        todo += _children(current)
-    return out
 
 
 def available() -> bool:
     """Whether this system shows threads' CPU time (Linux's /proc)."""
-    return (_PROC / str(os.getpid()) / "task").is_dir()
+    return (PROC / "self" / "task").is_dir()
 
 
 @dataclass
@@ -105,7 +62,7 @@ class RankActivity:
             if before.at is not None and now > before.at:
                 old = before.ticks
                 gained = max((t - old[key] for key, t in ticks.items() if key in old), default=0)
-                before.peak_share = gained / _TICK / (now - before.at)
+                before.peak_share = gained / TICK / (now - before.at)
                 if before.peak_share >= MOVING_SHARE:
                     before.last_moved = now
             before.ticks, before.at = ticks, now
@@ -121,7 +78,7 @@ class RankActivity:
     def cpu_seconds(self, rank: int) -> float:
         """CPU seconds ``rank``'s process tree used so far (its live threads, as last sampled)."""
         seen = self.seen.get(rank)
-        return 0.0 if seen is None else sum(seen.ticks.values()) / _TICK
+        return 0.0 if seen is None else sum(seen.ticks.values()) / TICK
 
     def share(self, rank: int) -> float:
         """The busiest thread's share of one core over the last interval sampled."""

@@ -23,26 +23,31 @@ guides quote (``solutions/phase3_multi_node/benchmarks/collectives.py``, ``bench
 
    Exit codes (``tests.bench``): 0 met, 1 not met, 3 inconclusive; 2 stays "could not run".
 
-**Busy**, exactly (:class:`Load`, :class:`LoadMeter`). ``os.getloadavg()[0]`` is the kernel's
-1-minute load average: the number of runnable tasks, sampled every 5 s and damped with
-``exp(-5/60)`` per sample. The measurement's own ranks are part of it, so they are taken out:
+**Busy**, exactly (:class:`Load`, :class:`LoadMeter`). Two readings, the larger wins:
 
-* ``before``: the 1-minute load read just before the first measured world starts (the bench's
-  own launcher, importing torch, adds at most a few hundredths);
-* ``after``: the 1-minute load read when the last world has ended;
-* ``own``: what this run's processes can have added to ``after``: each of its worlds of P
-  computing processes, running from t0 to t1 (``now`` the reading), adds at most
-  ``P·(exp(-(now-t1)/60) - exp(-(now-t0)/60))``, every rank counted as runnable throughout;
-* **other work** ``= max(before, after - own)``;
+* ``before``: the kernel's 1-minute load average (``os.getloadavg()[0]``, runnable tasks
+  damped over a minute) read just before the first measured world starts: work that was
+  running the minute before (the bench's own launcher, importing torch, adds a few hundredths);
+* ``other_cpu``: the CPU other processes used while the measurement ran, in cores: the busy
+  time of the cores this process may run on (``/proc/stat``) minus the CPU time of this run's
+  own process tree (itself, its fork server, its ranks, alive or reaped: see
+  :mod:`course.cpu_time`), over the wall time. The load average cannot give this: a world's own
+  gloo threads are runnable in bursts (a 4-rank world sampled at a median of 4 runnable tasks,
+  bursts to 23), so that ``after - own`` read 1.22 cores of "other work" on a machine whose
+  load was 0.09 the minute before;
+* **other work** ``= max(before, other_cpu)``; where ``/proc`` is missing (not Linux),
+  ``max(before, after - own)`` as before: ``after`` the 1-minute load when the last world has
+  ended, ``own`` the most this run's worlds of P computing processes, from t0 to t1, can have
+  added to it, ``P·(exp(-(now-t1)/60) - exp(-(now-t0)/60))``;
 * **spare cores** ``= max(0, C - R)``: C the cores this process may run on
   (``len(os.sched_getaffinity(0))``), R the most processes the run needs at once (a world of 4
   ranks on 2 cores: none spare);
 * **busy** when other work ``> spare cores + 0.5``: more than half a core's worth of runnable
   work beyond the cores the measurement leaves free.
 
-Counting every rank as runnable throughout makes ``after - own`` a lower bound of the other work
-(ranks also wait on sockets); ``before`` covers the minute before. A machine that was busy the
-minute before and quiet since reads busy: re-running a minute later settles it.
+``other_cpu`` is exact up to a clock tick per process; ``before`` covers the minute before. A
+machine that was busy the minute before and quiet since reads busy: re-running a minute later
+settles it.
 
     meter = LoadMeter()
     with meter.running(processes=2):
@@ -65,6 +70,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from course import cpu_time
 
 MET, NOT_MET, INCONCLUSIVE = "met", "not met", "inconclusive"
 EXIT_MET, EXIT_NOT_MET, EXIT_COULD_NOT_RUN, EXIT_INCONCLUSIVE = 0, 1, 2, 3
@@ -144,10 +151,14 @@ class Load:
     own: float  # the most this run's own processes can have added to ``after``
     cores: int  # cores this process may run on
     needs: int  # the most processes the run kept busy at once
+    other_cpu: float | None = None  # cores' worth of other processes' CPU while it ran
 
     @property
     def others(self) -> float:
-        """Other work's load: ``max(before, after - own)``."""
+        """Other work, in cores: ``max(before, other_cpu)``; without a CPU reading,
+        ``max(before, after - own)``."""
+        if self.other_cpu is not None:
+            return max(self.before, self.other_cpu, 0.0)
         return max(self.before, self.after - self.own, 0.0)
 
     @property
@@ -177,8 +188,14 @@ class LoadMeter:
 
     clock: Callable[[], float] = time.monotonic
     before: float = field(default_factory=one_minute_load)
+    busy_seconds: Callable[[], float | None] = cpu_time.machine_busy_seconds
+    own_seconds: Callable[[], float] = cpu_time.tree_cpu_seconds
     _segments: list[tuple[float, float, int]] = field(default_factory=list)
     _needs: int = 0
+    _start: tuple[float, float | None, float] = (0.0, None, 0.0)
+
+    def __post_init__(self) -> None:
+        self._start = (self.clock(), self.busy_seconds(), self.own_seconds())
 
     @contextlib.contextmanager
     def running(self, processes: int, *, computing: bool = True) -> Iterator[None]:
@@ -197,7 +214,13 @@ class LoadMeter:
             p * (math.exp(-(now - t1) / DECAY_SECONDS) - math.exp(-(now - t0) / DECAY_SECONDS))
             for t0, t1, p in self._segments
         )
-        return Load(self.before, after, own, usable_cores(), max(1, self._needs))
+        started, busy_then, own_then = self._start
+        busy_now, wall = self.busy_seconds(), now - started
+        other_cpu = None
+        if busy_then is not None and busy_now is not None and wall > 0:
+            others = (busy_now - busy_then) - (self.own_seconds() - own_then)
+            other_cpu = max(0.0, others) / wall
+        return Load(self.before, after, own, usable_cores(), max(1, self._needs), other_cpu)
 
 
 # ----------------------------------------------------------------------------- the verdict

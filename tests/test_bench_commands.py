@@ -20,6 +20,7 @@ import io
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,7 +206,7 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch, loads: list[float], cores: int
         (1.2, 1.2, 4, 2, True),  # 4 ranks on 2 cores: no spare core
     ],
 )
-def test_busy_is_other_work_beyond_the_spare_cores(
+def test_without_cpu_times_busy_is_the_load_beyond_the_spare_cores(
     monkeypatch: pytest.MonkeyPatch,
     before: float,
     after: float,
@@ -213,18 +214,75 @@ def test_busy_is_other_work_beyond_the_spare_cores(
     cores: int,
     busy: bool,
 ) -> None:
+    """Where /proc is missing, the load average alone: ``max(before, after - own)``."""
     clock = fake_machine(monkeypatch, [before, after], cores)
-    meter = LoadMeter(clock=lambda: clock[0])
+    meter = LoadMeter(clock=lambda: clock[0], busy_seconds=lambda: None)
     with meter.running(processes=ranks):
         clock[0] = 60.0
     load = meter.read()
-    assert load.cores == cores and load.needs == ranks
+    assert load.cores == cores and load.needs == ranks and load.other_cpu is None
     assert load.busy is busy, (load, load.others, load.spare)
+
+
+@pytest.mark.parametrize(
+    ("before", "busy_cpu", "own_cpu", "ranks", "cores", "others", "busy"),
+    [
+        # 4 ranks keep 2 cores full for 60 s and nothing else runs: quiet, whatever the load
+        # average made of their gloo threads (the old estimate read 1.22 here, dc4409a)
+        (0.09, 120.0, 120.0, 4, 2, 0.09, False),
+        (0.1, 120.0, 80.0, 2, 2, 40 / 60, True),  # another process took 2/3 of a core
+        (0.1, 120.0, 100.0, 2, 2, 20 / 60, False),  # a third of a core: within the margin
+        (2.6, 120.0, 120.0, 2, 2, 2.6, True),  # busy the minute before
+        (0.1, 240.0, 100.0, 2, 8, 140 / 60, False),  # 2.3 cores of other work, 6 spare cores
+    ],
+)
+def test_other_work_is_the_cores_busy_time_minus_this_runs_own(
+    monkeypatch: pytest.MonkeyPatch,
+    before: float,
+    busy_cpu: float,
+    own_cpu: float,
+    ranks: int,
+    cores: int,
+    others: float,
+    busy: bool,
+) -> None:
+    clock = fake_machine(monkeypatch, [before, 5.0], cores)  # the load average after: ignored
+    cpu = {"busy": 1000.0, "own": 10.0}
+    meter = LoadMeter(
+        clock=lambda: clock[0], busy_seconds=lambda: cpu["busy"], own_seconds=lambda: cpu["own"]
+    )
+    with meter.running(processes=ranks):
+        clock[0] = 60.0
+        cpu["busy"] += busy_cpu
+        cpu["own"] += own_cpu
+    load = meter.read()
+    assert load.others == pytest.approx(others), load
+    assert load.busy is busy, (load, load.others, load.spare)
+
+
+def test_this_runs_own_cpu_counts_its_worlds_ranks_after_they_end() -> None:
+    """A world's ranks are the fork server's children, reaped when they end: their CPU moves
+    into the fork server's children's time and stays in this process tree's total."""
+    from course import cpu_time
+    from course.world import run_world
+
+    run_world(_spin_for, 2, (0.0,))  # the fork server is up: its start is not counted
+    before = cpu_time.tree_cpu_seconds()
+    run_world(_spin_for, 2, (1.0,))
+    used = cpu_time.tree_cpu_seconds() - before
+    assert used >= 2.0, f"2 ranks used 1 CPU s each; the tree's CPU grew by {used:.2f} s"
+
+
+def _spin_for(seconds: float) -> None:
+    """Use ``seconds`` of CPU (not of the clock: a busy machine gives less CPU per second)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
 
 
 def test_sleeping_ranks_need_cores_but_add_no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = fake_machine(monkeypatch, [0.1, 1.3], 2)
-    meter = LoadMeter(clock=lambda: clock[0])
+    meter = LoadMeter(clock=lambda: clock[0], busy_seconds=lambda: None)
     with meter.running(processes=2, computing=False):
         clock[0] = 60.0
     load = meter.read()
