@@ -272,9 +272,9 @@ class WorldStillComputing(WorldError):
         done = ", ".join(str(rank) for rank in self.finished) or "none"
         busy = ", ".join(str(rank) for rank in self.moving) or "none"
         lines = [
-            f"rank(s) {ranks} still computing after {elapsed:.0f} s, this world's ceiling "
-            f"({elapsed / timeout:.0f}x its {timeout:g} s deadline; finished: {done}; using the "
-            f"CPU when stopped: {busy}). Not a deadlock: a rank kept using the CPU all along. "
+            f"rank(s) {ranks} still running after {elapsed:.0f} s, this world's ceiling "
+            f"({elapsed / timeout:.0f}x its {timeout:g} s deadline; finished: {done}), rank(s) "
+            f"{busy} still computing: not a deadlock, a rank kept using the CPU all along. "
             "Either a loop that never ends (look at the lines below), or work far too large "
             f"for this machine (smaller sizes, or a longer deadline: {WORLD_TIMEOUT_ENV}=60)."
         ]

@@ -696,12 +696,11 @@ def test_a_rank_that_computes_past_the_deadline_beside_cpu_hogs_is_not_called_hu
 
 
 def test_a_hang_without_cpu_or_messages_is_reported_at_the_deadline() -> None:
-    run_world(rank_and_sum, 2)  # the fork server first: its start is not the hang's cost
-    start = time.monotonic()
     with pytest.raises(WorldHung) as info:
         run_world(every_rank_sleeps_forever, 2, timeout=4)
-    elapsed, text = time.monotonic() - start, str(info.value)
-    assert elapsed < 4 + 3, f"a hang took {elapsed:.1f} s to report (deadline 4 s):\n{text}"
+    elapsed, text = info.value.elapsed, str(info.value)
+    # the ranks' start counts as moving: reported once none moved for STALL_WINDOW (5 s)
+    assert elapsed < 4 + 4, f"a hang took {elapsed:.1f} s to report (deadline 4 s):\n{text}"
     assert info.value.deadlocked_after is None, text
     assert "rank(s) 0, 1 still running after " in text, text
     assert "none of them using the CPU or communicating for" in text, text
@@ -709,15 +708,15 @@ def test_a_hang_without_cpu_or_messages_is_reported_at_the_deadline() -> None:
 
 
 def test_a_loop_that_never_ends_is_reported_as_computing_at_the_ceiling() -> None:
-    start = time.monotonic()
     with pytest.raises(WorldStillComputing) as info:
         run_world(a_loop_that_never_ends, 2, timeout=2, ceiling=8)
-    elapsed, err, text = time.monotonic() - start, info.value, str(info.value)
-    assert 8 <= elapsed < 8 + 6, f"the ceiling is 8 s; reported after {elapsed:.1f} s:\n{text}"
+    err, text = info.value, str(info.value)
+    assert 8 <= err.elapsed < 8 + 2, f"the ceiling is 8 s; reported after {err.elapsed:.1f} s"
     assert not isinstance(err, WorldHung) and "deadlock" not in text.lower().replace(
         "not a deadlock", ""
     ), text
-    assert "still computing after 8 s" in text and "using the CPU when stopped: 0" in text, text
+    assert "still running after 8 s, this world's ceiling" in text, text
+    assert "rank(s) 0 still computing: not a deadlock" in text, text
     assert err.moving == [0] and err.cpu[0] > 2.0, f"rank 0's CPU: {err.cpu}\n{text}"
     assert "in a_loop_that_never_ends: _spin(1.0)" in text or "in _spin" in text, text
     assert "rank 1 (" in text, text
