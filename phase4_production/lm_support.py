@@ -64,8 +64,16 @@ def all_reduce_flat(
     """All-reduce ``tensors`` in place with one collective per dtype: flattened into one buffer,
     reduced on ``group``, copied back. Every rank of the group must pass tensors of the same
     shapes, dtypes and order. ``all_reduce_fn(buffer, group=group)`` replaces
-    ``dist.all_reduce`` for SUM (a hand-made ring, say); nothing is sent for an empty list or a
-    group of one rank."""
+    ``dist.all_reduce`` (a hand-made ring, say); it sums and nothing else, so another ``op``
+    with it is refused (ValueError) before anything is sent. Nothing is sent for an empty list
+    or a group of one rank."""
+    if all_reduce_fn is not None and op != dist.ReduceOp.SUM:
+        raise ValueError(
+            f"all_reduce_flat(..., op={op}, all_reduce_fn=...): the given all_reduce_fn (a "
+            "hand-made all-reduce: 3.1's ring, 3.2's halving-doubling) only sums, so it cannot "
+            f"do {op}. For a mean, sum with it (op=SUM, the default) and divide afterwards; for "
+            "another op, leave all_reduce_fn out and torch's all-reduce does it"
+        )
     if not tensors or dist.get_world_size(group) == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -73,7 +81,7 @@ def all_reduce_flat(
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        if all_reduce_fn is not None and op == dist.ReduceOp.SUM:
+        if all_reduce_fn is not None:
             all_reduce_fn(flat, group=group)
         else:
             dist.all_reduce(flat, op=op, group=group)
