@@ -78,6 +78,9 @@ class CommRecord:
     nbytes: int
     peer: int | None = None
     group_ranks: tuple[int, ...] | None = None
+    # the tensor's dtype on the wire ("int64", "float32"; None when not a tensor): a contract
+    # that travels (a count carried as float32 is exact only below 2**24)
+    dtype: str | None = field(default=None, compare=False)
 
     @property
     def is_point_to_point(self) -> bool:
@@ -142,7 +145,14 @@ def _record(
     if name in _PEER_ARGS:
         global_key, group_key = _PEER_ARGS[name]
         peer = _global_peer(group, bound.get(global_key), bound.get(group_key))
-    return CommRecord(name, _tensor_bytes(tensor), peer, _group_ranks(group))
+    return CommRecord(name, _tensor_bytes(tensor), peer, _group_ranks(group), _dtype(tensor))
+
+
+def _dtype(value: Any) -> str | None:
+    """``"float32"`` for a tensor, or the first tensor of a list; None otherwise."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else None
 
 
 @dataclass

@@ -68,6 +68,7 @@ from lm_pieces_helpers import (
     SP_TP,
     TIE_DEGREES,
     TIE_WORLD,
+    WIRE,
     WORLD,
     K,
     balance_reference,
@@ -359,6 +360,25 @@ def test_count_valid_tokens_counts_the_whole_batch_once() -> None:
             f"valid targets, returned {got!r}; the global batch holds {want}: {why}"
             f"{at('count_valid_tokens')}",
         )
+    for label in COUNT_LAYOUTS:
+        for rank, part in enumerate(parts):
+            inexact = [(op, dtype) for op, dtype in part[label + WIRE] if dtype in INEXACT_COUNTS]
+            if inexact:
+                op, dtype = inexact[0]
+                fail_piece(
+                    "count_valid_tokens",
+                    f"4.7 count_valid_tokens on {label}: every rank returned the right count, "
+                    f"but rank {rank}'s {op} carried it as {dtype}, which holds whole numbers "
+                    f"exactly only up to {INEXACT_COUNTS[dtype]:,}: a global batch of 4,096 "
+                    "sequences of 8,192 tokens holds 33,554,432 targets, and the count, the "
+                    "loss's divisor, would be off. Which dtype carries every count exactly?"
+                    f"{at('count_valid_tokens')}",
+                )
+
+
+# floating dtypes a count may not travel in, and the largest whole number each holds exactly
+# (2**(mantissa bits + 1)); float64 (2**53) and the integer dtypes are exact for any batch
+INEXACT_COUNTS = {"float16": 2**11, "bfloat16": 2**8, "float32": 2**24}
 
 
 class NoCommunication(Exception):

@@ -210,6 +210,7 @@ def held_for(case: str, topology: Topology) -> list[HeldGradient]:
 
 
 HAND_MADE = ", with a hand-made all-reduce"
+WIRE = ", on the wire"  # count_valid_tokens' collectives and the dtypes they carried
 
 
 def recording_all_reduce(seen: list[tuple[int, ...]]) -> Callable[..., torch.Tensor]:
@@ -333,13 +334,15 @@ def _regions() -> dict[str, Any]:
 
 def _count_valid() -> dict[str, Any]:
     lm = lm_parallel()
-    out = {}
+    out: dict[str, Any] = {}
     targets = count_targets()
     for label, d in COUNT_LAYOUTS.items():
         top = topology(d.get("dp", 1), d.get("tp", 1), cp=d["cp"])
         mine = local_slice(targets, top.dp_rank, top.dp_size, top.cp_rank, top.cp_size)
         own = int((mine != IGNORE_INDEX).sum())
-        out[label] = (attempt(partial(lm.count_valid_tokens, mine.clone(), top)), own)
+        done, records = counted(partial(lm.count_valid_tokens, mine.clone(), top))
+        out[label] = (done, own)
+        out[label + WIRE] = [(r.op, r.dtype) for r in records]  # what the count travelled as
     return out
 
 
