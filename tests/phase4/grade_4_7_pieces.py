@@ -63,10 +63,12 @@ from lm_pieces_helpers import (
     FINISH_CASES,
     HAND_MADE,
     NORM_SHARDS,
+    PP4_DEGREES,
     SEQ,
     SP_SHAPE,
     SP_TP,
     TIE_DEGREES,
+    TIE_SHAPE,
     TIE_WORLD,
     WIRE,
     WORLD,
@@ -79,6 +81,7 @@ from lm_pieces_helpers import (
     held_name,
     norm_shard_value,
     pieces_worker,
+    pp4_tie_worker,
     region_shapes,
     routing,
     sp_grid,
@@ -86,6 +89,7 @@ from lm_pieces_helpers import (
     sp_weight,
     tie_expected,
     tie_order_worker,
+    tie_value,
 )
 from phase4_helpers import fail
 
@@ -664,6 +668,66 @@ def test_finish_gradients_sums_a_tie_so_both_copies_keep_the_same_bits() -> None
                 "after a few steps). At dp2 a two-term sum gave the same bits in either order. "
                 "Which reduction makes the two copies equal, and does any rounding happen on "
                 f"them after it?{at('finish_gradients')}",
+            )
+
+
+@exercise("4.7")
+def test_finish_gradients_sums_a_tie_between_the_first_and_last_of_four_stages() -> None:
+    """pp4 with a tied embedding: the copies live on stages 0 and 3; stages 1 and 2 hold none.
+    At pp2, where the training layouts tie, the pipeline group and the embedding group are the
+    same two ranks."""
+    from grading import world
+
+    blocked_by(["finish_gradients"])
+    needs_earlier_exercises()
+    grid = RankGrid.for_world(WORLD, PP4_DEGREES["dp"], 1, PP4_DEGREES["pp"])
+    case = (
+        f"4.7 finish_gradients, pp4 with a tied embedding (the embedding on rank 0, the head on "
+        f"rank 3; embedding group {grid.group_of('embedding', 0)}, pipeline group "
+        f"{grid.group_of('pp', 0)})"
+    )
+    hung: WorldHung | None = None
+    try:
+        results = world(pp4_tie_worker, WORLD)
+    except WorldHung as exc:
+        hung = exc  # reported below, not chained to the harness's report
+    if hung is not None:
+        pipeline = tuple(grid.group_of("pp", 0))
+        on_pp = [(op, m) for op, m in hung.unjoined if tuple(op.members) == pipeline]
+        if on_pp:
+            op, missing = on_pp[0]
+            fail_piece(
+                "finish_gradients",
+                f"{case}: hung. Rank {op.rank} waits in its {op.op} on the whole pipeline group "
+                f"{pipeline} ({op.filename.rsplit('/', 1)[-1]}:{op.lineno}), which rank(s) "
+                f"{', '.join(map(str, missing))} never enter: they hold no copy of the tied "
+                "weight. At pp2 that group held exactly the two copies; which group holds "
+                f"exactly the ranks with a copy, whatever the depth?{at('finish_gradients')}",
+            )
+        fail_piece("finish_gradients", f"{case}: hung.\n{hung}")
+    stop_if_stopped("finish_gradients", results)
+    first, last = results[0]["embedding.weight"], results[WORLD - 1]["head.weight"]
+    want = sum(
+        (tie_value(rank, end, TIE_SHAPE) for rank, end in ((0, "embedding.weight"),
+                                                           (WORLD - 1, "head.weight"))),
+        torch.zeros(TIE_SHAPE, dtype=torch.float64),
+    )  # fmt: skip
+    for rank, got in ((0, first), (WORLD - 1, last)):
+        if not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+            fail_piece(
+                "finish_gradients",
+                f"{case}: rank {rank}'s tied copy is off by up to "
+                f"{(got - want).abs().max().item():.3g} from the sum of both ends' gradients"
+                f"{at('finish_gradients')}",
+            )
+    for rank in (1, 2):
+        norm = f"blocks.{rank}.mlp_norm.weight"
+        if not torch.equal(results[rank][norm], tie_value(rank, norm, (6,))):
+            fail_piece(
+                "finish_gradients",
+                f"{case}: rank {rank} (a middle stage, no copy of the tie, dp = 1) changed its "
+                f"{norm}; with one data-parallel rank nothing should reduce it"
+                f"{at('finish_gradients')}",
             )
 
 

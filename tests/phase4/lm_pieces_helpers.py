@@ -466,6 +466,32 @@ def tie_order_worker() -> dict[str, Any]:
             "name": tied.name}  # fmt: skip
 
 
+# A tie across four stages (pp4, a world of 4): the embedding on stage 0, the head on stage 3,
+# the middle stages hold neither. At pp2 the pipeline group and the embedding group hold the same
+# two ranks, so a tie summed over the pipeline group passes there; here it cannot.
+PP4_DEGREES = {"dp": 1, "pp": 4}
+
+
+def pp4_tie_held(rank: int, stage: int, stages: int) -> list[HeldGradient]:
+    norm = f"blocks.{stage}.mlp_norm.weight"
+    held = [HeldGradient(norm, tie_value(rank, norm, (6,)), tp_replicated=True)]
+    if stage in (0, stages - 1):
+        end = "embedding.weight" if stage == 0 else "head.weight"
+        tied = HeldGradient(end, tie_value(rank, end, TIE_SHAPE), tp_replicated=True, tied=True)
+        held.insert(0 if stage == 0 else 1, tied)
+    return held
+
+
+def pp4_tie_worker() -> dict[str, Any]:
+    """On this rank of pp4: every gradient it holds after finish_gradients (or what stopped)."""
+    lm = lm_parallel()
+    top = Topology.build(PP4_DEGREES["dp"], 1, PP4_DEGREES["pp"])
+    stage = int(top.rank_in("pp"))
+    held = pp4_tie_held(top.rank, stage, PP4_DEGREES["pp"])
+    done = attempt(partial(lm.finish_gradients, held, top, False))
+    return done if stopped(done) else {h.name: h.grad for h in held}
+
+
 def tie_expected(grid: RankGrid) -> torch.Tensor:
     """What both copies must hold: each end's mean over the data-parallel ranks, summed."""
     total = torch.zeros(TIE_SHAPE, dtype=torch.float64)
