@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from course.distributed import env_int
+from course.torchrun_env import env_int
 
 ConfigT = TypeVar("ConfigT")
 ResultT = TypeVar("ResultT")

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from course.torchrun_env import env_int
+
 DEFAULT_TIMEOUT_SECONDS = float(os.environ.get("DTFS_PG_TIMEOUT", "300"))
 DEVICE_INDEX_ENV = "DTFS_DEVICE_INDEX"  # set by run_world when simulated nodes share one host
 
@@ -64,22 +66,6 @@ def device_index(local_rank: int) -> int:
     one host and exported ``DTFS_DEVICE_INDEX`` (the global rank) so two "nodes" never share one.
     """
     return env_int(DEVICE_INDEX_ENV, local_rank)
-
-
-def env_int(name: str, default: int | None = None) -> int:
-    """An integer from the environment, with a message that says who should have set it."""
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise RuntimeError(
-                f"{name} is not set: start this program with torchrun, e.g. "
-                "`uv run torchrun --standalone --nproc_per_node=2 -m <module>`"
-            )
-        return default
-    try:
-        return int(value)
-    except ValueError as err:
-        raise RuntimeError(f"{name}={value!r} is not an integer") from err
 
 
 def world_from_env() -> tuple[int, int, int, int]:

@@ -109,6 +109,32 @@ def test_an_empty_config_file_and_a_key_given_twice_are_refused_by_name(
         imagenet_config.load_config(str(twice))
 
 
+def test_help_answers_before_torch_loads_and_says_what_every_option_is() -> None:
+    """``--help`` of the framework: no torch import (it took 4.8 s of CPU, 24 s on a busy
+    machine), and a sentence for every option, --config and --set included."""
+    import subprocess
+
+    probe = (
+        "import sys, contextlib, io\n"
+        "from solutions.phase4_production.lm import framework\n"
+        "out = io.StringIO()\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
+        "    framework.parse_args(['--help'])\n"
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+        "print(out.getvalue())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], check=True)  # fmt: skip
+    first, _, text = done.stdout.partition("\n")
+    assert first == "no torch", f"--help imported torch:\n{done.stdout}{done.stderr}"
+    squashed = " ".join(text.split())
+    for option, says in (("--config", "the YAML config"), ("--set", "override config keys"),
+                         ("--plan-only", "planner's ranked"), ("--world", "plan for this many"),
+                         ("--metrics", "JSON line per"), ("--impl", "whose 4.7 composition")):  # fmt: skip
+        assert option in squashed and says in squashed, f"{option}: {says!r} not in\n{text}"
+    assert "lm-cpu-smoke" in squashed and "README.md" in squashed, text
+
+
 def test_every_set_flag_applies_when_given_more_than_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -44,7 +44,7 @@ from phase4_production.lm_layout import ParallelSettings
 from solutions.phase3_multi_node.benchmarks.strategies import ActivationMeter
 from solutions.phase3_multi_node.references.zero_accounting import held_bytes
 from solutions.phase4_production.lm import traffic as lm_traffic
-from solutions.phase4_production.lm.framework import rates_in_world
+from solutions.phase4_production.lm.framework_run import rates_in_world
 from solutions.phase4_production.lm.planner import GIB, Machine, plan
 from solutions.phase4_production.lm.rates import process_cpu
 

@@ -51,9 +51,7 @@ from course import config_files
 from course.config_files import ConfigError, Section
 from course.language_model import LMConfig
 from phase4_production.lm_layout import ParallelSettings
-
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-DEFAULT_CONFIG = "lm-cpu-smoke"
+from solutions.phase4_production.lm.configs import CONFIG_DIR, DEFAULT_CONFIG
 
 
 class ModelSection(Section):

@@ -44,7 +44,7 @@ from course.verdicts import Goal, Load, LoadMeter, pair_ratios
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase4_production.lm.benchmark import BenchConfig, measure_layouts
-from solutions.phase4_production.lm.framework import rates_in_world
+from solutions.phase4_production.lm.framework_run import rates_in_world
 from solutions.phase4_production.lm.planner import (
     GIB,
     Machine,
