@@ -8,8 +8,10 @@ library comparison and records.
   any other, and never resumed from damage.
 * ``config``: The language-model framework's configuration: one YAML file that picks every
   strategy.
+* ``configs``: The framework's named configs (``lm-*.yaml``) and the default's name.
 * ``framework``: The language-model framework: one YAML config picks every strategy, or the
-  planner does.
+  planner does (its command line, read before torch loads).
+* ``framework_run``: The framework's run behind that command line: validate, plan, train.
 * ``library``: The library way beside exercise 4.7: the same language model and layout with
   PyTorch's own APIs.
 * ``library_compare``: The library way beside exercise 4.7, compared: PyTorch's composition and
