@@ -3,12 +3,12 @@
 A template shows each TODO's goal, its invariant and Hint 1. When you want more, this prints the
 next rung for the TODO you are on (the first one of the exercise whose ``raise
 NotImplementedError`` is still in your template), and only that: Hint 2 (what to consider: the
-questions and facts that lead to the design) the first time, Hint 3 (the answer in words, never a
-line to paste) the next.
+questions and facts that lead to the design) the first time, then rungs that settle one decision
+each, and last the answer in words (never a line to paste).
 
     uv run python -m tests.hint 3.1            # the next rung of the TODO you are on
     uv run python -m tests.hint 3.1 --todo 2   # the next rung of the exercise's second TODO
-    uv run python -m tests.hint 3.1 --level 3  # a given rung (2 or 3), whatever came before
+    uv run python -m tests.hint 3.1 --level 3  # a given rung (2, 3, ...), whatever came before
     uv run python -m tests.hint 3.1 --reset    # start the exercise's ladders again at Hint 2
     uv run python -m tests.hint 3.1 --all      # every later hint of every TODO (instructors)
 
@@ -101,7 +101,7 @@ def check_level(todo: TodoHints, level: int) -> None:
     if level == 1:
         raise UsageError(
             f"--level 1: Hint 1 of TODO {todo.exercise} #{todo.number} is in your template, "
-            f"above its raise ({todo.template}); ask for --level 2 or 3"
+            f"above its raise ({todo.template}); ask for --level 2 or higher"
         )
     levels = sorted(todo.rungs)
     have = f"Hint {levels[0]} only" if len(levels) == 1 else "Hints " + ", ".join(map(str, levels))
@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None, *, root: Path = ROOT, state_file: Path =
     )
     parser.add_argument("exercise", help="exercise id, e.g. 3.1")
     parser.add_argument("--todo", type=int, help="the K-th TODO of the exercise (1-based)")
-    parser.add_argument("--level", type=int, help="a given rung: 2 (the shape) or 3 (closer)")
+    parser.add_argument(
+        "--level", type=int, help="a given rung: 2 (what to consider), 3, ... (the last: the answer)"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--reset", action="store_true", help="start the exercise's ladders again")
     mode.add_argument("--all", action="store_true", help="every later hint at once (instructors)")
