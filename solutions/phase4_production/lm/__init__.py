@@ -12,6 +12,8 @@ library comparison and records.
 * ``framework``: The language-model framework: one YAML config picks every strategy, or the
   planner does (its command line, read before torch loads).
 * ``framework_run``: The framework's run behind that command line: validate, plan, train.
+* ``layouts_notebook``: What notebooks/lm_layouts.ipynb draws and says, read from the recorded
+  results files.
 * ``library``: The library way beside exercise 4.7: the same language model and layout with
   PyTorch's own APIs.
 * ``library_compare``: The library way beside exercise 4.7, compared: PyTorch's composition and
