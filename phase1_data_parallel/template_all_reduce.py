@@ -20,8 +20,7 @@ Both functions reduce contributions in rank order 0, 1, ..., n-1 on every rank, 
 with bitwise-identical results even for floating point, where (a + b) + c != a + (b + c).
 
 Both take ``group=``: inside a subgroup they use only its members. Ranks in the arguments of these
-functions (``root``) are ranks *within* the group, 0 .. group size - 1; torch's ``dst=``/``src=``
-want *global* ranks, so every peer is mapped with :func:`global_rank` before a message is sent.
+functions (``root``) are ranks *within* the group, 0 .. group size - 1.
 """
 
 from __future__ import annotations
@@ -100,15 +99,16 @@ def reduce_broadcast_all_reduce(
         raise ValueError(f"root={root} is outside [0, {world - 1}] (a rank within the group)")
     if world == 1:
         return tensor
-    # TODO 1.3: reduce every rank's tensor on the root, then send the result back to all ranks.
+    # TODO 1.3: all-reduce `tensor` in place through the root, from point-to-point messages.
     # Invariant: afterwards every rank's tensor holds the same bits: the reduction of all
-    #   ranks' inputs taken in group-rank order 0, 1, ..., n-1; only members of `group` talk.
-    # Hint 1: non-roots send their tensor to the root, then receive the result back into it.
-    #   rank, world and root count within the group; send/recv want global ranks (global_rank).
+    #   ranks' inputs taken in group-rank order 0, 1, ..., n-1, whichever rank is the root;
+    #   the root sends and receives (n-1)·S bytes, every other rank S; nothing hangs, whatever
+    #   the size; only members of `group` talk.
+    # Hint 1: what must the root hold before it can send anything back?
     # More hints: uv run python -m tests.hint 1.3
     # See guidelines.md#13-all-reduce-from-send-and-recv
     raise NotImplementedError(
-        "TODO 1.3: reduce every rank's tensor on the root, then send the result back to all ranks "
+        "TODO 1.3: all-reduce `tensor` in place through the root, from point-to-point messages "
         "(see phase1_data_parallel/guidelines.md#13-all-reduce-from-send-and-recv)"
     )
 
@@ -125,14 +125,15 @@ def direct_exchange_all_reduce(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return tensor
-    # TODO 1.3: exchange tensors with every peer at once, then reduce all n contributions.
-    # Invariant: the same bits on every rank, so reduce in group-rank order 0..n-1 everywhere,
-    #   your own tensor included at its own position; only members of `group` talk.
-    # Hint 1: blocking send/recv pairs in a loop can deadlock (two ranks both sending first);
-    #   post every send and receive without waiting, then wait for all of them.
+    # TODO 1.3: all-reduce `tensor` in place, every rank messaging every other rank directly.
+    # Invariant: the same bits on every rank: the reduction of all ranks' inputs taken in
+    #   group-rank order 0, 1, ..., n-1; every rank sends and receives (n-1)·S bytes, in one
+    #   round; nothing hangs, whatever the size; only members of `group` talk.
+    # Hint 1: every rank sends n-1 messages and receives n-1: which of those calls may wait
+    #   for a peer, and for what? (the guide's "When ranks hang")
     # More hints: uv run python -m tests.hint 1.3
     # See guidelines.md#13-all-reduce-from-send-and-recv
     raise NotImplementedError(
-        "TODO 1.3: exchange tensors with every peer at once, then reduce all n contributions "
+        "TODO 1.3: all-reduce `tensor` in place, every rank messaging every other rank directly "
         "(see phase1_data_parallel/guidelines.md#13-all-reduce-from-send-and-recv)"
     )

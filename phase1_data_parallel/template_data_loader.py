@@ -3,16 +3,10 @@
 # one say what to build. Grade yourself: uv run pytest tests/test_phase1.py
 """Exercise 1.1: a distributed sampler that gives each rank its own shard of every epoch.
 
-Data parallelism only works if the N ranks see N *different* slices of the data, and together
-cover the whole dataset once per epoch. This sampler reproduces, index for index,
-``torch.utils.data.DistributedSampler`` (torch/utils/data/distributed.py):
-
-1. shuffle all indices with a generator seeded by ``seed + epoch`` (the same permutation on every
-   rank, a new one every epoch),
-2. pad by repeating indices from the front (or cut the tail with ``drop_last``) so the total is a
-   multiple of the world size,
-3. deal the list out to the ranks like cards: each rank gets its own positions, interleaved
-   with the others' rather than one contiguous block.
+Data parallelism only works if the N ranks see N *different* slices of the data, in equal
+counts, and together cover the whole dataset once per epoch, in a new order every epoch. This
+sampler yields, index for index, what ``torch.utils.data.DistributedSampler``
+(torch/utils/data/distributed.py) yields.
 
 It adds one thing PyTorch's sampler lacks: ``set_epoch(epoch, start_index=k)`` skips the first
 ``k`` samples of this rank's shard, which is what a run resumed in the middle of an epoch needs
@@ -36,7 +30,7 @@ class DistributedShardSampler(Sampler[int]):
         dataset: anything with ``len()``.
         num_replicas: how many ranks share the data; defaults to the size of ``group``.
         rank: this process's rank among them; defaults to its rank within ``group``.
-        shuffle: shuffle with a generator seeded by ``seed + epoch``.
+        shuffle: a new order every epoch, DistributedSampler's for ``seed`` and the epoch.
         seed: must be the same on every rank.
         drop_last: drop the tail so shards divide evenly, instead of padding with repeats.
         group: the process group whose ranks share the data (None: the default group). Inside a
@@ -76,15 +70,15 @@ class DistributedShardSampler(Sampler[int]):
         self.epoch = 0
         self.start_index = 0
         n = len(dataset)
-        # TODO 1.1: work out how many samples each rank gets per epoch.
+        # TODO 1.1: work out how many samples each rank yields per epoch.
         # Invariant: every rank gets the same count, so ranks run the same number of steps
-        #   (a rank with one batch more would wait forever in its extra all-reduce).
-        # Hint 1: padding rounds the epoch up to a multiple of num_replicas; drop_last rounds
-        #   it down (only when n does not divide evenly). Each rank gets its share of that.
+        #   (a rank with one batch more would wait forever in its extra all-reduce); it is
+        #   DistributedSampler's count for every n, num_replicas and drop_last.
+        # Hint 1: the guide's table of counts: which rounding of n / num_replicas gives each row?
         # More hints: uv run python -m tests.hint 1.1
         # See guidelines.md#11-the-distributed-sampler
         raise NotImplementedError(
-            "TODO 1.1: work out how many samples each rank gets per epoch "
+            "TODO 1.1: work out how many samples each rank yields per epoch "
             "(see phase1_data_parallel/guidelines.md#11-the-distributed-sampler)"
         )
         self.total_size = self.num_samples * self.num_replicas
@@ -92,30 +86,30 @@ class DistributedShardSampler(Sampler[int]):
     def epoch_indices(self) -> list[int]:
         """All ranks' indices for the current epoch, padded or cut to ``total_size``."""
         n = len(self.dataset)
-        # TODO 1.1: build the epoch's global index list, identical on every rank.
-        # Invariant: same (seed, epoch) -> same list on every rank; its length is total_size.
-        # Hint 1: the shuffle must be the same on every rank and new every epoch, and must not
-        #   touch the global random stream (DistributedSampler seeds its own generator with
-        #   seed + epoch); padding repeats indices from the front, as many times as needed (the
-        #   padding can be longer than the dataset when n < num_replicas).
+        # TODO 1.1: build the epoch's list of indices, every rank's together.
+        # Invariant: the same (seed, epoch) gives the same list on every rank, without a message;
+        #   its length is total_size; the process's global random stream is neither read nor
+        #   moved; it is the list DistributedSampler's shards come from.
+        # Hint 1: the guide's worked example shows the epoch's permutation and what each rank
+        #   yields: which entries does rank 2's last index repeat?
         # More hints: uv run python -m tests.hint 1.1
         # See guidelines.md#11-the-distributed-sampler
         raise NotImplementedError(
-            "TODO 1.1: build the epoch's global index list, identical on every rank "
+            "TODO 1.1: build the epoch's list of indices, every rank's together "
             "(see phase1_data_parallel/guidelines.md#11-the-distributed-sampler)"
         )
 
     def __iter__(self) -> Iterator[int]:
-        # TODO 1.1: yield this rank's shard of epoch_indices(), skipping start_index samples.
-        # Invariant: shards of different ranks are disjoint (apart from padding) and together
-        #   are the whole epoch; every shard has num_samples indices before skipping.
-        # Hint 1: the guide's worked table (10 samples on 4 ranks) shows which positions each
-        #   rank takes: not a contiguous block. Find the rule that gives those positions for any
-        #   rank and any number of ranks.
+        # TODO 1.1: yield this rank's indices of the epoch, without its first start_index.
+        # Invariant: every rank's shard has num_samples indices before skipping; the shards of
+        #   different ranks are disjoint apart from padding and together are the epoch's list;
+        #   each is DistributedSampler's shard for its rank.
+        # Hint 1: the guide's worked example: at which positions of the permutation do rank 2's
+        #   indices sit?
         # More hints: uv run python -m tests.hint 1.1
         # See guidelines.md#11-the-distributed-sampler
         raise NotImplementedError(
-            "TODO 1.1: yield this rank's shard of epoch_indices(), skipping start_index samples "
+            "TODO 1.1: yield this rank's indices of the epoch, without its first start_index "
             "(see phase1_data_parallel/guidelines.md#11-the-distributed-sampler)"
         )
 

@@ -3,11 +3,10 @@
 # one say what to build. Grade yourself: uv run pytest tests/test_phase1.py
 """Exercises 1.2 and 1.4: synchronous data-parallel training, built by hand.
 
-Every rank holds a full copy of the model. Each step, each rank runs forward and backward on its
-own B/N samples, then the ranks average their gradients, so every rank applies the same update
-and the copies never drift apart: with equal shards, the mean of the N local mean-gradients is
-the gradient of the mean loss over all B samples. This is what ``DistributedDataParallel`` does
-(Li et al., "PyTorch Distributed", VLDB 2020), minus its bucketing and overlap (phase 3).
+Every rank holds a full copy of the model and trains on its own B/N samples of every batch; the
+ranks average their gradients, so every rank applies the same update and the copies never drift
+apart. This is what ``DistributedDataParallel`` does (Li et al., "PyTorch Distributed", VLDB
+2020), minus its bucketing and overlap (phase 3).
 
 Every function takes ``group=`` (None: the default group) and ranks within it, so the same code
 trains inside a data-parallel subgroup. The epoch loop is the course's one loop
@@ -18,7 +17,6 @@ trains inside a data-parallel subgroup. The epoch loop is the course's one loop
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,22 +66,21 @@ ALL_REDUCE_STRATEGIES: dict[str, AllReduceFn] = {
 def broadcast_parameters(
     model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None
 ) -> None:
-    """Make every rank's parameters and buffers equal to rank ``src``'s, in place.
+    """Make every rank's model state (its ``state_dict()``) equal to rank ``src``'s, in place.
 
     ``src`` is a rank within ``group`` (None: the default group, where group and global ranks
     are the same). Seeding alone is not enough: a different library version, device or
     initialisation order on one rank would silently train N different models.
     """
-    # TODO 1.2: copy rank src's parameters AND buffers to every other rank, in place.
-    # Invariant: afterwards all ranks of `group` hold bitwise-identical model state; the tensors
-    #   themselves are updated (the optimizer keeps references to them); no rank outside
-    #   `group` is involved.
-    # Hint 1: buffers (e.g. BatchNorm running stats) are model state too; which collective
-    #   makes every rank's tensor equal to one rank's?
+    # TODO 1.2: make every rank's model state equal to rank src's, in place.
+    # Invariant: afterwards every rank of `group` holds a state_dict() bitwise equal to rank
+    #   src's, in the same tensor objects as before (an optimizer holds references to them);
+    #   no rank outside `group` takes part.
+    # Hint 1: what does a model's state_dict() hold that its parameters() do not yield?
     # More hints: uv run python -m tests.hint 1.2
     # See guidelines.md#12-broadcast-and-gradient-averaging
     raise NotImplementedError(
-        "TODO 1.2: copy rank src's parameters AND buffers to every other rank, in place "
+        "TODO 1.2: make every rank's model state equal to rank src's, in place "
         "(see phase1_data_parallel/guidelines.md#12-broadcast-and-gradient-averaging)"
     )
 
@@ -104,15 +101,17 @@ def average_gradients(
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0
-    # TODO 1.2: average the gradients across the group's ranks, in place, with all_reduce.
-    # Invariant: afterwards every rank's p.grad is the mean over the group (sum / group size),
-    #   identical on all its ranks; the returned int is the bytes passed to all_reduce.
-    # Hint 1: an all-reduce sums, and a mean needs one more operation. One call on one flat
-    #   buffer costs one message latency instead of one per tensor; a model may mix dtypes.
+    # TODO 1.2: make every existing gradient the mean of that gradient over the group's ranks.
+    # Invariant: afterwards each existing p.grad holds the mean over the ranks of `group`, the
+    #   same on every one of them; gradients leave the rank through all_reduce alone, in as few
+    #   calls as their dtypes allow, each in its own dtype; the returned int is the bytes
+    #   handed to all_reduce.
+    # Hint 1: what does an all-reduce leave in the tensor it is handed, and what does each
+    #   call cost (the guide's cost model)?
     # More hints: uv run python -m tests.hint 1.2
     # See guidelines.md#12-broadcast-and-gradient-averaging
     raise NotImplementedError(
-        "TODO 1.2: average the gradients across the group's ranks, in place, with all_reduce "
+        "TODO 1.2: make every existing gradient the mean of that gradient over the group's ranks "
         "(see phase1_data_parallel/guidelines.md#12-broadcast-and-gradient-averaging)"
     )
 
@@ -127,24 +126,21 @@ def data_parallel_step(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> StepStats:
-    """One synchronous step on this rank's batch: forward, backward, average gradients over
-    ``group``, update.
+    """One synchronous data-parallel step on this rank's batch, among the ranks of ``group``.
 
-    Returns this rank's loss and the time spent computing vs communicating. The communication
-    time includes waiting for the slowest rank: a straggler shows up here.
+    Returns this rank's loss and the step's time in two parts, computing and communicating. The
+    communication time includes waiting for the slowest rank: a straggler shows up here.
     """
-    # TODO 1.2: one data-parallel step, timed in two parts.
-    # Invariant: after the step, all ranks of `group` hold identical weights equal to one
-    #   process stepping on the union of their batches; gradients from the last step never
-    #   leak in; compute_seconds + communication_seconds is the whole step, and only the
-    #   averaging counts as communication.
-    # Hint 1: a local training step with one extra piece between backward and the optimizer:
-    #   average_gradients, above. Only that piece is communication. On a GPU the clock must
-    #   wait for queued kernels (synchronize, given).
+    # TODO 1.2: one data-parallel step on this rank's batch, its time split in two parts.
+    # Invariant: afterwards every rank of `group` holds the weights one process would hold
+    #   after one step on the union of their batches; compute_seconds + communication_seconds
+    #   is the whole step, communication_seconds the averaging alone; each part times work
+    #   that has finished, on a GPU too.
+    # Hint 1: a single-process training step, with average_gradients (above) somewhere in it.
     # More hints: uv run python -m tests.hint 1.2
     # See guidelines.md#12-broadcast-and-gradient-averaging
     raise NotImplementedError(
-        "TODO 1.2: one data-parallel step, timed in two parts "
+        "TODO 1.2: one data-parallel step on this rank's batch, its time split in two parts "
         "(see phase1_data_parallel/guidelines.md#12-broadcast-and-gradient-averaging)"
     )
 
@@ -154,15 +150,15 @@ def data_parallel_step(
 
 def validate_config(config: TrainConfig, world_size: int) -> None:
     """Refuse a run that cannot work, before any process group or data exists."""
-    # TODO 1.4: refuse a global batch the world cannot split evenly, and an unknown strategy.
-    # Invariant: a bad run fails here, before any process group, data or model exists, with a
-    #   message that names the bad value and the fix.
-    # Hint 1: unequal per-rank batches break the "mean of means = global mean" argument and
-    #   give ranks different step counts; ALL_REDUCE_STRATEGIES lists the valid names.
+    # TODO 1.4: refuse a run whose global batch or all-reduce cannot work, naming the fix.
+    # Invariant: a bad run fails here with a ValueError, before any process group, data or model
+    #   exists; the message quotes the value given and says what would work.
+    # Hint 1: 1.2's argument that a mean of the ranks' means is the whole batch's mean: which
+    #   batches does it need?
     # More hints: uv run python -m tests.hint 1.4
     # See guidelines.md#14-the-data-parallel-trainer
     raise NotImplementedError(
-        "TODO 1.4: refuse a global batch the world cannot split evenly, and an unknown strategy "
+        "TODO 1.4: refuse a run whose global batch or all-reduce cannot work, naming the fix "
         "(see phase1_data_parallel/guidelines.md#14-the-data-parallel-trainer)"
     )
     check_given_settings(config, world_size)
@@ -204,9 +200,9 @@ class DataParallelLoop(TrainingLoop):
     def start_epoch(self, epoch: int, start_index: int = 0) -> None:
         """Called by the loop on every rank before the epoch's first batch is drawn."""
         # TODO 1.4: give this epoch its own order of samples, the same on every rank.
-        # Invariant: every epoch reshuffles (epoch e's order depends on e) and a resumed run
-        #   skips the first start_index samples of this rank's shard.
-        # Hint 1: the sampler shuffles with seed + epoch; it only learns the epoch from you.
+        # Invariant: every epoch reshuffles (epoch e's order depends on e), the same on every
+        #   rank, and a resumed epoch skips the first start_index samples of this rank's shard.
+        # Hint 1: which object of the loop yields the epoch's indices (your 1.1)?
         # More hints: uv run python -m tests.hint 1.4
         # See guidelines.md#14-the-data-parallel-trainer
         raise NotImplementedError(
@@ -221,11 +217,11 @@ class DataParallelLoop(TrainingLoop):
         handed to the all-reduce) and bytes_sent (what this rank passed to send/isend).
         """
         # TODO 1.4: run one data-parallel step on this rank's batch and report what it cost.
-        # Invariant: each rank steps on its own batch, averaging over `group` with the chosen
-        #   all-reduce; `loss` is the batch's mean loss and `samples` its size, so the loop's
-        #   sum loss x samples over the epoch is exact.
-        # Hint 1: data_parallel_step (1.2) does the work; CommCounter (a context manager)
-        #   counts what this rank sends while it is active.
+        # Invariant: each rank steps on its own batch among the ranks of the loop's group, with
+        #   the loop's all-reduce; `loss` is the batch's mean loss and `samples` its size, so
+        #   the loop's sum of loss x samples over the epoch is exact; bytes_sent is what this
+        #   rank passed to send/isend during the step.
+        # Hint 1: which of your 1.2 functions is one step, and what does it return?
         # More hints: uv run python -m tests.hint 1.4
         # See guidelines.md#14-the-data-parallel-trainer
         raise NotImplementedError(
@@ -235,15 +231,14 @@ class DataParallelLoop(TrainingLoop):
 
     def reduce_totals(self, totals: dict[str, float]) -> dict[str, float]:
         """This rank's sums for the epoch -> the sums over every rank of the group."""
-        # TODO 1.4: sum each of this rank's epoch totals over all ranks of the group.
+        # TODO 1.4: sum each of this rank's epoch totals over all ranks of the loop's group.
         # Invariant: every rank returns the same dict, with the same keys, whose values are the
-        #   sums over the group (so rank 0 can print them, and any rank could).
-        # Hint 1: one all-reduce of all the values at once, not one per key; every rank must
-        #   put the keys in the same order.
+        #   exact sums over the group (so rank 0 can print them, and any rank could).
+        # Hint 1: what does each collective cost, and how many values can one carry?
         # More hints: uv run python -m tests.hint 1.4
         # See guidelines.md#14-the-data-parallel-trainer
         raise NotImplementedError(
-            "TODO 1.4: sum each of this rank's epoch totals over all ranks of the group "
+            "TODO 1.4: sum each of this rank's epoch totals over all ranks of the loop's group "
             "(see phase1_data_parallel/guidelines.md#14-the-data-parallel-trainer)"
         )
 

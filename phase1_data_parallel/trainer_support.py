@@ -9,8 +9,8 @@ imports these, so that the template shows the exercise and not the plumbing arou
   exists);
 * :func:`check_given_settings`: the checks that are not part of 1.4 (the model's name, enough
   samples for one global batch);
-* :class:`StepStats`, :func:`synchronize`: what ``data_parallel_step`` returns, and the clock
-  barrier it needs on a GPU;
+* :class:`StepStats`, :func:`synchronize`: what ``data_parallel_step`` returns, and a wait for
+  the GPU's queued work;
 * :func:`build_model`, :func:`pattern_datasets`: the model and the data;
 * :class:`EpochStats`, :class:`TrainResult`, :func:`epoch_stats`, :func:`start_line`,
   :func:`epoch_line`: the numbers and lines each epoch ends with; :func:`record_run` writes them
@@ -90,10 +90,10 @@ class StepStats:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait until the GPU has finished the work queued so far (nothing to wait for on CPU).
+    """Return once the GPU has finished the work queued on ``device`` so far (at once on CPU).
 
-    CUDA kernels run asynchronously: a clock read right after a call that launched them measures
-    the launch, not the work. Call this before every ``time.perf_counter()`` that times GPU work.
+    CUDA kernels run asynchronously: a call that launches them returns as soon as they are
+    queued, before they have run.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -17,8 +17,7 @@ Both functions reduce contributions in rank order 0, 1, ..., n-1 on every rank, 
 with bitwise-identical results even for floating point, where (a + b) + c != a + (b + c).
 
 Both take ``group=``: inside a subgroup they use only its members. Ranks in the arguments of these
-functions (``root``) are ranks *within* the group, 0 .. group size - 1; torch's ``dst=``/``src=``
-want *global* ranks, so every peer is mapped with :func:`global_rank` before a message is sent.
+functions (``root``) are ranks *within* the group, 0 .. group size - 1.
 """
 
 from __future__ import annotations
@@ -97,21 +96,28 @@ def reduce_broadcast_all_reduce(
         raise ValueError(f"root={root} is outside [0, {world - 1}] (a rank within the group)")
     if world == 1:
         return tensor
-    # TODO 1.3: reduce every rank's tensor on the root, then send the result back to all ranks.
+    # TODO 1.3: all-reduce `tensor` in place through the root, from point-to-point messages.
     # Invariant: afterwards every rank's tensor holds the same bits: the reduction of all
-    #   ranks' inputs taken in group-rank order 0, 1, ..., n-1; only members of `group` talk.
-    # Hint 1: non-roots send their tensor to the root, then receive the result back into it.
-    #   rank, world and root count within the group; send/recv want global ranks (global_rank).
-    # Hint 2: the root needs a separate receive buffer per peer, posts all receives before
-    #   waiting on any, then folds the n contributions in rank order with combine_, starting
-    #   from a copy of contribution 0 (its own tensor sits at position `root`, not first),
-    #   writes the result into `tensor` and sends it to each peer. Every message names the
-    #   group and a peer mapped to its global rank; a non-root needs just two blocking calls.
-    # Hint 3: non-root: a blocking send to the root, then a blocking receive from it into the
-    #   same tensor, the root named by its global rank (global_rank) and `group` given. Root:
-    #   one irecv per peer into a fresh buffer like the tensor (empty_like), one wait_all; the
-    #   result starts as a clone of contribution 0, contributions 1..n-1 are combined into it
-    #   with op (combine_), it is copied back into `tensor`, and isent to every peer.
+    #   ranks' inputs taken in group-rank order 0, 1, ..., n-1, whichever rank is the root;
+    #   the root sends and receives (n-1)·S bytes, every other rank S; nothing hangs, whatever
+    #   the size; only members of `group` talk.
+    # Hint 1: what must the root hold before it can send anything back?
+    # Hint 2: Where does each incoming tensor land on the root: can it receive into `tensor`
+    #   itself, or two messages into one buffer? In which order are the n contributions
+    #   combined, and where does the root's own sit when the root is rank 3 of 4? Which rank
+    #   numbers do torch's dst and src take inside the group (2, 3)?
+    # Hint 3: One receive buffer per peer, shaped like the tensor (torch.empty_like), apart
+    #   from the root's own tensor: with 4 ranks and root 3, the root holds its own tensor and
+    #   three buffers, one each for ranks 0, 1 and 2.
+    # Hint 4: The fold starts from a copy of rank 0's contribution and combines ranks 1, 2, ...
+    #   into it in turn (combine_); with root 3 of 4 the root's own tensor comes last, not
+    #   first. The result is copied into `tensor` before anything is sent back.
+    # Hint 5: The answer in words: a non-root sends its tensor to the root and then receives
+    #   the result into the same tensor, two blocking calls, the root named by global_rank and
+    #   the group given. The root posts one irecv per peer into that peer's buffer, waits for
+    #   them all (wait_all), folds the contributions in group-rank order into a clone of the
+    #   first, copies the result into `tensor`, and isends it to every peer, waiting for those
+    #   sends before it returns.
     # See guidelines.md#13-all-reduce-from-send-and-recv
     # >>> solution
     if rank != root:
@@ -147,20 +153,27 @@ def direct_exchange_all_reduce(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return tensor
-    # TODO 1.3: exchange tensors with every peer at once, then reduce all n contributions.
-    # Invariant: the same bits on every rank, so reduce in group-rank order 0..n-1 everywhere,
-    #   your own tensor included at its own position; only members of `group` talk.
-    # Hint 1: blocking send/recv pairs in a loop can deadlock (two ranks both sending first);
-    #   post every send and receive without waiting, then wait for all of them.
-    # Hint 2: one receive buffer per peer; post a send of `tensor` and a receive into the
-    #   peer's buffer for every peer (on the group, peers mapped to global ranks), wait for
-    #   all of them, and only then reduce: start from a copy of contribution 0 and fold in
-    #   1..n-1 with combine_, your own tensor taking its own slot. Do not overwrite `tensor`
-    #   before every send has completed: a peer may still be reading it.
-    # Hint 3: one list of 2(n-1) works: an isend of `tensor` to each peer and an irecv into
-    #   that peer's buffer, each peer by its global rank, on `group`; one wait_all over the
-    #   list; then the fold of reduce_broadcast_all_reduce's root (a clone of contribution 0,
-    #   contributions 1..n-1 combined into it, copied into `tensor`).
+    # TODO 1.3: all-reduce `tensor` in place, every rank messaging every other rank directly.
+    # Invariant: the same bits on every rank: the reduction of all ranks' inputs taken in
+    #   group-rank order 0, 1, ..., n-1; every rank sends and receives (n-1)·S bytes, in one
+    #   round; nothing hangs, whatever the size; only members of `group` talk.
+    # Hint 1: every rank sends n-1 messages and receives n-1: which of those calls may wait
+    #   for a peer, and for what? (the guide's "When ranks hang")
+    # Hint 2: In which order does a rank post its messages and wait for them, so that no two
+    #   ranks each wait for the other to receive first? Where does each incoming tensor land?
+    #   Where does this rank's own tensor sit in the fold? When may the result be written into
+    #   `tensor`, given that a peer may still be reading it?
+    # Hint 3: Nothing waits until everything is posted: every send and every receive as an
+    #   isend or irecv, 2(n-1) messages with 4 ranks making 6, and only then one wait for all
+    #   of them (wait_all).
+    # Hint 4: The fold is the root's fold of reduce_broadcast_all_reduce: rank 0's contribution
+    #   first, this rank's own tensor at its own position (rank 2 of 4: third). The result
+    #   goes into `tensor` only once every send of it has completed.
+    # Hint 5: The answer in words: one buffer per peer (torch.empty_like); an isend of `tensor`
+    #   to each peer and an irecv into each peer's buffer, peers named by global_rank, on the
+    #   group; one wait_all over all of them; then a clone of contribution 0, contributions 1
+    #   to n-1 combined into it in turn (this rank's own tensor at its position), copied into
+    #   `tensor`.
     # See guidelines.md#13-all-reduce-from-send-and-recv
     # >>> solution
     buffers = {peer: torch.empty_like(tensor) for peer in range(world) if peer != rank}

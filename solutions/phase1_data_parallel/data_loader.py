@@ -1,15 +1,9 @@
 """Exercise 1.1: a distributed sampler that gives each rank its own shard of every epoch.
 
-Data parallelism only works if the N ranks see N *different* slices of the data, and together
-cover the whole dataset once per epoch. This sampler reproduces, index for index,
-``torch.utils.data.DistributedSampler`` (torch/utils/data/distributed.py):
-
-1. shuffle all indices with a generator seeded by ``seed + epoch`` (the same permutation on every
-   rank, a new one every epoch),
-2. pad by repeating indices from the front (or cut the tail with ``drop_last``) so the total is a
-   multiple of the world size,
-3. deal the list out to the ranks like cards: each rank gets its own positions, interleaved
-   with the others' rather than one contiguous block.
+Data parallelism only works if the N ranks see N *different* slices of the data, in equal
+counts, and together cover the whole dataset once per epoch, in a new order every epoch. This
+sampler yields, index for index, what ``torch.utils.data.DistributedSampler``
+(torch/utils/data/distributed.py) yields.
 
 It adds one thing PyTorch's sampler lacks: ``set_epoch(epoch, start_index=k)`` skips the first
 ``k`` samples of this rank's shard, which is what a run resumed in the middle of an epoch needs
@@ -33,7 +27,7 @@ class DistributedShardSampler(Sampler[int]):
         dataset: anything with ``len()``.
         num_replicas: how many ranks share the data; defaults to the size of ``group``.
         rank: this process's rank among them; defaults to its rank within ``group``.
-        shuffle: shuffle with a generator seeded by ``seed + epoch``.
+        shuffle: a new order every epoch, DistributedSampler's for ``seed`` and the epoch.
         seed: must be the same on every rank.
         drop_last: drop the tail so shards divide evenly, instead of padding with repeats.
         group: the process group whose ranks share the data (None: the default group). Inside a
@@ -73,18 +67,23 @@ class DistributedShardSampler(Sampler[int]):
         self.epoch = 0
         self.start_index = 0
         n = len(dataset)
-        # TODO 1.1: work out how many samples each rank gets per epoch.
+        # TODO 1.1: work out how many samples each rank yields per epoch.
         # Invariant: every rank gets the same count, so ranks run the same number of steps
-        #   (a rank with one batch more would wait forever in its extra all-reduce).
-        # Hint 1: padding rounds the epoch up to a multiple of num_replicas; drop_last rounds
-        #   it down (only when n does not divide evenly). Each rank gets its share of that.
-        # Hint 2: two cases. Padding: the smallest count that covers all n samples when every
-        #   rank takes it. drop_last with a remainder: the largest count every rank can take
-        #   without repeating a sample. Check n = 0, 1 and 10 on 4 ranks against the guide's
-        #   table.
-        # Hint 3: with R = num_replicas: padding takes ⌈n / R⌉ (math.ceil); drop_last with a
-        #   remainder takes ⌈(n − R) / R⌉, which is ⌊n / R⌋ (DistributedSampler writes it the
-        #   first way).
+        #   (a rank with one batch more would wait forever in its extra all-reduce); it is
+        #   DistributedSampler's count for every n, num_replicas and drop_last.
+        # Hint 1: the guide's table of counts: which rounding of n / num_replicas gives each row?
+        # Hint 2: Without drop_last, may any sample be left out of the epoch? With drop_last,
+        #   may any sample appear twice? So which count is the smallest that leaves nothing out,
+        #   and which the largest that repeats nothing? Does drop_last change anything when n
+        #   divides by num_replicas?
+        # Hint 3: Without drop_last (or when n divides evenly) the count rounds n / num_replicas
+        #   up: 10 samples on 4 ranks give 3 each, 12 places, 2 of them repeats.
+        # Hint 4: With drop_last and a remainder it rounds down: 10 samples on 4 ranks give 2
+        #   each, 8 places, the last 2 entries of the list cut. DistributedSampler writes it as
+        #   the ceiling of (n − num_replicas) / num_replicas, the same number.
+        # Hint 5: The answer in words: the ceiling of n over num_replicas (math.ceil), except with
+        #   drop_last when num_replicas does not divide n: then the ceiling of n minus
+        #   num_replicas, over num_replicas (which is the floor of n over num_replicas).
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.drop_last and n % num_replicas != 0:
@@ -97,19 +96,27 @@ class DistributedShardSampler(Sampler[int]):
     def epoch_indices(self) -> list[int]:
         """All ranks' indices for the current epoch, padded or cut to ``total_size``."""
         n = len(self.dataset)
-        # TODO 1.1: build the epoch's global index list, identical on every rank.
-        # Invariant: same (seed, epoch) -> same list on every rank; its length is total_size.
-        # Hint 1: the shuffle must be the same on every rank and new every epoch, and must not
-        #   touch the global random stream (DistributedSampler seeds its own generator with
-        #   seed + epoch); padding repeats indices from the front, as many times as needed (the
-        #   padding can be longer than the dataset when n < num_replicas).
-        # Hint 2: three steps. Order: a permutation from a generator of its own, or plain
-        #   0..n-1 without shuffle. Cut: with drop_last keep the first total_size. Pad: append
-        #   copies of the list's *start* until total_size, repeating the whole list when the
-        #   gap is longer than it.
-        # Hint 3: a fresh torch.Generator seeded with seed + epoch drives torch.randperm of n
-        #   (as a Python list). The padding is the first `padding` entries of the list repeated
-        #   ceil(padding / len) times, where padding = total_size minus the list's length.
+        # TODO 1.1: build the epoch's list of indices, every rank's together.
+        # Invariant: the same (seed, epoch) gives the same list on every rank, without a message;
+        #   its length is total_size; the process's global random stream is neither read nor
+        #   moved; it is the list DistributedSampler's shards come from.
+        # Hint 1: the guide's worked example shows the epoch's permutation and what each rank
+        #   yields: which entries does rank 2's last index repeat?
+        # Hint 2: Which random stream draws the permutation, so that every rank draws the same
+        #   one, a new one each epoch, and the process's global stream stays as it was? With
+        #   drop_last, which entries of the list survive? Without it, where do the extra
+        #   total_size − n entries come from, and what if there are more of them than samples
+        #   (n = 1 on 4 ranks)?
+        # Hint 3: A torch.Generator of the sampler's own, seeded with seed + epoch each time the
+        #   list is built, drives torch.randperm of n; without shuffle the list is 0 .. n − 1.
+        # Hint 4: With drop_last the list keeps its first total_size entries. Otherwise the
+        #   padding repeats the list from its front: the list 4 1 7 5 3 9 0 8 6 2 with
+        #   total_size 12 gets 4 1; a list of one sample with total_size 4 gets that sample three
+        #   more times.
+        # Hint 5: The answer in words: the permutation (or the plain range) as a Python list;
+        #   with drop_last, cut to its first total_size entries; otherwise append the first
+        #   total_size − n entries of the list repeated as many times as it takes (the list
+        #   repeated the ceiling of the padding over n times, then cut to the padding).
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         if self.shuffle:
@@ -127,16 +134,23 @@ class DistributedShardSampler(Sampler[int]):
         # <<< solution
 
     def __iter__(self) -> Iterator[int]:
-        # TODO 1.1: yield this rank's shard of epoch_indices(), skipping start_index samples.
-        # Invariant: shards of different ranks are disjoint (apart from padding) and together
-        #   are the whole epoch; every shard has num_samples indices before skipping.
-        # Hint 1: the guide's worked table (10 samples on 4 ranks) shows which positions each
-        #   rank takes: not a contiguous block. Find the rule that gives those positions for any
-        #   rank and any number of ranks.
-        # Hint 2: one slice of the epoch list gives the shard; skip start_index *after*
-        #   sharding (it counts this rank's samples, not the epoch's), and return an iterator.
-        # Hint 3: a strided slice: from position rank, every num_replicas-th entry, stopping at
-        #   total_size; then drop the shard's first start_index entries.
+        # TODO 1.1: yield this rank's indices of the epoch, without its first start_index.
+        # Invariant: every rank's shard has num_samples indices before skipping; the shards of
+        #   different ranks are disjoint apart from padding and together are the epoch's list;
+        #   each is DistributedSampler's shard for its rank.
+        # Hint 1: the guide's worked example: at which positions of the permutation do rank 2's
+        #   indices sit?
+        # Hint 2: Is a rank's shard one contiguous block of the list, or spread through it? Write
+        #   down the positions of rank 0's and rank 3's indices in the worked example: what rule
+        #   gives them for any rank and any number of ranks? start_index counts this rank's
+        #   samples: is it applied before this rank's positions are picked, or after?
+        # Hint 3: Dealt like cards: rank r takes positions r, r + N, r + 2N, ... below
+        #   total_size; in the worked example rank 2 takes positions 2, 6 and 10, so 7, 0 and 4.
+        # Hint 4: start_index is cut from the shard, after dealing: rank 2's shard 7 0 4 with
+        #   start_index 1 yields 0 and 4.
+        # Hint 5: The answer in words: one strided slice of the epoch's list, from this rank's
+        #   position in steps of num_replicas, stopping at total_size; then its first
+        #   start_index entries dropped, and an iterator over the rest returned.
         # See guidelines.md#11-the-distributed-sampler
         # >>> solution
         shard = self.epoch_indices()[self.rank : self.total_size : self.num_replicas]

@@ -1,10 +1,9 @@
 """Exercises 1.2 and 1.4: synchronous data-parallel training, built by hand.
 
-Every rank holds a full copy of the model. Each step, each rank runs forward and backward on its
-own B/N samples, then the ranks average their gradients, so every rank applies the same update
-and the copies never drift apart: with equal shards, the mean of the N local mean-gradients is
-the gradient of the mean loss over all B samples. This is what ``DistributedDataParallel`` does
-(Li et al., "PyTorch Distributed", VLDB 2020), minus its bucketing and overlap (phase 3).
+Every rank holds a full copy of the model and trains on its own B/N samples of every batch; the
+ranks average their gradients, so every rank applies the same update and the copies never drift
+apart. This is what ``DistributedDataParallel`` does (Li et al., "PyTorch Distributed", VLDB
+2020), minus its bucketing and overlap (phase 3).
 
 Every function takes ``group=`` (None: the default group) and ranks within it, so the same code
 trains inside a data-parallel subgroup. The epoch loop is the course's one loop
@@ -15,7 +14,6 @@ trains inside a data-parallel subgroup. The epoch loop is the course's one loop
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,27 +63,33 @@ ALL_REDUCE_STRATEGIES: dict[str, AllReduceFn] = {
 def broadcast_parameters(
     model: nn.Module, src: int = 0, *, group: dist.ProcessGroup | None = None
 ) -> None:
-    """Make every rank's parameters and buffers equal to rank ``src``'s, in place.
+    """Make every rank's model state (its ``state_dict()``) equal to rank ``src``'s, in place.
 
     ``src`` is a rank within ``group`` (None: the default group, where group and global ranks
     are the same). Seeding alone is not enough: a different library version, device or
     initialisation order on one rank would silently train N different models.
     """
-    # TODO 1.2: copy rank src's parameters AND buffers to every other rank, in place.
-    # Invariant: afterwards all ranks of `group` hold bitwise-identical model state; the tensors
-    #   themselves are updated (the optimizer keeps references to them); no rank outside
-    #   `group` is involved.
-    # Hint 1: buffers (e.g. BatchNorm running stats) are model state too; which collective
-    #   makes every rank's tensor equal to one rank's?
-    # Hint 2: walk parameters and buffers together and broadcast each tensor itself (not a
-    #   copy), without recording autograd. `src` counts within the group, while torch's root
-    #   argument of broadcast is a global rank unless you name it as a group rank.
-    # Hint 3: under torch.no_grad(), for each tensor of itertools.chain(parameters, buffers):
-    #   dist.broadcast with group=group and group_src=src.
+    # TODO 1.2: make every rank's model state equal to rank src's, in place.
+    # Invariant: afterwards every rank of `group` holds a state_dict() bitwise equal to rank
+    #   src's, in the same tensor objects as before (an optimizer holds references to them);
+    #   no rank outside `group` takes part.
+    # Hint 1: what does a model's state_dict() hold that its parameters() do not yield?
+    # Hint 2: Which tensors does state_dict() hold besides the parameters? Which collective
+    #   leaves one rank's tensor on every rank, and does it write into the very tensor you hand
+    #   it or return a new one? `src` is a rank of the group: which of torch's arguments takes
+    #   a rank of the group, and which a global rank?
+    # Hint 3: The buffers. A model's buffers() (a BatchNorm's running statistics, the test's
+    #   `scale`) are state too, and every rank walks them in the same order as its peers.
+    # Hint 4: dist.broadcast writes into the tensor it is handed, so hand it each parameter and
+    #   buffer itself, never a copy. Its src argument is a global rank; its group_src argument
+    #   is a rank of the group, the kind `src` is here.
+    # Hint 5: The answer in words: with autograd off (torch.no_grad), for every parameter and
+    #   then every buffer of the model, one dist.broadcast of that tensor on the group, with the
+    #   root given as a group rank (group_src).
     # See guidelines.md#12-broadcast-and-gradient-averaging
     # >>> solution
     with torch.no_grad():
-        for tensor in itertools.chain(model.parameters(), model.buffers()):
+        for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, group=group, group_src=src)
     # <<< solution
 
@@ -106,19 +110,28 @@ def average_gradients(
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0
-    # TODO 1.2: average the gradients across the group's ranks, in place, with all_reduce.
-    # Invariant: afterwards every rank's p.grad is the mean over the group (sum / group size),
-    #   identical on all its ranks; the returned int is the bytes passed to all_reduce.
-    # Hint 1: an all-reduce sums, and a mean needs one more operation. One call on one flat
-    #   buffer costs one message latency instead of one per tensor; a model may mix dtypes.
-    # Hint 2: per dtype: concatenate the flattened gradients, all-reduce that buffer once on
-    #   the group, divide by the group's size, then copy consecutive slices back into each
-    #   .grad (same order, reshaped). The byte count is the buffers' element count times the
-    #   element size.
-    # Hint 3: a dict from dtype to the list of gradients of that dtype; per list, torch.cat
-    #   of each gradient reshaped to one dimension is the flat buffer; all_reduce it on
-    #   `group`, divide it in place by the group's world size, and copy the slice
-    #   [offset, offset + numel) back into each gradient, viewed as its shape.
+    # TODO 1.2: make every existing gradient the mean of that gradient over the group's ranks.
+    # Invariant: afterwards each existing p.grad holds the mean over the ranks of `group`, the
+    #   same on every one of them; gradients leave the rank through all_reduce alone, in as few
+    #   calls as their dtypes allow, each in its own dtype; the returned int is the bytes
+    #   handed to all_reduce.
+    # Hint 1: what does an all-reduce leave in the tensor it is handed, and what does each
+    #   call cost (the guide's cost model)?
+    # Hint 2: An all-reduce sums: what turns the sum into a mean, and which count is that
+    #   inside the group (2, 3) of a world of 4? Each call costs one latency: how many
+    #   gradients can one call carry, and what must they have in common? How do the averaged
+    #   values get back into each .grad?
+    # Hint 3: The divisor is the size of the group (dist.get_world_size given the group), not
+    #   the world's: 2 in the group (2, 3) of a world of 4, whose world size is 4.
+    # Hint 4: One call per dtype. The gradients of one dtype, each flattened, concatenated into
+    #   one buffer: two float64 gradients of 6 and 4 elements make one buffer of 10 elements,
+    #   80 bytes. After the sum and the division, its first 6 elements go back into the first
+    #   gradient and the next 4 into the second, each viewed as its gradient's shape.
+    # Hint 5: The answer in words: group the existing gradients by dtype; for each dtype,
+    #   concatenate them flattened into one buffer (torch.cat), all_reduce it on the group,
+    #   divide it in place by the group's size, and copy consecutive slices of it back into
+    #   each gradient in the same order; return the sum over the buffers of their element
+    #   count times their element size.
     # See guidelines.md#12-broadcast-and-gradient-averaging
     # >>> solution
     world = dist.get_world_size(group)
@@ -149,29 +162,33 @@ def data_parallel_step(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> StepStats:
-    """One synchronous step on this rank's batch: forward, backward, average gradients over
-    ``group``, update.
+    """One synchronous data-parallel step on this rank's batch, among the ranks of ``group``.
 
-    Returns this rank's loss and the time spent computing vs communicating. The communication
-    time includes waiting for the slowest rank: a straggler shows up here.
+    Returns this rank's loss and the step's time in two parts, computing and communicating. The
+    communication time includes waiting for the slowest rank: a straggler shows up here.
     """
-    # TODO 1.2: one data-parallel step, timed in two parts.
-    # Invariant: after the step, all ranks of `group` hold identical weights equal to one
-    #   process stepping on the union of their batches; gradients from the last step never
-    #   leak in; compute_seconds + communication_seconds is the whole step, and only the
-    #   averaging counts as communication.
-    # Hint 1: a local training step with one extra piece between backward and the optimizer:
-    #   average_gradients, above. Only that piece is communication. On a GPU the clock must
-    #   wait for queued kernels (synchronize, given).
-    # Hint 2: read the clock four times: at the start, after backward, after averaging and
-    #   after the optimizer step. Communication is the one interval around averaging; compute
-    #   is the two intervals around it added together (the optimizer step is compute). Clear
-    #   the old gradients first (to None, so "no gradient" stays distinguishable). Return the
-    #   loss as a Python float and the byte count average_gradients gave back.
-    # Hint 3: the optimizer's zero_grad with set_to_none; the loss of the model's output on
-    #   the targets, then its backward; synchronize on the inputs' device right before each
-    #   time.perf_counter; average_gradients with the given all-reduce and group; the
-    #   optimizer's step. compute = (t1 - t0) + (t3 - t2), communication = t2 - t1.
+    # TODO 1.2: one data-parallel step on this rank's batch, its time split in two parts.
+    # Invariant: afterwards every rank of `group` holds the weights one process would hold
+    #   after one step on the union of their batches; compute_seconds + communication_seconds
+    #   is the whole step, communication_seconds the averaging alone; each part times work
+    #   that has finished, on a GPU too.
+    # Hint 1: a single-process training step, with average_gradients (above) somewhere in it.
+    # Hint 2: Where does the averaging go among clearing the gradients, forward, backward and
+    #   the optimizer's step? Backward adds into .grad: when must the previous step's
+    #   gradients go? How many clock readings split the step into the averaging and the rest?
+    #   On a GPU a call returns once its kernels are queued: what must come before a reading?
+    # Hint 3: The averaging goes between backward and the optimizer's step: the optimizer must
+    #   apply the mean. The previous step's gradients are cleared before backward, to None
+    #   (the optimizer's zero_grad does it), so a parameter without a gradient stays without.
+    # Hint 4: Four readings of time.perf_counter: at the start, after backward, after the
+    #   averaging, after the optimizer's step. Communication is the middle interval; compute
+    #   is the first and the last added together. Before every reading but the first,
+    #   synchronize on the device the inputs are on.
+    # Hint 5: The answer in words: clear the gradients, read the clock, forward and the loss
+    #   on this rank's batch, backward, synchronize and read, average_gradients with the given
+    #   all-reduce and group, synchronize and read, the optimizer's step, synchronize and read;
+    #   return a StepStats of the loss as a Python float, the two parts, and the bytes
+    #   average_gradients returned.
     # See guidelines.md#12-broadcast-and-gradient-averaging
     # >>> solution
     device = inputs.device
@@ -201,19 +218,24 @@ def data_parallel_step(
 
 def validate_config(config: TrainConfig, world_size: int) -> None:
     """Refuse a run that cannot work, before any process group or data exists."""
-    # TODO 1.4: refuse a global batch the world cannot split evenly, and an unknown strategy.
-    # Invariant: a bad run fails here, before any process group, data or model exists, with a
-    #   message that names the bad value and the fix.
-    # Hint 1: unequal per-rank batches break the "mean of means = global mean" argument and
-    #   give ranks different step counts; ALL_REDUCE_STRATEGIES lists the valid names.
-    # Hint 2: Which global batch sizes can every rank share equally, and what about one smaller than
-    #   the world (some ranks would get nothing)? What does a person need from the message to fix
-    #   the command: the flag, the value given, a value that works? Where are the valid strategy
-    #   names kept?
-    # Hint 3: Two checks, each raising ValueError. The batch: refuse a remainder when divided by
-    #   world_size, and a batch smaller than the world; say which flag, the value, and "use a
-    #   multiple of N" with a size that works. The strategy: refuse a name that is not a key of
-    #   ALL_REDUCE_STRATEGIES, quoting it and listing the keys.
+    # TODO 1.4: refuse a run whose global batch or all-reduce cannot work, naming the fix.
+    # Invariant: a bad run fails here with a ValueError, before any process group, data or model
+    #   exists; the message quotes the value given and says what would work.
+    # Hint 1: 1.2's argument that a mean of the ranks' means is the whole batch's mean: which
+    #   batches does it need?
+    # Hint 2: Which global batch sizes can every rank share equally, and is one smaller than
+    #   the world among them (some ranks would get nothing)? What does a person need from the
+    #   message to fix the command: the flag, the value given, a value that works? Where are
+    #   the valid strategy names kept?
+    # Hint 3: The batch: every rank gets the same number of samples only when the world size
+    #   divides the global batch; 63 on 2 ranks leaves a remainder of 1, and 64 or 62 would work.
+    # Hint 4: The message names the flag (--global-batch-size), the value, "use a multiple of N"
+    #   and a size that works; for the strategy, the name quoted and the keys of
+    #   ALL_REDUCE_STRATEGIES listed.
+    # Hint 5: The answer in words: two checks, each raising ValueError: a global batch smaller
+    #   than the world size or leaving a remainder when divided by it, with the message of
+    #   Hint 4; then an all-reduce name that is not a key of ALL_REDUCE_STRATEGIES, quoted, with
+    #   the keys listed.
     # See guidelines.md#14-the-data-parallel-trainer
     # >>> solution
     if config.global_batch_size < world_size or config.global_batch_size % world_size:
@@ -268,14 +290,18 @@ class DataParallelLoop(TrainingLoop):
     def start_epoch(self, epoch: int, start_index: int = 0) -> None:
         """Called by the loop on every rank before the epoch's first batch is drawn."""
         # TODO 1.4: give this epoch its own order of samples, the same on every rank.
-        # Invariant: every epoch reshuffles (epoch e's order depends on e) and a resumed run
-        #   skips the first start_index samples of this rank's shard.
-        # Hint 1: the sampler shuffles with seed + epoch; it only learns the epoch from you.
-        # Hint 2: Which object decides the order of the samples, and what must it be told to change
-        #   that order each epoch, and to skip what a resumed run already trained? Forgetting this
-        #   still trains (every epoch on epoch 0's order), so the grader records each epoch's order.
-        # Hint 3: One call of the sampler's set_epoch, with this epoch and with start_index passed
-        #   on as its keyword argument.
+        # Invariant: every epoch reshuffles (epoch e's order depends on e), the same on every
+        #   rank, and a resumed epoch skips the first start_index samples of this rank's shard.
+        # Hint 1: which object of the loop yields the epoch's indices (your 1.1)?
+        # Hint 2: Which object decides the order of the samples, and what must it be told before
+        #   each epoch to change that order, and to skip what a resumed run already trained? What
+        #   does it do if nobody tells it anything?
+        # Hint 3: The sampler (self.sampler, your 1.1) decides, and its set_epoch is how it
+        #   learns the epoch: untold, it deals epoch 0's order every epoch.
+        # Hint 4: start_index goes to the sampler too, in the same call: after a crash at sample
+        #   12 of this rank's shard, start_epoch of that epoch with start_index 12.
+        # Hint 5: The answer in words: one call of the sampler's set_epoch with this epoch,
+        #   start_index passed on as its keyword argument.
         # See guidelines.md#14-the-data-parallel-trainer
         # >>> solution
         self.sampler.set_epoch(epoch, start_index=start_index)
@@ -288,19 +314,24 @@ class DataParallelLoop(TrainingLoop):
         handed to the all-reduce) and bytes_sent (what this rank passed to send/isend).
         """
         # TODO 1.4: run one data-parallel step on this rank's batch and report what it cost.
-        # Invariant: each rank steps on its own batch, averaging over `group` with the chosen
-        #   all-reduce; `loss` is the batch's mean loss and `samples` its size, so the loop's
-        #   sum loss x samples over the epoch is exact.
-        # Hint 1: data_parallel_step (1.2) does the work; CommCounter (a context manager)
-        #   counts what this rank sends while it is active.
-        # Hint 2: run the step with the loop's model, optimizer, loss function, all-reduce and
-        #   group while the counter is active; build a StepOutput from the StepStats it
-        #   returns: its loss, the number of targets, and the four metrics named in the
-        #   docstring, the last one read from the counter afterwards.
-        # Hint 3: data_parallel_step takes the loop's model, optimizer and loss function, the
-        #   batch, the loop's all-reduce function and its group (a keyword); run it inside
-        #   `with CommCounter()`; bytes_sent is the counter's, read after the block; the
-        #   metrics are floats.
+        # Invariant: each rank steps on its own batch among the ranks of the loop's group, with
+        #   the loop's all-reduce; `loss` is the batch's mean loss and `samples` its size, so
+        #   the loop's sum of loss x samples over the epoch is exact; bytes_sent is what this
+        #   rank passed to send/isend during the step.
+        # Hint 1: which of your 1.2 functions is one step, and what does it return?
+        # Hint 2: Which group and which all-reduce does the step use, and where does the loop
+        #   keep them? `loss` is a mean over what, and `samples` counts what? The all-reduce is a
+        #   function you were handed: how does the step learn the bytes this rank passed to
+        #   send/isend while it ran?
+        # Hint 3: data_parallel_step does the step, with the loop's model, optimizer and loss
+        #   function, the batch, and the group and all-reduce the loop keeps (self.group,
+        #   self.all_reduce_fn); its StepStats gives the loss, the two times and bytes_reduced.
+        # Hint 4: A CommCounter (given) around the step counts what this rank sends: on 4 ranks
+        #   with direct exchange and S bytes of gradients, 3 S a step, while bytes_reduced is S.
+        # Hint 5: The answer in words: inside a with CommCounter block, data_parallel_step on
+        #   the loop's pieces and the batch; return a StepOutput of the step's loss, the number
+        #   of targets as samples, and metrics holding the two times, bytes_reduced and the
+        #   counter's bytes_sent read after the block, each as a float.
         # See guidelines.md#14-the-data-parallel-trainer
         # >>> solution
         with CommCounter() as comm:
@@ -327,17 +358,21 @@ class DataParallelLoop(TrainingLoop):
 
     def reduce_totals(self, totals: dict[str, float]) -> dict[str, float]:
         """This rank's sums for the epoch -> the sums over every rank of the group."""
-        # TODO 1.4: sum each of this rank's epoch totals over all ranks of the group.
+        # TODO 1.4: sum each of this rank's epoch totals over all ranks of the loop's group.
         # Invariant: every rank returns the same dict, with the same keys, whose values are the
-        #   sums over the group (so rank 0 can print them, and any rank could).
-        # Hint 1: one all-reduce of all the values at once, not one per key; every rank must
-        #   put the keys in the same order.
-        # Hint 2: order the keys the same way on every rank, pack the values into one tensor
-        #   (in a dtype that keeps large sums exact) on the loop's device, all-reduce it over
-        #   the loop's group, and pair the keys with the summed values again.
-        # Hint 3: the keys in sorted order; their values in one float64 tensor on the loop's
-        #   device; dist.all_reduce of it on the loop's group; zip the sorted keys with the
-        #   summed values (as a Python list) back into a dict.
+        #   exact sums over the group (so rank 0 can print them, and any rank could).
+        # Hint 1: what does each collective cost, and how many values can one carry?
+        # Hint 2: How many collectives for the whole dict, and over which group? How do the
+        #   ranks agree on which value is which, when each rank's dict was filled in its own
+        #   order? In which dtype do counts beyond 2^24 stay exact?
+        # Hint 3: One all-reduce of one tensor holding every value, on the loop's group
+        #   (self.group), on the loop's device.
+        # Hint 4: The keys in sorted order on every rank, so position i is the same key
+        #   everywhere; the tensor in float64: 2^24 + 1 samples on each of 2 ranks sum to
+        #   2^25 + 2 in float64 and to 2^25 in float32.
+        # Hint 5: The answer in words: the sorted keys; their values in that order in one
+        #   float64 tensor on the loop's device; dist.all_reduce of it on the loop's group; the
+        #   sorted keys paired with the summed values, as Python floats, in a new dict.
         # See guidelines.md#14-the-data-parallel-trainer
         # >>> solution
         keys = sorted(totals)

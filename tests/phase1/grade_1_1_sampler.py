@@ -2,8 +2,9 @@
 
 Every combination of dataset size, world size, rank, shuffle, drop_last, seed and epoch is
 compared with PyTorch's sampler; when they differ, the message names the likely mistake (the
-epoch left out of the seed, padding taken from the end, blocks instead of interleaved shards).
-Then: shards partition each epoch, set_epoch reshuffles, resuming part-way skips this rank's
+epoch left out of the seed, padding taken from the end or repeated only once, blocks instead of
+interleaved shards, drop_last ignored in the count). Then: the global random stream is left
+alone, shards partition each epoch, set_epoch reshuffles, resuming part-way skips this rank's
 first samples, and rank and size come from the process group, also inside a subgroup.
 """
 
@@ -66,6 +67,8 @@ def _variant(
         pad = total - n
         if mistake == "pad from end":
             order += (order * math.ceil(pad / n))[-pad:]
+        elif mistake == "pad once":
+            order += order[:pad]
         else:
             order += (order * math.ceil(pad / n))[:pad]
     if mistake == "blocks":
@@ -76,7 +79,11 @@ def _variant(
 MISTAKES = {
     "epoch ignored": "the order ignores the epoch: seed the generator with seed + epoch",
     "pad from end": "padding repeats the end of the list: repeat from its front",
-    "blocks": "each rank takes a contiguous block: take positions rank, rank + N, rank + 2N, ...",
+    "pad once": (
+        "the padding repeats the list at most once: when more padding is needed than there are "
+        "samples (n < N), the list repeats as often as it takes"
+    ),
+    "blocks": "each rank takes a contiguous block: rank r takes positions r, r + N, r + 2N and on",
     "drop_last rounds up": (
         "the count ignores drop_last: with drop_last=True each rank gets only what divides "
         "evenly (the tail is cut, never padded), so num_samples rounds down"
@@ -117,6 +124,32 @@ def test_sampler_yields_what_pytorch_yields() -> None:
                                     )
                                 checked += 1
     assert checked > 1000
+
+
+@exercise("1.1")
+def test_the_shuffle_leaves_the_global_random_stream_alone() -> None:
+    Sampler = sampler_module().DistributedShardSampler
+    sampler = Sampler(range(50), 2, 1, shuffle=True, seed=3)
+    sampler.set_epoch(2)
+    orders = []
+    for global_seed in (1234, 99):
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        orders.append(list(sampler))
+        if not torch.equal(before, torch.get_rng_state()):
+            fail(
+                "1.1: building the epoch's list moved the process's global random stream "
+                "(torch.get_rng_state() differs before and after iterating the sampler): a "
+                "model initialised or dropout drawn after the sampler would change with it. The "
+                "permutation comes from a random stream of the sampler's own"
+            )
+    if orders[0] != orders[1]:
+        fail(
+            "1.1: the epoch's order changed with the global seed (torch.manual_seed 1234, then "
+            "99): it read the process's global random stream, which other code also draws from. "
+            "The permutation comes from a random stream of the sampler's own, seeded with "
+            "seed + epoch"
+        )
 
 
 @exercise("1.1")

@@ -177,6 +177,87 @@ def test_average_gradients_is_the_mean_over_ranks(world_size: int) -> None:
     )
 
 
+class MixedNet(nn.Module):
+    """Gradients in two dtypes: a float64 layer and a float32 layer (no forward needed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(5, 4).double()
+        self.narrow = nn.Linear(4, 3)  # float32
+
+
+def buffers_worker() -> list[dict[str, Any]]:
+    """What average_gradients hands to all_reduce_fn, for ToyNet (one dtype) and MixedNet."""
+    trainer = trainer_module()
+    handed: list[tuple[str, int]] = []
+
+    def recording_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        handed.append((str(tensor.dtype).removeprefix("torch."), tensor.numel()))
+        return dist.all_reduce(tensor, *args, **kwargs)
+
+    runs = []
+    for model in (make_toy(seed=0), MixedNet()):
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.full_like(p, float(dist.get_rank() + 1))
+        if isinstance(model, ToyNet):
+            model.unused.weight.grad = None
+            model.unused.bias.grad = None
+        handed.clear()
+        nbytes = trainer.average_gradients(model, recording_all_reduce)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        runs.append(
+            {
+                "model": type(model).__name__,
+                "handed": list(handed),
+                "nbytes": nbytes,
+                "tensors": len(grads),
+                "by_dtype": {
+                    str(dtype).removeprefix("torch."): sum(
+                        g.numel() for g in grads if g.dtype == dtype
+                    )
+                    for dtype in {g.dtype for g in grads}
+                },
+                "bytes": sum(g.numel() * g.element_size() for g in grads),
+                "means": all(torch.allclose(g, torch.full_like(g, 1.5)) for g in grads),
+            }
+        )
+    return runs
+
+
+@exercise("1.2")
+def test_average_gradients_hands_over_one_buffer_per_dtype() -> None:
+    problems = []
+    for run in small_world(buffers_worker, 2)[0]:
+        where = (
+            f"{run['model']} ({run['tensors']} gradient tensors: "
+            + ", ".join(f"{n} {dtype} values" for dtype, n in sorted(run["by_dtype"].items()))
+            + ")"
+        )
+        handed = ", ".join(f"{n} {dtype}" for dtype, n in run["handed"])
+        dtypes = len(run["by_dtype"])
+        if len(run["handed"]) > dtypes:
+            problems.append(
+                f"{where}: average_gradients called all_reduce_fn {len(run['handed'])} times "
+                f"({handed}); each call costs one message latency, and one call can carry every "
+                f"gradient of one dtype: {dtypes} call(s)"
+            )
+        elif sorted(run["handed"]) != sorted(run["by_dtype"].items()):
+            problems.append(
+                f"{where}: all_reduce_fn was handed {handed}; each dtype's gradients travel in "
+                "their own dtype (a float32 gradient widened to float64 doubles its bytes on the "
+                "wire, and tensors of two dtypes cannot share one buffer without that)"
+            )
+        if run["nbytes"] != run["bytes"]:
+            problems.append(
+                f"{where}: average_gradients returned {run['nbytes']}, but the gradients that "
+                f"exist hold {run['bytes']} bytes, which is what it hands to all_reduce_fn"
+            )
+        if not run["means"]:
+            problems.append(f"{where}: the gradients are not the mean 1.5 of 1 and 2 afterwards")
+    first_problems(problems, "1.2 average_gradients on 2 ranks, rank r's gradients all r+1:")
+
+
 # ============================================================================ the DP step
 
 STEPS, GLOBAL_BATCH = 4, 12
@@ -405,6 +486,105 @@ def test_dp_step_times_compute_and_communication_apart(slow: str) -> None:
                     "Communication is the averaging alone; forward, backward and the optimizer "
                     "step are compute."
                 )
+
+
+WORK = ("forward", "backward", "all-reduce", "optimizer step")
+
+
+def waiting_worker() -> list[str]:
+    """The order of the step's work, its clock readings and its synchronize calls, on one rank
+    (synchronize is replaced by a recorder: on a CPU the real one does nothing)."""
+    trainer = trainer_module()
+    events: list[str] = []
+
+    class Logged(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            events.append("forward")
+            out = self.inner(x)
+            out.register_hook(lambda grad: events.append("backward"))
+            return out
+
+    class LoggedSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            events.append("optimizer step")
+            return super().step(closure)
+
+    def logged_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        events.append("all-reduce")
+        return dist.all_reduce(tensor, *args, **kwargs)
+
+    def reading() -> float:
+        events.append("clock")
+        return 1000.0
+
+    def recording_synchronize(device: torch.device) -> None:
+        events.append(f"synchronize {torch.device(device).type}")
+
+    model = Logged(make_toy(seed=5))
+    optimizer = LoggedSGD(model.parameters(), lr=0.1)
+    inputs, targets = global_batches(1, 8)[0]
+    shard = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    with (
+        mock.patch.object(trainer, "synchronize", recording_synchronize),
+        mock.patch("time.perf_counter", reading),
+        mock.patch("time.time", reading),
+        mock.patch("time.monotonic", reading),
+    ):
+        trainer.data_parallel_step(
+            model,
+            optimizer,
+            nn.functional.cross_entropy,
+            inputs[shard],
+            targets[shard],
+            logged_all_reduce,
+        )
+    return events
+
+
+def unwaited_readings(events: list[str]) -> list[str]:
+    """For each clock reading that follows work with no synchronize since: that work."""
+    found, last_work, waited = [], None, True
+    for event in events:
+        if event in WORK:
+            last_work, waited = event, False
+        elif event.startswith("synchronize"):
+            waited = True
+        elif event == "clock" and not waited:
+            found.append(last_work or "")
+            waited = True  # one remark per piece of work
+    return found
+
+
+@exercise("1.2")
+def test_dp_step_waits_for_the_device_before_each_reading() -> None:
+    for rank, events in enumerate(small_world(waiting_worker, 2)):
+        seen = " -> ".join(events)
+        if "clock" not in events:
+            fail(f"1.2 data_parallel_step: rank {rank} never read time.perf_counter ({seen})")
+        missed = unwaited_readings(events)
+        if missed and not any(e.startswith("synchronize") for e in events):
+            fail(
+                f"1.2 data_parallel_step on rank {rank} read the clock after the {missed[0]} "
+                "without ever calling synchronize (given): on a GPU a call returns once its "
+                "kernels are queued, so that reading times the launch, not the work. What the "
+                f"step did, in order: {seen}"
+            )
+        if missed:
+            fail(
+                f"1.2 data_parallel_step on rank {rank} read the clock after the {missed[0]} with "
+                "no synchronize between them: on a GPU that reading would time the launch of the "
+                f"{missed[0]}'s kernels, not the work. What the step did, in order: {seen}"
+            )
+        wrong = [e for e in events if e.startswith("synchronize") and e != "synchronize cpu"]
+        if wrong:
+            fail(
+                f"1.2 data_parallel_step on rank {rank}: {wrong[0]}, but the batch is on the cpu: "
+                "wait for the device the inputs are on"
+            )
 
 
 # ============================================================================ subgroups

@@ -2,7 +2,9 @@
 rank-order reduction on every rank, and the bytes each strategy predicts.
 
 Both strategies run on worlds of 2, 3 and 4 with sizes smaller than the world, not divisible by
-it, and large, in float32, float64 and int64, and with MAX, MIN and PRODUCT. Random floats of
+it, and large, in float32, float64 and int64, and with MAX, MIN and PRODUCT. Inputs of 10^r on
+rank r count each contribution in the digits of the sum; every isend is watched, and its tensor
+must not change before its Work is waited for. Random floats of
 mixed magnitudes check the invariant exactly: every rank must hold the bits of
 ``((x0 + x1) + x2) + x3``, which a rank that adds in arrival order, or a root that starts from its
 own tensor, does not. Inside the groups (0, 1) and (2, 3) of a world of 4, with ``root=1``, each
@@ -86,6 +88,112 @@ def test_all_reduce_equals_dist_all_reduce(strategy: str, world_size: int) -> No
     first_problems(
         [p for rank_problems in results for p in rank_problems],
         f"1.3 {strategy} on {world_size} ranks, compared with dist.all_reduce:",
+    )
+
+
+def census_worker(strategy: str, root: int) -> float:
+    fn = getattr(all_reduce_module(), strategy)
+    tensor = torch.full((7,), float(10 ** dist.get_rank()), dtype=torch.float64)
+    fn(tensor, **({"root": root} if strategy == "reduce_broadcast_all_reduce" else {}))
+    return float(tensor[0])
+
+
+def contribution_counts(value: float, world_size: int) -> list[int] | None:
+    """How many times each rank's 10^r is in ``value`` (None when it is no such sum)."""
+    if value < 0 or value != int(value) or value >= 10**world_size * 10:
+        return None
+    digits = [int(value) // 10**r % 10 for r in range(world_size)]
+    return digits if sum(d * 10**r for r, d in enumerate(digits)) == value else None
+
+
+@exercise("1.3")
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_contribution_is_counted_once(strategy: str, world_size: int) -> None:
+    root = world_size - 1
+    problems = []
+    for rank, value in enumerate(small_world(census_worker, world_size, strategy, root)):
+        counts = contribution_counts(value, world_size)
+        if counts == [1] * world_size:
+            continue
+        if counts is None:
+            problems.append(f"rank {rank} ended with {value!r}, which is no sum of the inputs")
+            continue
+        missing = [r for r, c in enumerate(counts) if c == 0]
+        twice = [r for r, c in enumerate(counts) if c > 1]
+        said = ", ".join(f"rank {r}'s {c} time(s)" for r, c in enumerate(counts) if c != 1)
+        why = (
+            "one contribution was overwritten by another: each incoming tensor needs a place "
+            "of its own, apart from the other incoming ones and from this rank's own tensor "
+            "until that has been combined"
+            if missing and twice
+            else "a contribution was never received or never combined"
+            if missing
+            else "a contribution was combined more than once"
+        )
+        problems.append(f"rank {rank} ended with {value:g}: it counted {said}; {why}")
+    detail = f" (root={root})" if strategy == "reduce_broadcast_all_reduce" else ""
+    first_problems(
+        problems,
+        f"1.3 {strategy}{detail} on {world_size} ranks, rank r's tensor all 10^r, so each digit "
+        f"of the sum counts one rank's contribution (expected {'1' * world_size}):",
+    )
+
+
+class WatchedSend:
+    """An isend's Work that checks, when waited for, that the tensor still holds what it held
+    when the send was posted."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor, peer: Any, log: list[str]) -> None:
+        self.work, self.tensor, self.peer, self.log = work, tensor, peer, log
+        self.posted = tensor.clone()
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.equal(self.tensor, self.posted):
+            self.log.append(
+                f"the tensor of its isend to rank {self.peer} changed before that send was "
+                "waited for"
+            )
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def in_flight_worker(strategy: str) -> list[str]:
+    import torch.distributed.distributed_c10d as c10d
+
+    fn = getattr(all_reduce_module(), strategy)
+    log: list[str] = []
+    original = c10d.isend
+
+    def watched_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        peer = kwargs.get("dst", args[0] if args else kwargs.get("group_dst"))
+        work = original(tensor, *args, **kwargs)
+        return None if work is None else WatchedSend(work, tensor, peer, log)
+
+    tensor = torch.arange(4099, dtype=torch.float64) * (dist.get_rank() + 1)
+    saved = (dist.isend, c10d.isend)
+    dist.isend = c10d.isend = watched_isend
+    try:
+        fn(tensor)
+    finally:
+        dist.isend, c10d.isend = saved
+    return log
+
+
+@exercise("1.3")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_tensor_changes_while_a_send_of_it_is_in_flight(strategy: str) -> None:
+    problems = [
+        f"rank {rank}: {remark}"
+        for rank, log in enumerate(small_world(in_flight_worker, 3, strategy))
+        for remark in log[:1]
+    ]
+    first_problems(
+        problems,
+        f"1.3 {strategy} on 3 ranks, every isend watched: a send may read its tensor until its "
+        "Work completes, so a peer could receive part of the result instead of this rank's input:",
     )
 
 

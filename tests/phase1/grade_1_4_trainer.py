@@ -235,6 +235,11 @@ def test_bytes_sent_follow_each_strategys_formula_on_4_ranks(strategy: str) -> N
             " That is the payload S: report the bytes this rank passed to send/isend "
             "(CommCounter.bytes_sent around the step), not the bytes handed to the all-reduce."
             if sent == pytest.approx(size)
+            else " No byte went through send/isend: either the step ran torch's all-reduce, "
+            "which sends inside the backend, instead of the one the loop was given "
+            f"(--all-reduce {strategy}), or bytes_sent was not read from a CommCounter active "
+            "during the step."
+            if sent == 0
             else ""
         )
         fail(
@@ -242,6 +247,102 @@ def test_bytes_sent_follow_each_strategys_formula_on_4_ranks(strategy: str) -> N
             f"per step, averaged over ranks, should be {formula} = {factor * size:.0f}; the "
             f"trainer reported {sent:.0f} ({sent / size:.3g}·S).{hint}"
         )
+
+
+class _EpochsTold:
+    """A stand-in sampler that records what the loop tells it."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[int, int]] = []
+
+    def set_epoch(self, epoch: int, start_index: int = 0) -> None:
+        self.told.append((epoch, start_index))
+
+
+def bare_loop(trainer: Any, sampler: Any = None, group: Any = None) -> Any:
+    model = nn.Linear(2, 2)
+    return trainer.DataParallelLoop(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [],
+        sampler,
+        device=torch.device("cpu"),
+        group=group,
+    )
+
+
+@exercise("1.4")
+def test_start_epoch_tells_the_sampler_the_epoch_and_where_to_resume() -> None:
+    sampler = _EpochsTold()
+    loop = bare_loop(trainer_module(), sampler)
+    loop.start_epoch(3)
+    loop.start_epoch(4, start_index=5)
+    if sampler.told != [(3, 0), (4, 5)]:
+        fail(
+            "1.4: DataParallelLoop.start_epoch(3), then start_epoch(4, start_index=5): the "
+            f"sampler was told {sampler.told}, expected [(3, 0), (4, 5)] (epoch, start_index): "
+            "each epoch's order is the sampler's for that epoch, and a resumed epoch skips the "
+            "first start_index samples of this rank's shard"
+        )
+
+
+BIG = float(2**24 + 1)  # float32 holds integers exactly only up to 2^24
+
+
+def totals_worker() -> dict[str, Any]:
+    from course.comm_counter import CommCounter
+
+    rank = dist.get_rank()
+    mine = {"samples": BIG, "loss": 1.5 * (rank + 1), "steps": 3.0 + rank}
+    keys = list(mine) if rank == 0 else list(reversed(mine))  # each rank fills its own order
+    totals = {key: mine[key] for key in keys}
+    loop = bare_loop(trainer_module())
+    with CommCounter() as comm:
+        summed = loop.reduce_totals(totals)
+    return {"summed": summed, "calls": dict(comm.calls)}
+
+
+@exercise("1.4")
+def test_reduce_totals_sums_every_key_in_one_collective() -> None:
+    expected = {"samples": 2 * BIG, "loss": 4.5, "steps": 7.0}
+    problems = []
+    for rank, result in enumerate(small_world(totals_worker, 2)):
+        summed, calls = result["summed"], result["calls"]
+        collectives = {op: n for op, n in calls.items() if n}
+        if sum(collectives.values()) > 1:
+            problems.append(
+                f"rank {rank}: reduce_totals made {sum(collectives.values())} collectives "
+                f"({collectives}) for {len(expected)} keys: each costs a message latency, and "
+                "one tensor can carry every value"
+            )
+        if not isinstance(summed, dict) or set(summed) != set(expected):
+            problems.append(
+                f"rank {rank}: returned {summed!r}, expected the keys {sorted(expected)}"
+            )
+            continue
+        for key, want in expected.items():
+            got = summed[key]
+            if got == want:
+                continue
+            if key == "samples" and got == float(torch.tensor(want, dtype=torch.float32)):
+                problems.append(
+                    f"rank {rank}: the sum of 'samples' is {got:.0f}, expected {want:.0f}: the "
+                    "values travelled in float32, which holds integers exactly only up to 2^24"
+                )
+            else:
+                problems.append(
+                    f"rank {rank}: the sum of {key!r} is {got!r}, expected {want!r}; rank 0 "
+                    "filled its dict in the order samples, loss, steps and rank 1 in the "
+                    "reverse order, so values paired by position add unrelated numbers"
+                )
+    first_problems(
+        problems,
+        "1.4 DataParallelLoop.reduce_totals on 2 ranks, 'samples' 2^24 + 1 on each:",
+    )
+
+
+class _JoinedTheGroup(Exception):
+    """main() got past its checks to the process group."""
 
 
 @exercise("1.4")
@@ -259,9 +360,23 @@ def test_bad_arguments_fail_before_training(
     trainer = trainer_module()
     monkeypatch.setenv("WORLD_SIZE", world_size)
     monkeypatch.setenv("RANK", "0")
+
+    def no_session(*args: Any, **kwargs: Any) -> Any:
+        raise _JoinedTheGroup
+
+    # main() reaching the process group means the run was accepted: say so, instead of waiting
+    # there for ranks that this test never starts
+    monkeypatch.setattr(trainer, "distributed_session", no_session)
     stderr = io.StringIO()
-    with redirect_stderr(stderr):
+    code: int | None = None
+    with suppress(_JoinedTheGroup), redirect_stderr(stderr):
         code = trainer.main(argv)
+    if code is None:
+        fail(
+            f"1.4: main({argv}) on {world_size} ranks went on to join the process group: "
+            f"validate_config accepted it. {' '.join(argv)} cannot work on {world_size} "
+            "rank(s), so it must raise a ValueError that names the value and the fix"
+        )
     if code != 2:
         fail(
             f"1.4: main({argv}) on {world_size} ranks should return 2 before training; it returned {code}"
