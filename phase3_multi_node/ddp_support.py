@@ -27,18 +27,18 @@ exercise's class extends:
   ``_finish_reduction()`` runs. When ``loss.backward()`` returns, the gradients are averaged.
 * **Communication hooks** (:meth:`DDPBase.register_comm_hook`, torch's seam for compression,
   phase 4): ``hook(state, bucket) -> torch.futures.Future[Tensor]`` replaces a bucket's
-  all-reduce. As in torch's Reducer, the bucket then holds the raw local gradients (the hook
-  divides: ``default_hooks.fp16_compress_hook`` casts, divides by the world and all-reduces),
-  and the tensor the future returns is what the bucket's parameters receive. torch's own hooks
+  all-reduce. As in torch's Reducer, the hook does the division by the world itself
+  (``default_hooks.fp16_compress_hook`` casts, divides by the world and all-reduces), and the
+  tensor the future returns is what the bucket's parameters receive. torch's own hooks
   (``default_hooks``, ``powerSGD_hook``) run unchanged: :class:`HookBucket` offers the methods
   of ``dist.GradBucket`` they call. :meth:`DDPBase._launch` starts a bucket's all-reduce either
-  way; :attr:`DDPBase._copy_factor` is what a gradient is multiplied by on its way into its
-  bucket (1/world, or 1 with a hook).
+  way; :attr:`DDPBase._copy_factor` is the factor between a rank's gradient and its share of the
+  average (1/world, or 1 with a hook, which divides).
 
 Differences from torch, on purpose: torch's first iteration uses one bucket and rebuilds the
-buckets afterwards in the order the gradients arrived; here the buckets are formed at
-construction in reverse registration order, which is what torch ends with whenever gradients
-arrive in that order (any chain of layers). With ``find_unused_parameters=True`` torch finds
+buckets afterwards in the order the gradients arrived; here the buckets are formed once, at
+construction, by ``assign_buckets``, which must give what torch ends with for any chain of
+layers. With ``find_unused_parameters=True`` torch finds
 unused parameters by walking the autograd graph in ``forward`` and keeps its initial buckets;
 here parameters without a gradient are marked ready when backward ends (same values, less
 overlap for the buckets after them).
@@ -95,7 +95,8 @@ class HookBucket:
         return self._bucket.index
 
     def buffer(self) -> torch.Tensor:
-        """The flat buffer of the bucket's gradients (not divided by the world)."""
+        """The flat buffer of the bucket's gradients (with a hook: as this rank computed
+        them; the hook divides)."""
         return self._bucket.buffer
 
     def gradients(self) -> list[torch.Tensor]:
@@ -174,9 +175,9 @@ def build_buckets(
 class DDPBase(nn.Module):
     """Everything of ``DistributedDataParallel`` but the exercise (see the module docstring).
 
-    A subclass defines ``_mark_ready(index)`` (a gradient is in ``.grad``: copy it into its
-    bucket, launch what is full) and ``_finish_reduction()`` (wait, write ``.grad``, reset), and
-    ``no_sync()``. State they use: ``self.buckets`` (:class:`Bucket` s in launch order),
+    A subclass defines ``_mark_ready(index)`` (a gradient is in ``.grad``),
+    ``_finish_reduction()`` (backward is over) and ``no_sync()``. State they use:
+    ``self.buckets`` (:class:`Bucket` s in launch order),
     ``self.params`` (the trainable parameters, each once), ``self._locate[index]`` (its bucket
     and position there), ``self._next_bucket`` (the first bucket not launched in this backward),
     ``self.gradient_as_bucket_view``, ``self.require_backward_grad_sync``, and the methods
@@ -267,9 +268,9 @@ class DDPBase(nn.Module):
 
     @property
     def _copy_factor(self) -> float:
-        """What a gradient is multiplied by on its way into its bucket: 1/world, so the sum is
-        the average; 1 when a communication hook is registered (the hook divides, as torch's
-        Reducer leaves it to the hook)."""
+        """The factor between a rank's gradient and its share of the group's average: 1/world;
+        1 when a communication hook is registered (the hook divides, as torch's Reducer leaves
+        it to the hook)."""
         return 1.0 if self._comm_hook is not None else 1.0 / self.world_size
 
     def _launch(self, bucket: Bucket) -> Any:

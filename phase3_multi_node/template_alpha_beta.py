@@ -82,8 +82,8 @@ def ring_cost(nbytes: float, n: int) -> Cost:
     """The ring all-reduce of ``nbytes`` over ``n`` ranks: reduce-scatter + all-gather."""
     _check(nbytes, n)
     # TODO 3.2: the ring's counts: messages, bytes sent and bytes reduced per rank.
-    # Invariant: n - 1 steps of reduce-scatter and n - 1 of all-gather, one chunk of S/n each;
-    #   only the reduce-scatter reduces. A world of one costs nothing.
+    # Invariant: the ring's row of the cost table, for any n >= 1 (a world of one costs
+    #   nothing).
     # Hint 1: guidelines.md#the-cost-table has the formulas; Cost(rounds, bytes_sent,
     #   bytes_reduced).
     # More hints: uv run python -m tests.hint 3.2
@@ -98,9 +98,8 @@ def halving_doubling_cost(nbytes: float, n: int) -> Cost:
     """Rabenseifner's halving-doubling over ``n`` ranks, with the fold-in when n is not 2^k."""
     _check(nbytes, n)
     # TODO 3.2: halving-doubling's counts, fold-in included.
-    # Invariant: log2(p) halving and log2(p) doubling steps among p = 2^k core ranks, S/2, S/4,
-    #   ... each; when n > p, one message of S in and one out for the folded pairs, and one
-    #   more reduction of S.
+    # Invariant: the halving-doubling rows of the cost table, for any n >= 1 (the fold-in's
+    #   messages, bytes and reduction added when n is not a power of two).
     # Hint 1: p is the largest power of two <= n (int.bit_length tells how many bits n has);
     #   math.log2 is exact on a power of two. Cost objects add up (Cost.__add__).
     # More hints: uv run python -m tests.hint 3.2
@@ -145,15 +144,16 @@ def fit_alpha_beta(costs: Sequence[Cost], seconds: Sequence[float]) -> AlphaBeta
         )
     if any(not (t > 0 and math.isfinite(t)) for t in seconds):
         raise ValueError(f"times must be positive and finite, got {list(seconds)}")
-    # TODO 3.2: least squares for (alpha, beta), relative to each measured time, both >= 0.
+    # TODO 3.2: the alpha and beta that fit the times best, relative to each time, both >= 0
     # Invariant: on times made exactly from the model, the fit returns the model's alpha and
-    #   beta; a fit that would make one of them negative sets it to 0 and refits the other.
-    # Hint 1: divide each equation t_i = alpha·m_i + beta·v_i by t_i, then solve the 2x2 normal
-    #   equations (A^T A) x = A^T b by hand (or with numpy.linalg.lstsq).
+    #   beta; a fit whose unconstrained alpha (beta) is negative returns 0 for it and the best
+    #   fit of the other alone; measurements that cannot tell alpha from beta are refused.
+    # Hint 1: the relative error of measurement i is the model's time minus t_i, divided by
+    #   t_i: a linear expression in alpha and beta.
     # More hints: uv run python -m tests.hint 3.2
     # See guidelines.md#the-alpha-beta-model
     raise NotImplementedError(
-        "TODO 3.2: least squares for (alpha, beta), relative to each measured time, both >= 0 "
+        "TODO 3.2: the alpha and beta that fit the times best, relative to each time, both >= 0 "
         "(see phase3_multi_node/guidelines.md#the-alpha-beta-model)"
     )
 

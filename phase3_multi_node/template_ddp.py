@@ -11,21 +11,16 @@ C++ ``Reducer`` in torch/csrc/distributed/c10d/reducer.cpp). So does this module
 1. **Construction** (given, :class:`~phase3_multi_node.ddp_support.DDPBase`): rank 0's
    parameters and buffers are broadcast; the trainable parameters are packed into buckets with
    your :func:`assign_buckets`; a post-accumulate-grad hook on each calls :meth:`_mark_ready`.
-2. **During backward** (yours): when a parameter's gradient is in ``.grad``, it goes into its
-   slot of its bucket's flat buffer, already divided by the world. When a bucket's last slot is
-   filled (and every earlier bucket has been launched), its all-reduce starts, asynchronously,
-   while backward goes on computing earlier layers.
+2. **During backward** (yours: :meth:`_mark_ready`): each time a parameter's gradient is in
+   ``.grad``, the hook tells you; the buckets' all-reduces must run while backward goes on
+   computing earlier layers.
 3. **When backward ends** (the callback is given, the work is yours: :meth:`_finish_reduction`):
-   wait for every bucket and give the averages to ``.grad``. So when ``loss.backward()``
-   returns every ``.grad`` holds the average over the group: an ordinary training loop works
-   unchanged.
+   when ``loss.backward()`` returns every ``.grad`` holds the average over the group, so an
+   ordinary training loop works unchanged.
 
-Why divide *before* the sum: the sum of n gradients can overflow fp16 (max 65504) where the
-average does not; torch divides while copying into the bucket (reducer.cpp,
-``mark_variable_ready_dense``). Why launch buckets *in order*: collectives are matched by the
-order they are issued on each rank, so every rank must issue them in the same order, whatever
-order its gradients arrive in (``next_bucket_`` in reducer.cpp). phase3_multi_node/ddp_support.py
-documents the rest: communication hooks, unused and tied parameters, what differs from torch.
+The contract of each method, and the questions whose answers are its design, are in
+guidelines.md#34-ddp-from-scratch. phase3_multi_node/ddp_support.py documents the given part:
+communication hooks, unused and tied parameters, what differs from torch.
 """
 
 from __future__ import annotations
@@ -84,42 +79,39 @@ class DistributedDataParallel(DDPBase):
         )
 
     def _mark_ready(self, index: int) -> None:
-        """Copy ``params[index].grad`` (None counts as zeros), divided by the group size, into
-        its bucket slot; launch every bucket, in bucket order, whose slots are all filled.
+        """``params[index].grad`` holds this backward's gradient (None: this rank did not use
+        the parameter); start every all-reduce that may start now.
 
         ``self._locate[index]`` is (bucket, position in it); ``bucket.slot(position)`` is the
         slot; ``bucket.pending`` counts the gradients still to come; ``self._next_bucket`` is
         the first bucket not launched yet; ``bucket.work`` keeps the all-reduce's handle.
         """
-        # TODO 3.4: copy the gradient into its bucket (divided by the world) and launch buckets.
-        # Invariant: a bucket's all-reduce starts (async, through self._launch) as soon as its
-        #   last gradient is in and every earlier bucket has started, never later (overlap) and
-        #   never out of bucket order; each bucket is all-reduced once per backward; nothing
-        #   here waits for an all-reduce (backward goes on while it runs).
-        # Hint 1: scale on the way into the slot, by self._copy_factor (1/world, or 1 when a
-        #   hook divides), in one operation that writes straight into the slot: dividing after
-        #   the sum lets n fp16 gradients overflow where their average would not.
+        # TODO 3.4: one gradient is in .grad: take it into its bucket, start what may start
+        # Invariant: over one backward every bucket's all-reduce starts once, through
+        #   self._launch, on every rank in bucket order whatever order the gradients arrive in,
+        #   as early as that order allows; nothing waits while backward runs; no value the
+        #   all-reduce sums may overflow where the average fits (fp16).
+        # Hint 1: collectives pair by the order each rank issues them, and one rank may see
+        #   bucket 2's gradients before bucket 1's (a layer it did not use).
         # More hints: uv run python -m tests.hint 3.4
         # See guidelines.md#34-ddp-from-scratch
         raise NotImplementedError(
-            "TODO 3.4: copy the gradient into its bucket (divided by the world) and launch buckets "
+            "TODO 3.4: one gradient is in .grad: take it into its bucket, start what may start "
             "(see phase3_multi_node/guidelines.md#34-ddp-from-scratch)"
         )
 
     def _finish_reduction(self) -> None:
         """Wait for every bucket's all-reduce, put the averages in ``.grad``, reset the state
         of this backward so the next one starts afresh."""
-        # TODO 3.4: wait for the all-reduces, write the averaged gradients, reset for next step.
-        # Invariant: when backward returns every .grad holds the group's average (a copy, or
-        #   with gradient_as_bucket_view the bucket slot itself); every bucket is again
-        #   waiting for all its gradients and no all-reduce is remembered from this step.
-        # Hint 1: an async all-reduce's result is in the buffer only after its work's wait();
-        #   the next backward counts and launches from scratch, so everything _mark_ready
-        #   changed must be put back.
+        # TODO 3.4: backward is over: every .grad gets the group's average, ready for the next
+        # Invariant: when backward returns every .grad holds the group's average (with
+        #   gradient_as_bucket_view the bucket slot itself, otherwise a tensor of its own); the
+        #   next backward finds the buckets and self._next_bucket as this one found them.
+        # Hint 1: what did _mark_ready change during this backward?
         # More hints: uv run python -m tests.hint 3.4
         # See guidelines.md#34-ddp-from-scratch
         raise NotImplementedError(
-            "TODO 3.4: wait for the all-reduces, write the averaged gradients, reset for next step "
+            "TODO 3.4: backward is over: every .grad gets the group's average, ready for the next "
             "(see phase3_multi_node/guidelines.md#34-ddp-from-scratch)"
         )
 
@@ -127,13 +119,14 @@ class DistributedDataParallel(DDPBase):
     def no_sync(self) -> Iterator[None]:
         """Inside, backward only accumulates into ``.grad``; the first backward of a forward run
         outside all-reduces the accumulated sum (torch's ``DistributedDataParallel.no_sync``)."""
-        # TODO 3.4: switch gradient synchronization off inside the block, restore it after.
+        # TODO 3.4: inside the block, backwards do not synchronize
         # Invariant: forwards run inside the block build backwards that do not communicate;
-        #   after the block (also when it raises) synchronization is as it was before.
+        #   after the block synchronization is as it was before it, also when the block raises
+        #   and when it is nested in another no_sync.
         # Hint 1: forward reads self.require_backward_grad_sync to decide.
         # More hints: uv run python -m tests.hint 3.4
         # See guidelines.md#34-ddp-from-scratch
         raise NotImplementedError(
-            "TODO 3.4: switch gradient synchronization off inside the block, restore it after "
+            "TODO 3.4: inside the block, backwards do not synchronize "
             "(see phase3_multi_node/guidelines.md#34-ddp-from-scratch)"
         )

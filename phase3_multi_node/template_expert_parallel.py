@@ -8,26 +8,22 @@ j the contiguous block ``experts_of_rank(E, ep, j)``) and routes its own tokens;
 must travel to the rank of each expert it chose, be transformed there, and come back (Lepikhin et
 al., "GShard", 2020, section 3; Fedus et al., "Switch Transformers", 2022, section 2.2)::
 
-    rank 0 tokens t0 t1 t2    route, keep    dispatch: all-to-all      rank 0: experts 0, 1
-                 |  |  |     ------------->  rows sorted by expert ->  rank 1: experts 2, 3
+    rank 0 tokens t0 t1 t2    route, keep    dispatch                  rank 0: experts 0, 1
+                 |  |  |     ------------->  ------------------->      rank 1: experts 2, 3
     rank 1 tokens t3 t4                                                run the local experts
-                                             combine: all-to-all back  weights x outputs,
-    rank 0 output y0 y1 y2   <-------------  original order restored   summed per token
+                                             combine
+    rank 0 output y0 y1 y2   <-------------  <-------------------
 
-* :func:`dispatch`: sort this rank's kept choices by expert (so by destination rank too), tell
-  every rank how many rows to expect per expert (an all-to-all of counts: the receivers cannot
-  guess, the routing is uneven), then move the rows (an all-to-all with uneven splits);
-* :func:`combine`: the reverse all-to-all, each returned row put back at its token's place,
-  multiplied by its weight, summed over the token's choices;
+* :func:`dispatch`: every kept choice's row to the rank that holds its expert (the routing is
+  uneven and changes every step);
+* :func:`combine`: every expert output back to its token, mixed by the routing's weights;
 * :class:`MoELayer`: the layer itself (given), routing and capacity from part 1
   (``moe_routing``), the experts from ``moe_experts.LocalExperts``;
 * :func:`sync_moe_gradients`: with ``dp`` replicas of the expert-parallel group
-  (``moe_layout.ExpertLayout``), each gradient reduced over the ranks that hold a copy of it.
+  (``moe_layout.ExpertLayout``), each gradient made that of the mean of every rank's loss.
 
-Autograd runs through dispatch and combine: the rows move with ``moe_comm.all_to_all``, an
-autograd Function whose backward is the reverse all-to-all (torch's
-``torch.distributed.nn.functional.all_to_all_single`` is the same thing). Every function takes the
-expert-parallel ``group`` and communicates inside it only.
+The tokens, the router and the experts all learn through dispatch and combine. Every function
+takes the expert-parallel ``group`` and communicates inside it only.
 """
 
 from __future__ import annotations
@@ -86,19 +82,18 @@ def dispatch(
         )
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} does not divide over a group of {ep} ranks")
-    # TODO 3.8: dispatch: the counts first, then the rows, each with one all-to-all.
-    # Invariant: a token with two kept choices is sent twice (once to each expert), a dropped
-    #   choice not at all; the rows bound for one rank are contiguous and, inside them, sorted
-    #   by expert, each expert's rows in token order; before any row moves, every rank learns
-    #   how many rows it will get from each rank for each of its experts (the routing is
-    #   uneven: never assume equal splits).
-    # Hint 1: experts sit on ranks in contiguous blocks, so ordering the kept choices by
-    #   expert also orders them by destination rank; a count per expert, cut into the group's
-    #   blocks, says both what goes to each rank and (once exchanged) what each rank gets.
+    # TODO 3.8: every kept choice's row to the rank of its expert, and the plan to undo it.
+    # Invariant: a token with two kept choices is sent twice (once to each expert), a dropped choice
+    #   not at all; every rank receives the rows meant for it grouped by sender and, inside each
+    #   sender's block, by its own experts in order; the received rows are differentiable in tokens;
+    #   the plan records which choice each sent row was and the rows per rank each way; the routing
+    #   is uneven: never assume equal splits.
+    # Hint 1: experts sit on ranks in contiguous blocks, so an order of the kept choices by expert
+    #   is also an order by destination rank.
     # More hints: uv run python -m tests.hint 3.8
     # See guidelines.md#38-expert-parallelism
     raise NotImplementedError(
-        "TODO 3.8: dispatch: the counts first, then the rows, each with one all-to-all "
+        "TODO 3.8: every kept choice's row to the rank of its expert, and the plan to undo it "
         "(see phase3_multi_node/guidelines.md#38-expert-parallelism)"
     )
 
@@ -124,16 +119,18 @@ def combine(
             f"expert_out has {expert_out.shape[0]} rows but dispatch delivered "
             f"{sum(plan.recv_splits)}: pass one output per received row, in the same order"
         )
-    # TODO 3.8: combine: the outputs back to their ranks, each at its token's place, weighted.
-    # Invariant: row t of the result is token t's (this rank's original order, not the order
-    #   rows travelled in); a dropped choice adds nothing; the reverse all-to-all sends back
-    #   exactly the rows received, each to the rank it came from.
-    # Hint 1: the reverse exchange returns rows in the order this rank sent them, and the plan
-    #   remembers which (token, choice) each sent row stood for.
+    # TODO 3.8: every expert output back to its token, weighted, summed over the token's choices.
+    # Invariant: row t of the result is token t's (this rank's original order, not the order the
+    #   rows travelled in): the sum over its kept choices of weight times expert output; a dropped
+    #   choice adds nothing; exactly the rows received go back, each to the rank it came from;
+    #   differentiable in expert_out and weights.
+    # Hint 1: the rows come back in the order this rank sent them, and the plan remembers which
+    #   (token, choice) each sent row stood for.
     # More hints: uv run python -m tests.hint 3.8
     # See guidelines.md#38-expert-parallelism
     raise NotImplementedError(
-        "TODO 3.8: combine: the outputs back to their ranks, each at its token's place, weighted "
+        "TODO 3.8: every expert output back to its token, weighted, summed over the token's "
+        "choices "
         "(see phase3_multi_node/guidelines.md#38-expert-parallelism)"
     )
 
@@ -205,16 +202,15 @@ def sync_moe_gradients(layer: MoELayer, layout: ExpertLayout) -> None:
     """
     router_grads = _gradients(layer.router, "router")
     expert_grads = _gradients(layer.experts, "expert")
-    # TODO 3.8: reduce the router's and the experts' gradients, each over its own group.
-    # Invariant: afterwards every rank's router gradient, and every copy of an expert's
-    #   gradient, equals what one process gets from the mean of all ep x dp ranks' losses;
-    #   copies stay identical; no expert's gradient is ever added to another expert's.
-    # Hint 1: for one expert, list whose losses its gradient already includes after backward
-    #   (the all-to-all's backward carried gradients from the ranks that sent it tokens) and
+    # TODO 3.8: every gradient made that of the mean of all ranks' losses, copies kept equal.
+    # Invariant: afterwards every rank's router gradient, and every copy of an expert's gradient,
+    #   equals what one process gets from the mean of all ep x dp ranks' losses; copies stay
+    #   identical; no expert's gradient is ever added to another expert's.
+    # Hint 1: for one expert, list whose losses its gradient already includes after backward and
     #   whose are still missing; do the same for the router, which every rank holds.
     # More hints: uv run python -m tests.hint 3.8
     # See guidelines.md#38-expert-parallelism
     raise NotImplementedError(
-        "TODO 3.8: reduce the router's and the experts' gradients, each over its own group "
+        "TODO 3.8: every gradient made that of the mean of all ranks' losses, copies kept equal "
         "(see phase3_multi_node/guidelines.md#38-expert-parallelism)"
     )

@@ -6,22 +6,14 @@
 One process clips by the norm of *all* gradients: ``total = ||(g_1, ..., g_P)||_p`` over every
 element of every parameter, then scales every gradient by ``min(1, max_norm / (total + 1e-6))``
 (``torch.nn.utils.clip_grad_norm_``). On a sharded model each rank must scale by that same
-global ``total``, while it holds only some gradients, some of them also held by other ranks:
-
-* a p-norm is a sum in disguise: ``total^p = sum over elements |g|^p``. Each rank sums ``|g|^p``
-  over what it holds, the partial sums are added over the groups whose ranks hold *different*
-  pieces, and ``total = sum^(1/p)``;
-* a copy held by several ranks (replicated on dp, or on tp; in exercise 4.7 also on cp, on the
-  experts' edp group, or on the two stages of a tied embedding) must enter the sum once: only
-  one rank of each set of copies counts it (Megatron-LM's
-  ``param_is_not_tensor_parallel_duplicate`` decides it for tensor parallelism);
-* the inf-norm is a max: each rank's largest ``|g|``, then the max over the groups (a copy
-  counted twice changes nothing; a SUM would add the ranks' maxima).
-
-This is what Megatron-LM's ``get_grad_norm_fp32`` (megatron/core/optimizer/clip_grads.py) does,
-and what torch's ``clip_grad_norm_`` does on DTensor gradients (FSDP2, tensor parallel): the
-local norm of each shard, then a reduction over the mesh dimensions where the tensor is sharded.
-The gradients and where their copies live come as :class:`GradShard` (clip_placement.py).
+global ``total``, while it holds only some gradients, some of them also held by other ranks.
+Every piece of every gradient must enter that norm, and a copy held by several ranks (replicated
+on dp, or on tp; in exercise 4.7 also on cp, on the experts' edp group, or on the two stages of
+a tied embedding) exactly once. How, with one number per rank and a few all-reduces, is the
+exercise (guidelines.md#gradient-clipping-across-shards); Megatron-LM's ``get_grad_norm_fp32``
+(megatron/core/optimizer/clip_grads.py) and torch's ``clip_grad_norm_`` on DTensor gradients
+(FSDP2, tensor parallel) solve the same problem. The gradients and where their copies live
+come as :class:`GradShard` (clip_placement.py).
 """
 
 from __future__ import annotations
@@ -39,18 +31,16 @@ from phase3_multi_node.clip_placement import GradShard
 def counted_here(shard: GradShard, topology: Topology) -> bool:
     """Whether this rank adds ``shard`` into the global norm: of every set of ranks holding
     identical copies of it, exactly one does."""
-    # TODO 3.6: decide whether this rank's copy of the gradient is the one the norm counts.
+    # TODO 3.6: whether this rank's copy of the gradient is the one the norm counts
     # Invariant: over all ranks, every distinct piece of every gradient is counted exactly once:
-    #   a tensor replicated on some groups is counted by one rank of each set of copies, a
-    #   tensor held by nobody else by its rank.
+    #   a tensor replicated on some groups by one rank of each set of copies, decided by every
+    #   rank from its own place alone (no message); a tensor held by nobody else by its rank.
     # Hint 1: the copies of a tensor replicated on a group are the ranks of that group of the
-    #   topology (the ranks that differ from this one only along that group's axes); every rank
-    #   must recognise, from its own place alone (no message), whether it is the representative
-    #   of its set.
+    #   topology; topology.rank_in gives this rank's index in its group of a name.
     # More hints: uv run python -m tests.hint 3.6
     # See guidelines.md#gradient-clipping-across-shards
     raise NotImplementedError(
-        "TODO 3.6: decide whether this rank's copy of the gradient is the one the norm counts "
+        "TODO 3.6: whether this rank's copy of the gradient is the one the norm counts "
         "(see phase3_multi_node/guidelines.md#gradient-clipping-across-shards)"
     )
 
@@ -65,19 +55,16 @@ def global_grad_norm(
     if math.isnan(norm_type) or norm_type <= 0:  # -inf, 0 and negative p included
         raise ValueError(f"norm_type={norm_type}: a positive number or inf")
     device = shards[0].grad.device if shards else torch.device("cpu")
-    # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.
+    # TODO 3.6: the global norm, the same on every rank, from this rank's part and the groups
     # Invariant: every rank returns the norm one process would compute over all gradients:
-    #   every distinct element enters once (counted_here), every group holding other pieces
-    #   (tp shards, cp and dp copies or slices, pipeline stages) contributes; for inf, the
-    #   largest |g| anywhere.
-    # Hint 1: the p-th power of a p-norm is a sum over elements, and the inf-norm a max: both
-    #   can be computed in parts, one per rank, and combined by all-reduces (ReduceOp.SUM or
-    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing. The groups
-    #   of the topology's four axes (AXES: pp, dp, cp, tp) together span the world.
+    #   every distinct element enters once, every piece held anywhere contributes; for inf,
+    #   the largest |g| anywhere; a float64 0-dim tensor, the gradients left as they are.
+    # Hint 1: the groups of the topology's four axes (AXES) together span the world, and a
+    #   group of one rank costs nothing.
     # More hints: uv run python -m tests.hint 3.6
     # See guidelines.md#gradient-clipping-across-shards
     raise NotImplementedError(
-        "TODO 3.6: the global norm from this rank's partial result, reduced over the groups "
+        "TODO 3.6: the global norm, the same on every rank, from this rank's part and the groups "
         "(see phase3_multi_node/guidelines.md#gradient-clipping-across-shards)"
     )
 

@@ -1,26 +1,17 @@
 # Exercise template (made by course/template_maker.py; this copy is yours to edit).
 # Replace every `raise NotImplementedError(...)` with your code; the comments above each
 # one say what to build. Grade yourself: uv run pytest tests/test_phase3.py
-"""Exercise 3.3: topology-aware (hierarchical) all-reduce: intra-node, inter-node, intra-node.
+"""Exercise 3.3: topology-aware (hierarchical) all-reduce, crossing nodes with 1/k of the tensor.
 
 Links inside a node (NVLink, shared memory) are an order of magnitude faster than the network
 between nodes. A flat ring over N nodes of k ranks sends 2(n-1)/n·S from every rank, and the N
 links that cross a node boundary each carry that much. The hierarchical all-reduce sends only
-1/k of it across:
-
-1. **reduce-scatter inside the node** (ring, over ``topology.intra_node_group``): local rank l
-   ends with chunk l of its node's sum, S/k bytes;
-2. **all-reduce across nodes** of that chunk (ring, over ``topology.inter_node_group``: the ranks
-   with the same local rank on every node), so chunk l holds the sum over the whole world;
-3. **all-gather inside the node**, so every rank holds every chunk.
-
-Each rank sends 2(N-1)/N·S/k bytes across nodes, all ranks at once on their own paths, and
-2(k-1)/k·S inside its node. The k inter-node rings run in parallel, one per local rank, which is
-what uses every NIC of a node (NCCL's trees and rings across nodes are built per GPU for the same
-reason; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; Jia et al., "Highly scalable deep learning
-training system with mixed-precision", 2018, 2D/hierarchical all-reduce). The groups come from
-the :class:`~course.topology.Topology` built once for the run; nothing here decides
-which ranks share a node.
+1/k of it across: each rank sends 2(N-1)/N·S/k bytes to other nodes, all ranks at once on their
+own paths, built from the ring functions of 3.1 on the groups of the
+:class:`~course.topology.Topology` built once for the run (Horovod's
+``HOROVOD_HIERARCHICAL_ALLREDUCE``; Jia et al., "Highly scalable deep learning training system
+with mixed-precision", 2018). Nothing here decides which ranks share a node. The contract and
+the questions whose answers are the design: guidelines.md#33-hierarchical-all-reduce.
 """
 
 from __future__ import annotations
@@ -50,14 +41,14 @@ def hierarchical_all_reduce(
             f"topology must be a course.topology.Topology (Topology.build(...) on every "
             f"rank), got {type(topology).__name__}"
         )
-    # TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
-    # Invariant: only the middle step crosses nodes, and it carries this rank's chunk (about
-    #   S/k), not the whole tensor; every step runs on the topology's group for it.
-    # Hint 1: your three ring functions of 3.1 each take a group; the reduce-scatter can work
-    #   in place and hand back a view of tensor, which both later steps can use as it is.
+    # TODO 3.3: all-reduce over every rank of every node, crossing nodes with 1/k of the tensor
+    # Invariant: tensor ends with the reduction over the whole world; each rank sends about
+    #   2(N-1)/N·S/k bytes to other nodes, all on topology.inter_node_group, and what stays in
+    #   its node on topology.intra_node_group; only 3.1's ring functions send.
+    # Hint 1: your three ring functions of 3.1 each take a group.
     # More hints: uv run python -m tests.hint 3.3
     # See guidelines.md#33-hierarchical-all-reduce
     raise NotImplementedError(
-        "TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node "
+        "TODO 3.3: all-reduce over every rank of every node, crossing nodes with 1/k of the tensor "
         "(see phase3_multi_node/guidelines.md#33-hierarchical-all-reduce)"
     )

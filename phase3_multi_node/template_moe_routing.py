@@ -55,13 +55,12 @@ def route(logits: torch.Tensor, k: int) -> Routing:
             "and 1 <= k <= num_experts"
         )
     # TODO 3.8: each token's k most probable experts, and weights that sum to 1 per token.
-    # Invariant: every row of probs sums to 1 over all experts; experts[t] holds k distinct
-    #   experts in decreasing probability; weights[t] are their probabilities in that order,
-    #   scaled by one common factor per token so that the row sums to 1 (the share of the
-    #   experts not chosen is handed to the chosen ones in proportion).
-    # Hint 1: the gradient must reach the router through the weights and through probs (the
-    #   load-balancing loss reads probs): build everything from logits with differentiable
-    #   operations; the choice itself (the indices) needs no gradient.
+    # Invariant: every row of probs sums to 1 over all experts; experts[t] holds k distinct experts
+    #   in decreasing probability; weights[t] are their probabilities in that order, scaled by one
+    #   common factor per token so that the row sums to 1; probs and weights carry the gradient back
+    #   to the logits.
+    # Hint 1: the choice itself (which indices) needs no gradient; the router learns through what
+    #   the experts are weighted by.
     # More hints: uv run python -m tests.hint 3.8
     # See guidelines.md#38-expert-parallelism
     raise NotImplementedError(
@@ -98,18 +97,17 @@ def keep_within_capacity(
             f"{count_choices(experts, num_experts).tolist()} per expert: pass the census of these "
             "choices and this rank's index in the group that gathered it"
         )
-    # TODO 3.8: keep a choice when its expert has taken fewer than `capacity` choices before it.
+    # TODO 3.8: keep exactly the choices that come within their expert's capacity, group-wide.
     # Invariant: for every expert, the kept choices of the whole group are exactly its first
-    #   `capacity` choices in (group rank, token) order, or all of them when there are fewer;
-    #   no randomness, no probabilities: every rank can decide its own choices alone, and the
-    #   ranks' decisions fit together without a message.
-    # Hint 1: picture each expert's queue across the whole group. Before this rank's first
-    #   token, the ranks in front of it have already queued some choices for each expert (the
-    #   census says how many); this rank's own earlier tokens queue more.
+    #   `capacity` choices in (group rank, token) order, or all of them when there are fewer; no
+    #   randomness, no probabilities: every rank decides its own choices alone, and the ranks'
+    #   decisions fit together without a message.
+    # Hint 1: picture each expert's queue across the whole group: before this rank's first token,
+    #   the ranks in front of it have queued some choices for each expert already.
     # More hints: uv run python -m tests.hint 3.8
     # See guidelines.md#38-expert-parallelism
     raise NotImplementedError(
-        "TODO 3.8: keep a choice when its expert has taken fewer than `capacity` choices before it "
+        "TODO 3.8: keep exactly the choices that come within their expert's capacity, group-wide "
         "(see phase3_multi_node/guidelines.md#38-expert-parallelism)"
     )
 
@@ -137,10 +135,11 @@ def load_balancing_loss(
     if experts.shape[0] == 0:
         raise ValueError("no tokens: the load-balancing loss averages over at least one token")
     # TODO 3.8: the load-balancing loss of this rank's tokens.
-    # Invariant: 1 for a router that spreads both its choices and its probabilities evenly;
-    #   its gradient reaches the router through the mean probabilities only.
-    # Hint 1: two vectors over the experts, one from the choices (a fraction of all choices,
-    #   so it sums to 1), one from the probabilities (a mean over tokens, so it sums to 1 too).
+    # Invariant: num_experts times the sum over the experts of f_e times P_e: f_e the fraction of
+    #   all T x k choices that named e (before capacity), P_e e's probability averaged over the T
+    #   tokens; 1 for an even router; its gradient reaches probs through P only.
+    # Hint 1: two vectors over the experts, one from the choices and one from the probabilities;
+    #   each sums to 1.
     # More hints: uv run python -m tests.hint 3.8
     # See guidelines.md#38-expert-parallelism
     raise NotImplementedError(

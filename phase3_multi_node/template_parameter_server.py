@@ -12,8 +12,8 @@ pushes, and when it lets a worker pull, is the consistency model:
 * ``sync``: the server keeps the W gradients of clock c and applies their average once, in
   worker order, as one optimizer step; nobody computes clock c+1 before that. This is
   data-parallel SGD (exercise 1.2) with a server in the middle, so it equals it to rounding.
-* ``async``: every push moves the parameters at once, by 1/W of its gradient (so a round of W
-  pushes moves them as far as one sync step); pulls are never held. Hogwild-style (Recht et al.,
+* ``async``: every push moves the parameters at once (a round of W pushes moves them as far as
+  one sync step); pulls are never held. Hogwild-style (Recht et al.,
   2011): no waiting, but gradients are computed on parameters other workers have since moved.
 * ``ssp`` with staleness s (Ho et al., "More Effective Distributed ML via a Stale Synchronous
   Parallel Parameter Server", NIPS 2013): clocks are applied as in sync, one averaged step per
@@ -73,11 +73,10 @@ class ParameterServer(ServerBase):
     def ready_to_serve(self, worker: int, clock: int) -> bool:
         """May ``worker``, about to compute ``clock``, pull the parameters now?"""
         # TODO 3.7: decide when a pull for `clock` may be served, per mode.
-        # Invariant: async serves every pull at once. Otherwise a worker about to compute
-        #   clock c must see every clock up to c - s - 1 applied, with s the staleness in ssp
-        #   and 0 in sync (sync ignores the staleness setting); so with s = 0 ssp is sync.
-        # Hint 1: clocks are applied in order and self.clock counts them: turn "clock k was
-        #   applied" into a statement about self.clock, and mind the off-by-one.
+        # Invariant: async serves every pull at once. Otherwise a worker about to compute clock c
+        #   must see every clock up to c - s - 1 applied, s the staleness in ssp; sync allows no
+        #   staleness, whatever the setting says; so ssp with s = 0 is sync.
+        # Hint 1: clocks are applied in order and self.clock counts them.
         # More hints: uv run python -m tests.hint 3.7
         # See guidelines.md#37-parameter-server
         raise NotImplementedError(
@@ -88,12 +87,12 @@ class ParameterServer(ServerBase):
     def apply_push(self, worker: int, key: int, grad: torch.Tensor, clock: int) -> None:
         """A gradient of ``key`` from ``worker``'s ``clock`` arrived whole and checked."""
         # TODO 3.7: apply a push now (async) or keep it for its clock (sync, ssp).
-        # Invariant: async moves this key at once, one optimizer step on it alone, by 1/W of
-        #   the gradient (W workers). sync and ssp change no parameter here: the gradient waits
-        #   in self.pending until its clock is applied, and a push for a clock that was already
-        #   applied is refused with a ProtocolError naming both clocks.
-        # Hint 1: self.step_with moves only the keys of the dict it is given; self.pending is
-        #   nested three deep, and its inner dicts do not exist until a first push creates them.
+        # Invariant: async moves this key at once, one optimizer step on it alone, so that a round
+        #   of W pushes of one gradient moves it as far as one sync step would. sync and ssp change
+        #   no parameter here: the gradient waits in self.pending until its clock is applied, and a
+        #   push for a clock already applied is refused with a ProtocolError naming both clocks.
+        # Hint 1: self.step_with moves only the keys of the dict it is given; self.pending is nested
+        #   three deep, and its inner dicts do not exist until a first push creates them.
         # More hints: uv run python -m tests.hint 3.7
         # See guidelines.md#37-parameter-server
         raise NotImplementedError(
@@ -104,28 +103,28 @@ class ParameterServer(ServerBase):
     def finish_clock(self, worker: int, clock: int) -> None:
         """``worker`` completed ``clock`` (self.completed is already updated), or a member left
         (BYE, or died in ssp) while clock ``clock`` was open."""
-        # TODO 3.7: apply every open clock that every member has completed, oldest first.
-        # Invariant: clocks are applied in order, each exactly once, as soon as every worker
-        #   in self.members completed it, with the gradients of every worker that completed it
-        #   (a member that said BYE after pushing counts). async does nothing here.
-        # Hint 1: the oldest open clock is self.clock; in ssp a later clock may already be
-        #   complete when an older one is applied, so one check is not enough.
+        # TODO 3.7: apply every open clock that is complete, oldest first, each exactly once.
+        # Invariant: clocks are applied in order, each exactly once, as soon as every worker the
+        #   clock waits for completed it, with the gradients of every worker that completed it (a
+        #   member that said BYE after pushing counts). async does nothing here.
+        # Hint 1: the oldest open clock is self.clock; the base keeps who an open clock waits for,
+        #   and how many clocks each worker completed.
         # More hints: uv run python -m tests.hint 3.7
         # See guidelines.md#37-parameter-server
         raise NotImplementedError(
-            "TODO 3.7: apply every open clock that every member has completed, oldest first "
+            "TODO 3.7: apply every open clock that is complete, oldest first, each exactly once "
             "(see phase3_multi_node/guidelines.md#37-parameter-server)"
         )
 
     def close_clock(self, pushers: Sequence[int]) -> None:
         """Apply the average of ``pushers``' gradients for the oldest open clock as one step."""
         # TODO 3.7: average the gradients of `pushers` for the oldest open clock, step once.
-        # Invariant: one optimizer step per clock, with the average over `pushers` only (a
-        #   re-formed clock divides by how many pushed, not by W), summed in worker order so
-        #   every run gives the same bits; afterwards self.clock is one more and that clock is
-        #   gone from self.pending, also when nobody pushed (then no step is taken).
-        # Hint 1: exercise 1.2's gradient averaging, done by the server: per key, a sum in a
-        #   fixed order, divided once.
+        # Invariant: one optimizer step per clock, with the average over `pushers` only, summed in
+        #   worker order so that every run gives the same bits; afterwards self.clock is one more
+        #   and that clock is gone from self.pending, also when nobody pushed (then no step is
+        #   taken).
+        # Hint 1: exercise 1.2's gradient averaging, done by the server: per key, a sum in a fixed
+        #   order, divided once.
         # More hints: uv run python -m tests.hint 3.7
         # See guidelines.md#37-parameter-server
         raise NotImplementedError(
@@ -167,12 +166,12 @@ class Worker(WorkerBase):
     def pull(self, clock: int) -> None:
         """Ask every server for its parameters for ``clock``; copy them into the model."""
         # TODO 3.7: pull the current parameters from every server into the model.
-        # Invariant: afterwards every model parameter holds the bits its server sent for this
-        #   clock. A server may hold its answer back (sync, ssp), so every server is asked
-        #   before any answer is awaited; a frame that is neither END nor a PARAM of a key that
-        #   server holds is refused with ProtocolError.
-        # Hint 1: a pull is one PULL frame out (stamped with this worker and this clock), then
-        #   PARAM frames back until an END frame; a frame's header names its key.
+        # Invariant: afterwards every model parameter holds the bits its server sent for this clock.
+        #   A server may hold its answer back (sync, ssp), so every server is asked before any
+        #   answer is awaited; a frame that is neither END nor a PARAM of a key that server holds is
+        #   refused with ProtocolError.
+        # Hint 1: a pull is one PULL frame out, stamped with this worker and this clock, then PARAM
+        #   frames back until an END frame; a frame's header names its key.
         # More hints: uv run python -m tests.hint 3.7
         # See guidelines.md#37-parameter-server
         raise NotImplementedError(
@@ -183,10 +182,10 @@ class Worker(WorkerBase):
     def push(self, clock: int) -> None:
         """Send every gradient to the server holding it, then close the clock there."""
         # TODO 3.7: push this clock's gradients to their servers and close the clock.
-        # Invariant: each server gets exactly one PUSH per key it holds, stamped with this
-        #   clock and this worker, then one CLOCK frame for the same clock.
-        # Hint 1: the server refuses a frame stamped with a clock it does not expect, and a
-        #   CLOCK frame before every one of its keys was pushed.
+        # Invariant: each server gets exactly one PUSH per key it holds, stamped with this clock and
+        #   this worker, then one CLOCK frame for the same clock.
+        # Hint 1: the server refuses a frame stamped with a clock it does not expect, and a CLOCK
+        #   frame before every one of its keys was pushed.
         # More hints: uv run python -m tests.hint 3.7
         # See guidelines.md#37-parameter-server
         raise NotImplementedError(

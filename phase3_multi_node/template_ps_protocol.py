@@ -46,17 +46,17 @@ def check_header(header: Header, max_payload: int) -> None:
     if header.type not in MsgType._value2member_map_:
         raise ProtocolError(f"unknown message type {header.type}")
     msg = MsgType(header.type)
-    # TODO 3.7: refuse a frame from its header alone: dtype, shape and length all bounded.
-    # Invariant: when this returns, `header.length` bytes are safe to read: a tensor frame has
-    #   a known dtype, at most MAX_DIMS dimensions, none negative and the unused ones 0, and a
-    #   length equal to the bytes its dtype and shape imply, never more than `max_payload`; a
-    #   CHALLENGE or AUTH frame has its fixed size (BYTES_TYPES); every other frame has none.
-    # Hint 1: every field is a number a stranger chose: the dtype code must index WIRE_DTYPES
-    #   before `header.dtype` may be read, and a length of 2**62 must be refused here, not
-    #   allocated.
+    # TODO 3.7: refuse a frame from its header alone, before a byte of payload is read.
+    # Invariant: when this returns, `header.length` bytes are safe to read: a tensor frame has a
+    #   known dtype, at most MAX_DIMS dimensions, none negative and the unused ones 0, and a length
+    #   equal to the bytes its dtype and shape imply, never more than `max_payload`; a CHALLENGE or
+    #   AUTH frame has its fixed size (BYTES_TYPES); every other frame has none; every refusal is a
+    #   ProtocolError naming the field.
+    # Hint 1: every field is a number a stranger chose, and header.dtype looks one of them up in
+    #   WIRE_DTYPES.
     # More hints: uv run python -m tests.hint 3.7
     # See guidelines.md#37-parameter-server
     raise NotImplementedError(
-        "TODO 3.7: refuse a frame from its header alone: dtype, shape and length all bounded "
+        "TODO 3.7: refuse a frame from its header alone, before a byte of payload is read "
         "(see phase3_multi_node/guidelines.md#37-parameter-server)"
     )

@@ -9,14 +9,12 @@ the whole system. Assigning tensors round-robin by index ignores sizes: in a mod
 layer holds most of the bytes (an embedding table, a wide first Linear) the server that gets it
 carries nearly everything.
 
-Balancing sizes over S bins is multiprocessor scheduling (NP-hard); the greedy "largest
-processing time first" rule (Graham, "Bounds on multiprocessing timing anomalies", 1969) sorts
-items by size, largest first, and puts each on the currently least-loaded server. Its maximum
-load is at most (4/3 - 1/(3S)) times the optimum (Graham's theorem); :func:`lpt_bound` states
-a guarantee that needs no optimum: at most total/S plus (1 - 1/S) times the (S+1)-th largest
-tensor, which the grader holds the assignment to. Li et al.'s parameter server (OSDI 2014)
-shards by key ranges with consistent hashing, for elasticity; here the parameter set is
-fixed, so a balanced static assignment is enough.
+Balancing sizes over S bins is multiprocessor scheduling (NP-hard); a simple greedy rule does
+well enough (Graham, "Bounds on multiprocessing timing anomalies", 1969: within 4/3 - 1/(3S) of
+the optimum). :func:`lpt_bound` states a guarantee that needs no optimum: at most total/S plus
+(1 - 1/S) times the (S+1)-th largest tensor, which the grader holds the assignment to. Li et
+al.'s parameter server (OSDI 2014) shards by key ranges with consistent hashing, for
+elasticity; here the parameter set is fixed, so a balanced static assignment is enough.
 
 Keys are positions in ``list(model.parameters())``; an assignment is a list, ``assignment[key]``
 is the server holding that key. Every worker and server computes it from the same sizes, so it
@@ -56,9 +54,9 @@ def balanced_assignment(sizes: Sequence[int], num_servers: int) -> list[int]:
     """
     check_sizes(sizes, num_servers)
     # TODO 3.7: spread the keys over the servers so the largest load is near total / S.
-    # Invariant: every key gets exactly one server in 0..S-1; the same sizes always give the
-    #   same assignment; the largest load is within lpt_bound(sizes, S).
-    # Hint 1: a big tensor placed late has nowhere good to go: place the big ones first.
+    # Invariant: every key gets exactly one server in 0..S-1; the same sizes always give the same
+    #   assignment; the largest load is within lpt_bound of the sizes and S.
+    # Hint 1: a big tensor placed late may find no server light enough to take it.
     # More hints: uv run python -m tests.hint 3.7
     # See guidelines.md#37-parameter-server
     raise NotImplementedError(
@@ -77,12 +75,8 @@ def server_loads(sizes: Sequence[int], assignment: Sequence[int], num_servers: i
 
 def lpt_bound(sizes: Sequence[int], num_servers: int) -> float:
     """The most bytes a balanced server may hold: total/S + (1 - 1/S) * p, p the (S+1)-th
-    largest size, or the largest size if that is more.
-
-    Graham's argument for largest-first: the last tensor put on the most loaded server went to
-    the least loaded one, which then held at most (total - p)/S; if that server holds two or
-    more tensors, its last one is at most the (S+1)-th largest. Round-robin has no such bound.
-    """
+    largest size, or the largest size if that is more (Graham, 1969). Round-robin has no such
+    bound."""
     if not sizes:
         return 0.0
     ordered = sorted(sizes, reverse=True)
@@ -98,7 +92,8 @@ def keys_of(assignment: Sequence[int], server: int) -> list[int]:
 def unequal_model() -> nn.Module:
     """A model with very unequal layer sizes (a wide first layer, tiny later ones).
 
-    Round-robin puts the two big tensors on the same server when S = 2; largest-first does not.
+    Round-robin puts the two big tensors on the same server when S = 2; a balanced assignment
+    does not.
     """
     torch.manual_seed(0)
     return nn.Sequential(

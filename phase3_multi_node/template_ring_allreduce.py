@@ -27,12 +27,11 @@ Gibiansky, 2017; baidu-research/baidu-allreduce), that Horovod built on, and tha
 everywhere: every rank ends with the same bits, though not necessarily the bits of
 ``dist.all_reduce``, whose order of additions differs.
 
-**Speed** (guidelines.md#speed). Each chunk is cut into segments of ``segment_bytes``, reduced
-as they arrive and forwarded at once while later ones are on the wire (the pipelining of gloo's
-and NCCL's rings); every receive is posted before the first send; nothing is copied (reductions
-write into the tensor, the all-gather receives into it, receive buffers are pooled);
-:func:`ring_all_reduce` overlaps the halves at their seam; messages travel on
-:class:`~phase3_multi_node.ring_links.RingLinks` (a gloo connection per direction).
+**Speed** (guidelines.md#speed): the goal is gloo's own all-reduce. Given: each chunk is cut
+into segments of ``segment_bytes`` (one message each, ``RingPlan.pieces``), receive buffers come
+from a pool kept between calls, and messages travel on
+:class:`~phase3_multi_node.ring_links.RingLinks` (a gloo connection per direction). When each
+message is posted, what waits for what, and whether the two halves overlap, are yours.
 """
 
 from __future__ import annotations
@@ -58,8 +57,8 @@ from phase3_multi_node.ring_links import RingLinks
 # with benchmark_collectives --segment-kib; guidelines.md#speed).
 SEGMENT_BYTES = 2 << 20
 REDUCE_SCATTER_TAG = 0
-ALL_GATHER_TAG = 1  # own tag: the all-gather's receives are posted while reduce-scatter runs
-_POOL = BufferPool()  # the reduce-scatter's receive buffers, one per step, kept between calls
+ALL_GATHER_TAG = 1  # the all-gather's messages
+_POOL = BufferPool()  # receive buffers, one per slot, kept between calls
 
 Receives = list[list[tuple[torch.Tensor, "dist.Work | None"]]]  # per step: (place, its irecv)
 
@@ -74,15 +73,14 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
         raise ValueError(f"n={n}: a ring needs at least one rank")
     if numel < 0:
         raise ValueError(f"numel={numel} must be >= 0")
-    # TODO 3.1: cut numel elements into n contiguous chunks whose sizes differ by at most one.
-    # Invariant: the chunks cover 0..numel exactly, in order, without overlap; the first
-    #   numel % n of them are one element longer (torch.tensor_split's pieces).
-    # Hint 1: one integer division of numel by n gives both the common size and how many
-    #   chunks are one element longer.
+    # TODO 3.1: cut numel elements into n contiguous chunks, the pieces of torch.tensor_split
+    # Invariant: the chunks cover 0..numel exactly, in order, without overlap, and equal
+    #   torch.tensor_split's pieces for any numel >= 0 and n >= 1.
+    # Hint 1: what does torch.tensor_split make of 10 elements in 4 pieces, and of 2 in 3?
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
-        "TODO 3.1: cut numel elements into n contiguous chunks whose sizes differ by at most one "
+        "TODO 3.1: cut numel elements into n contiguous chunks, the pieces of torch.tensor_split "
         "(see phase3_multi_node/guidelines.md#31-the-ring-all-reduce)"
     )
 
@@ -142,32 +140,30 @@ def _reduce_scatter_steps(
     ``ALL_GATHER_TAG``, the moment its last reduction is done: the all-gather's first step.
     """
     flat, links, rank, n = plan.flat, plan.links, plan.rank, plan.n
-    # TODO 3.1: the n-1 reduce-scatter steps: send a chunk right, reduce the one from the left.
-    # Invariant: at every step each rank sends one chunk to its right and receives one from its
-    #   left, which it reduces (combine_) into its own copy of that chunk in flat; what it sends
-    #   at step s+1 is what it reduced at step s; after step n-2 chunk r of flat holds every
-    #   rank's contribution. Never block in a send: every rank sends at the same time.
-    # Hint 1: first find which chunk rank r sends at step 0 and which it receives, for any n:
-    #   trips end at their owner, so walk the guide's 4-rank table backwards from its last
-    #   step. A received chunk goes into a separate buffer (_POOL.get), not into flat: flat's
-    #   chunk still holds your own value. Return the isends' works without waiting for them.
+    # TODO 3.1: the reduce-scatter's n-1 steps: afterwards chunk r of flat is fully reduced
+    # Invariant: at every step each rank sends one chunk to its right and receives one from
+    #   its left; after the last step chunk r of flat holds every rank's contribution, each
+    #   added once; nothing blocks in a send (every rank sends at the same time); the sends'
+    #   works are returned, not waited for; with forward_own, chunk r's segments also leave
+    #   under ALL_GATHER_TAG once final.
+    # Hint 1: trips end at their owner: walk the guide's 4-rank table backwards from its last
+    #   step to find what rank r sends and receives at step 0.
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
-        "TODO 3.1: the n-1 reduce-scatter steps: send a chunk right, reduce the one from the left "
+        "TODO 3.1: the reduce-scatter's n-1 steps: afterwards chunk r of flat is fully reduced "
         "(see phase3_multi_node/guidelines.md#31-the-ring-all-reduce)"
     )
 
 
 def _post_all_gather_receives(plan: RingPlan) -> Receives:
     """Post every irecv of the all-gather, step by step, straight into ``plan.flat``."""
-    # TODO 3.1: post the all-gather's receives, each into its final place in flat.
-    # Invariant: one list per step, in step order, holding (the view of flat, its irecv) for
-    #   every segment of the chunk that arrives at that step, under ALL_GATHER_TAG; nothing is
-    #   sent here and nothing waited for.
+    # TODO 3.1: post the all-gather's receives, each into its final place in flat
+    # Invariant: one list per step, in step order, of (the view of flat, its irecv) for every
+    #   segment of the chunk that arrives at that step, under ALL_GATHER_TAG; nothing is sent
+    #   here and nothing waited for.
     # Hint 1: at step 0 each rank sends the chunk it owns, and afterwards what it just
-    #   received: so the chunk arriving at step s is the one your left neighbour sends then.
-    #   Receive into flat itself (no buffer): the data is final when it lands.
+    #   received.
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
@@ -183,18 +179,15 @@ def _finish_all_gather(
 
     ``sends`` already holds the first step's sends (this rank's own chunk), in flight.
     """
-    # TODO 3.1: the all-gather's steps: pass every received chunk on to the right, once.
+    # TODO 3.1: complete the all-gather: every chunk of flat final, every send waited for
     # Invariant: what rank r receives at step s it sends at step s+1, as it is (copied, never
-    #   reduced again: every rank ends with the same bits); the last step's chunk is not sent
-    #   on (its right neighbour started it). Every isend is waited for before returning: the
-    #   caller may overwrite the tensor at once.
-    # Hint 1: the receives are already posted, in step order: a segment is final the moment it
-    #   lands, so it can be passed on at once. Waiting for a send before the next receive
-    #   serializes the ring; wait for the sends only at the end.
+    #   reduced again); every isend (those passed in included) is waited for before returning;
+    #   no all-gather send is waited for while all-gather receives are still pending.
+    # Hint 1: the receives are posted already, in step order.
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
-        "TODO 3.1: the all-gather's steps: pass every received chunk on to the right, once "
+        "TODO 3.1: complete the all-gather: every chunk of flat final, every send waited for "
         "(see phase3_multi_node/guidelines.md#31-the-ring-all-reduce)"
     )
 
@@ -281,15 +274,14 @@ def ring_all_reduce(
     plan = RingPlan.build(tensor.view(-1), group, segment_bytes)
     if plan.n == 1:
         return tensor
-    # TODO 3.1: compose the two halves in place, the all-gather starting at the seam.
-    # Invariant: afterwards tensor holds the reduction on every rank, bitwise the same, and
-    #   every rank sent 2(n-1)/n·S bytes, all to its right.
-    # Hint 1: the helpers above are the two halves: _reduce_scatter_steps leaves chunk r
-    #   reduced in plan.flat, _post_all_gather_receives + _finish_all_gather pass the chunks
-    #   around (see all_gather_ring for them used alone).
+    # TODO 3.1: compose the two halves in place, the all-gather under way at the seam
+    # Invariant: afterwards tensor holds the reduction on every rank, bitwise the same; every
+    #   rank sent 2(n-1)/n·S bytes, all to its right; the all-gather's first step leaves
+    #   while the reduce-scatter's last step runs.
+    # Hint 1: all_gather_ring shows the all-gather's helpers used alone.
     # More hints: uv run python -m tests.hint 3.1
     # See guidelines.md#31-the-ring-all-reduce
     raise NotImplementedError(
-        "TODO 3.1: compose the two halves in place, the all-gather starting at the seam "
+        "TODO 3.1: compose the two halves in place, the all-gather under way at the seam "
         "(see phase3_multi_node/guidelines.md#31-the-ring-all-reduce)"
     )

@@ -13,12 +13,12 @@ and 8 of optimizer state (``exp_avg``, ``exp_avg_sq``): 16Ψ bytes per rank for 
 * Stage 2 (P_os+g) also shards the gradients: 4Ψ + 12Ψ/N. Gradients are reduce-scattered (each
   rank receives the mean of its slice only) as soon as a layer's backward is done; the full
   gradient is dropped.
-* Stage 3 (P_os+g+p) also shards the parameters: 16Ψ/N. A layer is all-gathered before its
-  forward, freed after it, gathered again before its backward and freed after.
+* Stage 3 (P_os+g+p) also shards the parameters: 16Ψ/N. A layer is whole only while it
+  computes.
 
 Communication per step, in elements handed to collectives (the paper's accounting, section 7):
 stages 1-2 move 2Ψ (reduce-scatter + all-gather, exactly what data parallelism's all-reduce
-moves); stage 3 moves 3Ψ (an all-gather in forward, one in backward, a reduce-scatter).
+moves); stage 3 moves 3Ψ (two all-gathers and a reduce-scatter).
 
 Layout: every module with parameters of its own (a "layer") is a unit with one flat buffer per
 dtype, padded to a multiple of N (zero_partition.py), as FSDP's FlatParameter. Ψ in the formulas
@@ -69,22 +69,26 @@ class ZeroOptimizer(ShardedOptimizer):
         self.stage = stage
 
     def step(self) -> None:
-        """Reduce the gradients (stage 1), step the shards, bring the parameters up to date."""
+        """One optimizer step on this rank's shards; afterwards every rank's model is where one
+        process's would be."""
         self.refuse_partial_backward(
             "ZeRO here needs a gradient for every parameter in every backward"
         )
         if self.stage == 1:
             for unit in self.units:
                 unit.adopt_gradients()
-        # TODO 3.5: the step: (stage 1) reduce-scatter, the local optimizer step, all-gather.
-        # Invariant: afterwards every rank's model holds the parameters one process would have
-        #   after AdamW on the whole batch; the inner optimizer only ever saw this rank's shards.
-        # Hint 1: stage 1 still holds the full gradient in unit.flat_grad and its shard.grad is
-        #   a view of this rank's slice of it; stages 2-3 reduced in backward already.
+        # TODO 3.5: one step that leaves every rank's model where one process's would be.
+        # Invariant: afterwards every rank's model holds the parameters one process would have after
+        #   AdamW on the whole global batch (in stage 3 its shards do); the inner optimizer only
+        #   ever sees this rank's shards; the bytes held and the collectives of a step are the
+        #   contract's.
+        # Hint 1: in stage 1 unit.flat_grad holds the full local gradient and shard.grad is a view
+        #   of this rank's slice of it; in stages 2-3 the given gradient hooks have put this rank's
+        #   reduced slice in shard.grad already.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
-            "TODO 3.5: the step: (stage 1) reduce-scatter, the local optimizer step, all-gather "
+            "TODO 3.5: one step that leaves every rank's model where one process's would be "
             "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
         )
 
@@ -110,15 +114,15 @@ def unit_parameters(layer: nn.Module, owned: set[int]) -> list[nn.Parameter]:
     ``nn.Parameter`` object registered by two modules (an embedding and the output layer that
     reuses its weight), belongs to the first layer that registers it, and to no other.
     """
-    # TODO 3.5: the layer's own parameters that go into its units, each parameter in one unit.
-    # Invariant: called on every layer in registration order, every trainable parameter of the
-    #   model is returned exactly once, and no frozen one ever.
-    # Hint 1: a tied weight is the very same object in both modules (that is what `owned`
-    #   remembers, by identity); whether a parameter trains is one of its attributes.
+    # TODO 3.5: the parameters this layer's units shard, each trainable parameter in one unit.
+    # Invariant: called on every layer in registration order with one `owned`, it returns every
+    #   trainable parameter of the model exactly once (from the first layer that registers it
+    #   itself), no frozen one ever, in registration order; `owned` grows by what it returns.
+    # Hint 1: a tied weight is the very same nn.Parameter object in both modules.
     # More hints: uv run python -m tests.hint 3.5
     # See guidelines.md#35-zero-stages-1-3
     raise NotImplementedError(
-        "TODO 3.5: the layer's own parameters that go into its units, each parameter in one unit "
+        "TODO 3.5: the parameters this layer's units shard, each trainable parameter in one unit "
         "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
     )
 
@@ -142,22 +146,24 @@ def install_gradient_hooks(optimizer: ZeroOptimizer) -> None:
 
 
 def install_stage3_hooks(layer: nn.Module, units: list[ZeroUnit]) -> None:
-    """Stage 3: gather the layer's units before its forward and backward, free after forward.
+    """Stage 3: hooks on ``layer`` that keep its parameters whole whenever it computes, and
+    only shards otherwise.
 
     ``units`` are the units whose parameters the layer reads: its own, and the unit of a tied
-    parameter another layer owns. (After backward the gradient hooks free them, once the
-    gradients are reduce-scattered.)
+    parameter another layer owns. (The given gradient hooks free them once their gradients are
+    reduce-scattered.)
     """
 
-    # TODO 3.5: gather the layer before its forward and before its backward; free after forward.
-    # Invariant: at most one layer is gathered at a time (peak parameter memory = the shards +
-    #   one layer); every parameter is full-size whenever autograd or forward reads it.
-    # Hint 1: nn.Module has register_forward_pre_hook, register_forward_hook and
-    #   register_full_backward_pre_hook; each hook gets the module and its inputs/outputs.
+    # TODO 3.5: the layer's parameters whole whenever it computes, and only shards otherwise.
+    # Invariant: whenever the layer's forward or backward reads its parameters they are whole;
+    #   between forward and backward, and after the step, only shards are held; at most one layer is
+    #   gathered at a time (peak parameter memory = the shards + the largest layer).
+    # Hint 1: nn.Module can run a function of yours just before its forward, just after it, and just
+    #   before its backward.
     # More hints: uv run python -m tests.hint 3.5
     # See guidelines.md#35-zero-stages-1-3
     raise NotImplementedError(
-        "TODO 3.5: gather the layer before its forward and before its backward; free after forward "
+        "TODO 3.5: the layer's parameters whole whenever it computes, and only shards otherwise "
         "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
     )
 

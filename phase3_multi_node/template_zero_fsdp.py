@@ -73,21 +73,20 @@ class Prefetcher:
         """Unit ``order[position]`` is about to compute (forward or backward, as ``order`` is).
 
         ``recompute`` is True when the forward runs a second time inside backward (activation
-        checkpointing, 2.3): ``order`` is then the forward order, and backward has already
-        passed every unit after ``position`` in it.
+        checkpointing, 2.3); ``order`` is then the forward order.
         """
-        # TODO 3.5: make the unit about to compute gathered, and start the next ones' gathers.
-        # Invariant: when this returns, order[position] holds its whole parameters; the
-        #   all-gathers of the next `window` units of `order` (fewer at the end) are issued and
-        #   not waited for, so they run while this unit computes; no unit further ahead holds
-        #   memory (the window bounds the gathered bytes). A gather that is issued is waited
-        #   for later, by the unit it belongs to, in this same pass.
+        # TODO 3.5: the unit about to compute is gathered, and the window's next gathers travel.
+        # Invariant: when this returns, order[position] holds its whole parameters; the gathers the
+        #   window allows are issued and not waited for, so they run while this unit computes; every
+        #   gather issued is waited for later in this same pass, by the unit it belongs to; at every
+        #   unit's compute start the units holding memory are exactly that unit and the next
+        #   `window` ones of `order` (fewer at the end).
         # Hint 1: FsdpUnit.start_gather issues without waiting (and does nothing twice);
         #   FsdpUnit.wait_gather waits, and gathers first when nothing was issued.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#zero-3-the-fsdp-way
         raise NotImplementedError(
-            "TODO 3.5: make the unit about to compute gathered, and start the next ones' gathers "
+            "TODO 3.5: the unit about to compute is gathered, and the window's next gathers travel "
             "(see phase3_multi_node/guidelines.md#zero-3-the-fsdp-way)"
         )
 

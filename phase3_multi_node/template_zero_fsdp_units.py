@@ -9,9 +9,8 @@ _fsdp_collectives.py) differs from stage 3 of ``zero_units.py`` in three ways, e
 * **Master shard and compute buffer.** The optimizer steps this rank's shard in the master dtype
   (fp32: K = 12 bytes per parameter with Adam); the layer computes with a separate full buffer in
   the policy's ``param_dtype`` (bf16 or fp16), which exists only while the unit is gathered.
-* **Cast before the all-gather.** Each rank casts its own shard to the compute dtype and the
-  all-gather moves the cast pieces: 2 bytes per element instead of 4, half the traffic. Casting
-  after the gather gives the same values for twice the bytes.
+* **Gather in the compute dtype.** The all-gather moves compute-dtype elements: 2 bytes per
+  element instead of 4, half the traffic.
 * **Reduce in the reduce dtype.** Gradients come out of backward in the compute dtype; they are
   reduce-scattered in the policy's ``reduce_dtype`` (fp32 keeps the sum exact; bf16 halves the
   bytes again) and the slice this rank receives is cast back to the master dtype before the
@@ -80,27 +79,28 @@ class FsdpUnit:
 
     def start_gather(self) -> None:
         """Issue the all-gather of the whole unit in the compute dtype; return without waiting."""
-        # TODO 3.5: start filling flat_param with every rank's shard, cast to the compute dtype.
-        # Invariant: each rank sends its own master shard already cast to param_dtype (its
-        #   element size, not the master's: half the bytes with bf16); afterwards flat_param's
-        #   storage holds padded_bytes and self.work is the all-gather still in flight; a unit
-        #   gathered or gathering already starts nothing.
-        # Hint 1: an all-gather issued with async_op=True returns a Work at once; the tensor it
-        #   sends must stay alive until that work is done (keep it in self.gather_input).
+        # TODO 3.5: the unit's all-gather under way, in the compute dtype, without waiting for it.
+        # Invariant: afterwards flat_param's storage holds padded_bytes and self.work is the
+        #   all-gather into flat_param, still in flight, carrying param_dtype elements (their size,
+        #   not the master's: half the bytes with bf16); a unit gathered or gathering issues
+        #   nothing.
+        # Hint 1: a collective issued with async_op set returns a Work at once; the tensor it sends
+        #   must stay alive until that work is done.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#zero-3-the-fsdp-way
         raise NotImplementedError(
-            "TODO 3.5: start filling flat_param with every rank's shard, cast to the compute dtype "
+            "TODO 3.5: the unit's all-gather under way, in the compute dtype, without waiting for "
+            "it "
             "(see phase3_multi_node/guidelines.md#zero-3-the-fsdp-way)"
         )
 
     def wait_gather(self) -> None:
         """Make the parameters hold the whole unit, gathering it now if nobody started it."""
         # TODO 3.5: the parameters must hold every rank's values before the layer reads them.
-        # Invariant: on return flat_param holds the gathered unit, no work is pending and the
-        #   sent tensor is released; a unit nobody prefetched is gathered here.
-        # Hint 1: a Work is done once its wait() has returned; start_gather does nothing for a
-        #   unit that is gathered already.
+        # Invariant: on return flat_param holds every rank's shard in param_dtype, no work is
+        #   pending (self.work is None) and the sent tensor is released; a unit nobody prefetched is
+        #   gathered here.
+        # Hint 1: a Work's result is there once its wait() has returned, not before.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#zero-3-the-fsdp-way
         raise NotImplementedError(
@@ -119,17 +119,16 @@ class FsdpUnit:
     def reduced_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the mean over the group of every rank's ``flat_grad`` (the
         padded gradient in the compute dtype), reduced in ``reduce_dtype``, in the master dtype."""
-        # TODO 3.5: reduce-scatter the gradient in the reduce dtype; return it in the master's.
-        # Invariant: the result has shard_numel elements in the shard's dtype: rank r's slice of
-        #   the sum over the group divided by the group size, the sum computed in reduce_dtype
-        #   (the reduce-scatter's input and output are reduce_dtype tensors).
-        # Hint 1: divide_factors(world, reduce_dtype) says how much to divide before the sum and
-        #   how much after (fp16 splits it, so neither overflows); the optimizer's tensor is the
-        #   fp32 shard, so the slice goes back to its dtype at the end.
+        # TODO 3.5: this rank's slice of the mean gradient, its sum formed in the reduce dtype.
+        # Invariant: shard_numel elements in the master dtype (the shard's): rank r's slice of the
+        #   sum over the group divided by the group's size; the reduce-scatter's input and output
+        #   carry reduce_dtype elements; the division is split as divide_factors says.
+        # Hint 1: divide_factors gives (before, after): the part of the division by the group's size
+        #   to do ahead of the sum, and the part after it.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#zero-3-the-fsdp-way
         raise NotImplementedError(
-            "TODO 3.5: reduce-scatter the gradient in the reduce dtype; return it in the master's "
+            "TODO 3.5: this rank's slice of the mean gradient, its sum formed in the reduce dtype "
             "(see phase3_multi_node/guidelines.md#zero-3-the-fsdp-way)"
         )
 

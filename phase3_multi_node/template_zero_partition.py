@@ -9,8 +9,8 @@ DeepSpeed (``stage_1_and_2.py``: one flat buffer per dtype, padded so it divides
 PyTorch FSDP (``FlatParameter``, ``torch/distributed/fsdp/_flat_param.py``) is the one built here:
 
 * the parameters of one unit (a layer) and one dtype are laid end to end in one flat buffer;
-* the buffer is padded with zeros to a multiple of N, so every rank owns a contiguous slice of
-  exactly ``padded / N`` elements: rank r owns ``[r·padded/N, (r+1)·padded/N)``;
+* the buffer is padded with zeros to a multiple of N, so every rank owns one contiguous slice,
+  all of the same length, in the order ``all_gather_into_tensor`` lays its pieces out;
 * because every slice has the same length, ``dist.reduce_scatter_tensor`` and
   ``dist.all_gather_into_tensor`` (which require equal pieces) move them with no special case.
 
@@ -30,13 +30,15 @@ def padded_size(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size`` (0 stays 0)."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: a group has at least one rank")
-    # TODO 3.5: round the flat buffer's length up so that it divides evenly by the world.
-    # Invariant: padded_size(n, N) % N == 0, n <= padded_size(n, N) < n + N.
-    # Hint 1: 107 elements on 4 ranks need 1 element of padding: 27 per rank.
+    # TODO 3.5: the length of the flat buffer once padded for the group.
+    # Invariant: the shortest length at least `numel` that `world_size` divides (0 stays 0), so
+    #   that every rank can own a slice of the same length.
+    # Hint 1: 107 elements over 4 ranks: how many must each rank own at least, and how long does
+    #   that make the whole buffer?
     # More hints: uv run python -m tests.hint 3.5
     # See guidelines.md#35-zero-stages-1-3
     raise NotImplementedError(
-        "TODO 3.5: round the flat buffer's length up so that it divides evenly by the world "
+        "TODO 3.5: the length of the flat buffer once padded for the group "
         "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
     )
 
@@ -50,15 +52,14 @@ def shard_bounds(padded_numel: int, world_size: int, rank: int) -> tuple[int, in
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside the group's ranks 0..{world_size - 1}")
-    # TODO 3.5: the contiguous slice of the padded buffer owned by `rank` (a rank of the group).
-    # Invariant: the N slices have equal lengths, do not overlap, and cover the buffer in rank
-    #   order (rank 0 first), which is the order all_gather_into_tensor lays pieces out.
-    # Hint 1: every slice has the same length, the padded size shared equally among the ranks;
-    #   rank r's slice comes after the r slices before it.
+    # TODO 3.5: the slice of the padded buffer that `rank` owns.
+    # Invariant: the N slices have equal lengths and do not overlap, and laid end to end in the
+    #   order all_gather_into_tensor puts its pieces they are the whole buffer.
+    # Hint 1: all_gather_into_tensor lays every rank's piece end to end in group-rank order.
     # More hints: uv run python -m tests.hint 3.5
     # See guidelines.md#35-zero-stages-1-3
     raise NotImplementedError(
-        "TODO 3.5: the contiguous slice of the padded buffer owned by `rank` (a rank of the group) "
+        "TODO 3.5: the slice of the padded buffer that `rank` owns "
         "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
     )
 

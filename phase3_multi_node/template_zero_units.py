@@ -6,22 +6,15 @@
 A unit owns one flat, padded buffer (see zero_partition.py) and this rank's slice of it, and it
 moves data with the two halves of a ring all-reduce (phase 3.1):
 
-* ``reduce_scatter``: every rank hands in the whole flat gradient, each gets back the sum of its
-  own slice over all ranks (then divided by N: data parallelism averages). Stage 1 does it in
-  ``step()``; stages 2 and 3 as soon as the layer's gradients are ready in backward, and drop the
-  full gradient (the stage 2 saving: 4Ψ -> 4Ψ/N bytes of fp32 gradients).
-* ``all_gather_params``: every rank hands in its updated slice; everyone gets the whole buffer.
-  Stages 1 and 2 do it after the local optimizer step; stage 3 before the layer's forward and
-  again before its backward (``gather``), and frees the buffer right after (``free``).
-
-Stage 3 frees by shrinking the buffer's *storage* to 0 bytes and regrows it before the next use,
-as PyTorch FSDP does (``_free_storage``/``_alloc_storage`` in torch/distributed/utils.py): the
-model's parameters stay views of the same storage, so the tensors autograd saved for backward are
-still valid once the storage holds the gathered values again.
+* ``reduce_scatter``: from every rank's whole flat gradient, this rank's slice of the whole
+  batch's gradient (the stage 2 saving: 4Ψ -> 4Ψ/N bytes of fp32 gradients kept);
+* ``all_gather_params``: from every rank's slice, the whole buffer on every rank;
+* stage 3 only: ``gather`` (the whole layer, current) and ``free`` (its memory released, every
+  tensor object kept: the optimizer, the hooks and autograd hold them), as PyTorch FSDP frees
+  and regrows its flat parameter.
 
 gloo in torch 2.15 implements both ``dist.reduce_scatter_tensor`` and
-``dist.all_gather_into_tensor`` (checked on this machine), so no fallback is needed. Neither has
-an AVG reduction on gloo: the sum is divided by the group size here.
+``dist.all_gather_into_tensor`` (checked on this machine), so no fallback is needed.
 """
 
 from __future__ import annotations
@@ -65,15 +58,17 @@ class ZeroUnit:
 
     def reduce_scatter(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the MEAN over the group of every rank's ``flat_grad``."""
-        # TODO 3.5: reduce-scatter the full flat gradient: this rank gets the mean of its slice.
-        # Invariant: the result has shard_numel elements: rank r's slice of sum_ranks(flat_grad)
-        #   divided by the group size; flat_grad is the padded buffer (every rank the same size).
-        # Hint 1: torch's reduce-scatter collective (dist.reduce_scatter_tensor) hands rank r the
-        #   SUM of slice r (gloo has no AVG); each rank's loss is the mean over its own samples.
+        # TODO 3.5: this rank's slice of the whole batch's gradient, from every rank's flat one.
+        # Invariant: a new tensor of shard_numel elements (flat_grad's dtype and device): this
+        #   rank's slice of the gradient of the whole global batch's loss, every rank's flat_grad
+        #   being the gradient of the mean over its own, equal share of that batch; only the unit's
+        #   group takes part.
+        # Hint 1: dist.reduce_scatter_tensor hands rank r slice r of the SUM over the group of every
+        #   rank's input (gloo has no AVG).
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
-            "TODO 3.5: reduce-scatter the full flat gradient: this rank gets the mean of its slice "
+            "TODO 3.5: this rank's slice of the whole batch's gradient, from every rank's flat one "
             "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
         )
 
@@ -103,43 +98,45 @@ class ZeroUnit:
 
     def all_gather_params(self) -> None:
         """Fill ``flat_param`` with every rank's ``shard``: the whole layer, on every rank."""
-        # TODO 3.5: all-gather every rank's slice into the full flat parameter buffer.
-        # Invariant: afterwards flat_param[r·S:(r+1)·S] holds rank r's shard (S = shard_numel)
-        #   on every rank, so every model parameter (a view of flat_param) is up to date.
-        # Hint 1: torch's all-gather into one tensor (dist.all_gather_into_tensor) lays the pieces
-        #   out in group-rank order; in stages 1-2 the shard is a view of flat_param itself.
+        # TODO 3.5: every rank's current shard in its place in the whole buffer, on every rank.
+        # Invariant: afterwards flat_param holds each rank's shard in that rank's slice, so every
+        #   model parameter (a view of flat_param) is current on every rank.
+        # Hint 1: dist.all_gather_into_tensor lays every rank's input end to end, in group-rank
+        #   order, in one output tensor.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
-            "TODO 3.5: all-gather every rank's slice into the full flat parameter buffer "
+            "TODO 3.5: every rank's current shard in its place in the whole buffer, on every rank "
             "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
         )
 
     def gather(self) -> None:
-        """Stage 3: regrow the freed buffer and all-gather the layer into it."""
-        # TODO 3.5: give flat_param its memory back, then fill it with the whole layer.
-        # Invariant: after gather() the layer's parameters hold the full, current values;
-        #   calling it on a gathered unit costs nothing (no second all-gather).
-        # Hint 1: the memory behind a tensor is its storage (Tensor.untyped_storage()); a freed
-        #   one holds 0 bytes and can be grown back in place, so every view of it sees the memory.
+        """Stage 3: the whole, current layer in ``flat_param``."""
+        # TODO 3.5: the whole layer in flat_param again, current on every rank.
+        # Invariant: afterwards flat_param's storage holds the whole padded buffer and every
+        #   parameter (a view of it) its current values; on a unit that is gathered already, nothing
+        #   is communicated.
+        # Hint 1: a freed unit's flat_param still exists: its storage (Tensor.untyped_storage) holds
+        #   0 bytes.
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
-            "TODO 3.5: give flat_param its memory back, then fill it with the whole layer "
+            "TODO 3.5: the whole layer in flat_param again, current on every rank "
             "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
         )
 
     def free(self) -> None:
         """Stage 3: release the gathered layer; only ``shard`` (1/N of it) stays."""
-        # TODO 3.5: release the memory of the gathered layer, keeping the parameter objects.
-        # Invariant: afterwards flat_param's storage holds 0 bytes and the model's parameters
-        #   are still views of it (autograd saved them for backward: gather() refills them).
-        # Hint 1: free the memory, not the tensor: the storage can be resized in place, and the
-        #   parameters (views of flat_param) must stay the same objects.
+        # TODO 3.5: release the gathered layer's memory, keeping every tensor object.
+        # Invariant: afterwards flat_param's storage holds 0 bytes, and flat_param and the model's
+        #   parameters are the very same tensor objects as before (the optimizer, the hooks and
+        #   autograd's saved tensors hold them); the next gather() refills them in place.
+        # Hint 1: autograd saved the layer's parameters during forward; the backward that reads them
+        #   runs after free() and the next gather().
         # More hints: uv run python -m tests.hint 3.5
         # See guidelines.md#35-zero-stages-1-3
         raise NotImplementedError(
-            "TODO 3.5: release the memory of the gathered layer, keeping the parameter objects "
+            "TODO 3.5: release the gathered layer's memory, keeping every tensor object "
             "(see phase3_multi_node/guidelines.md#35-zero-stages-1-3)"
         )
 

@@ -6,8 +6,8 @@ this rank's shard of its parameters in fp32 (the master weights the optimizer st
 ``MixedPrecisionPolicy``, computes in a lower precision. The exercise (``zero_fsdp_units.py``,
 ``zero_fsdp.py``) writes the unit's collectives and the prefetch; this module holds the rest:
 
-* :class:`MixedPrecision`, FSDP2's policy: ``param_dtype`` is the dtype parameters are cast to
-  before the all-gather and computed in; ``reduce_dtype`` the dtype gradients are
+* :class:`MixedPrecision`, FSDP2's policy: ``param_dtype`` is the dtype parameters are
+  all-gathered and computed in; ``reduce_dtype`` the dtype gradients are
   reduce-scattered in (None: the master dtype, as FSDP2 does since torch 2.15; it reduced in
   ``param_dtype`` before). Both None: no mixed precision. :meth:`MixedPrecision.torch_policy`
   is the same policy for ``fully_shard``.

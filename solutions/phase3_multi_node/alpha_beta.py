@@ -79,15 +79,17 @@ def ring_cost(nbytes: float, n: int) -> Cost:
     """The ring all-reduce of ``nbytes`` over ``n`` ranks: reduce-scatter + all-gather."""
     _check(nbytes, n)
     # TODO 3.2: the ring's counts: messages, bytes sent and bytes reduced per rank.
-    # Invariant: n - 1 steps of reduce-scatter and n - 1 of all-gather, one chunk of S/n each;
-    #   only the reduce-scatter reduces. A world of one costs nothing.
+    # Invariant: the ring's row of the cost table, for any n >= 1 (a world of one costs
+    #   nothing).
     # Hint 1: guidelines.md#the-cost-table has the formulas; Cost(rounds, bytes_sent,
     #   bytes_reduced).
-    # Hint 2: How many steps does each half of the ring take, and how big is each step's message for
-    #   a tensor of S bytes? Which of the two halves adds numbers, and which only copies them? What
-    #   do the counts become at n = 1?
-    # Hint 3: Rounds 2(n − 1); bytes sent 2(n − 1)/n of S; bytes reduced (n − 1)/n of S, from the
-    #   reduce-scatter only. At n = 1 every term is zero by itself, no special case needed.
+    # Hint 2: How many steps does each half of the ring take, and how big is each step's
+    #   message for a tensor of S bytes? Which of the two halves adds numbers, and which only
+    #   copies them? What do the counts become at n = 1?
+    # Hint 3: each half takes n - 1 steps of one chunk, S/n bytes: the rounds are twice n - 1.
+    # Hint 4: only the reduce-scatter reduces: bytes reduced are (n - 1)/n of S, bytes sent
+    #   twice that. At n = 1 every term is zero by itself: no special case is needed.
+    # Hint 5: one Cost of 2(n - 1) rounds, 2(n - 1)/n of S sent and (n - 1)/n of S reduced.
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     return Cost(2 * (n - 1), 2 * (n - 1) / n * nbytes, (n - 1) / n * nbytes)
@@ -98,18 +100,20 @@ def halving_doubling_cost(nbytes: float, n: int) -> Cost:
     """Rabenseifner's halving-doubling over ``n`` ranks, with the fold-in when n is not 2^k."""
     _check(nbytes, n)
     # TODO 3.2: halving-doubling's counts, fold-in included.
-    # Invariant: log2(p) halving and log2(p) doubling steps among p = 2^k core ranks, S/2, S/4,
-    #   ... each; when n > p, one message of S in and one out for the folded pairs, and one
-    #   more reduction of S.
+    # Invariant: the halving-doubling rows of the cost table, for any n >= 1 (the fold-in's
+    #   messages, bytes and reduction added when n is not a power of two).
     # Hint 1: p is the largest power of two <= n (int.bit_length tells how many bits n has);
     #   math.log2 is exact on a power of two. Cost objects add up (Cost.__add__).
-    # Hint 2: Which p ranks run the halving and doubling, and how many steps does each phase take
-    #   among them? How much does each step send as the pieces halve? What do the ranks beyond p do
-    #   before and after, and what does that add to rounds, bytes sent and bytes reduced?
-    # Hint 3: p is 1 shifted left by (the bit length of n minus 1). The core costs 2·log2(p) rounds,
-    #   2(p − 1)/p of S sent and (p − 1)/p of S reduced (the ring's fractions at p ranks). When n >
-    #   p, add a Cost of 2 rounds, 2·S sent and S reduced (the folded pair's message in and out, and
-    #   the one extra reduction).
+    # Hint 2: Which p ranks run the halving and doubling, and how many steps does each phase
+    #   take among them? How much does each step send as the pieces halve? What do the ranks
+    #   beyond p do before and after, and what does that add to rounds, bytes sent and bytes
+    #   reduced?
+    # Hint 3: on 6 ranks p is 4: the core takes log2 of 4 = 2 steps each way, 4 rounds, not
+    #   log2 of 6.
+    # Hint 4: the core's bytes are the ring's fractions at p ranks: 2(p - 1)/p of S sent and
+    #   (p - 1)/p of S reduced; the fold adds 2 rounds, 2·S sent and S reduced.
+    # Hint 5: p is 1 shifted left by the bit length of n minus 1; return the core's Cost of
+    #   twice log2 of p rounds and the fractions above, plus the fold's Cost when n differs from p.
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     p = 1 << (n.bit_length() - 1)
@@ -154,18 +158,24 @@ def fit_alpha_beta(costs: Sequence[Cost], seconds: Sequence[float]) -> AlphaBeta
         )
     if any(not (t > 0 and math.isfinite(t)) for t in seconds):
         raise ValueError(f"times must be positive and finite, got {list(seconds)}")
-    # TODO 3.2: least squares for (alpha, beta), relative to each measured time, both >= 0.
+    # TODO 3.2: the alpha and beta that fit the times best, relative to each time, both >= 0
     # Invariant: on times made exactly from the model, the fit returns the model's alpha and
-    #   beta; a fit that would make one of them negative sets it to 0 and refits the other.
-    # Hint 1: divide each equation t_i = alpha·m_i + beta·v_i by t_i, then solve the 2x2 normal
-    #   equations (A^T A) x = A^T b by hand (or with numpy.linalg.lstsq).
-    # Hint 2: after the division each measurement is a row of two coefficients and a right-
-    #   hand side of 1; the 2x2 normal equations need five sums over the rows. A negative
-    #   unknown is set to 0 and the other one refitted alone (a one-unknown least squares).
-    #   When all sizes are equal the determinant is (about) 0: raise a ValueError naming it.
-    # Hint 3: rows (m_i / t_i, v_i / t_i); with saa, sbb, sab, sa, sb the sums of a·a, b·b,
-    #   a·b, a, b: det = saa·sbb - sab², alpha = (sa·sbb - sb·sab) / det, beta = (saa·sb -
-    #   sab·sa) / det; alpha < 0: beta = sb / sbb; beta < 0: alpha = sa / saa.
+    #   beta; a fit whose unconstrained alpha (beta) is negative returns 0 for it and the best
+    #   fit of the other alone; measurements that cannot tell alpha from beta are refused.
+    # Hint 1: the relative error of measurement i is the model's time minus t_i, divided by
+    #   t_i: a linear expression in alpha and beta.
+    # Hint 2: Written as a linear system in alpha and beta, what are row i's two coefficients
+    #   and its right-hand side? How many sums over the rows do the 2x2 normal equations need?
+    #   When the solution has a negative alpha, which one-unknown problem gives beta? What
+    #   does the 2x2 system look like when every measurement has the same size?
+    # Hint 3: divided by t_i, row i reads alpha times (m_i over t_i) plus beta times (v_i over
+    #   t_i) equals 1: coefficients a_i and c_i, right-hand side 1. Every row weighs the same.
+    # Hint 4: the normal equations are alpha·Σa² + beta·Σac = Σa and alpha·Σac + beta·Σc² =
+    #   Σc; their determinant Σa²·Σc² - (Σac)² is 0 (up to rounding) when the rows are
+    #   proportional, as with one size repeated: refuse it with a ValueError.
+    # Hint 5: solve the two equations by Cramer's rule; if alpha is negative, alpha is 0 and
+    #   beta is Σc divided by Σc²; if beta is negative, beta is 0 and alpha is Σa divided by
+    #   Σa². Return an AlphaBeta of the two.
     # See guidelines.md#the-alpha-beta-model
     # >>> solution
     rows = [(c.rounds / t, c.bytes_sent / t) for c, t in zip(costs, seconds, strict=True)]

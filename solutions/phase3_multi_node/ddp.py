@@ -8,21 +8,16 @@ C++ ``Reducer`` in torch/csrc/distributed/c10d/reducer.cpp). So does this module
 1. **Construction** (given, :class:`~phase3_multi_node.ddp_support.DDPBase`): rank 0's
    parameters and buffers are broadcast; the trainable parameters are packed into buckets with
    your :func:`assign_buckets`; a post-accumulate-grad hook on each calls :meth:`_mark_ready`.
-2. **During backward** (yours): when a parameter's gradient is in ``.grad``, it goes into its
-   slot of its bucket's flat buffer, already divided by the world. When a bucket's last slot is
-   filled (and every earlier bucket has been launched), its all-reduce starts, asynchronously,
-   while backward goes on computing earlier layers.
+2. **During backward** (yours: :meth:`_mark_ready`): each time a parameter's gradient is in
+   ``.grad``, the hook tells you; the buckets' all-reduces must run while backward goes on
+   computing earlier layers.
 3. **When backward ends** (the callback is given, the work is yours: :meth:`_finish_reduction`):
-   wait for every bucket and give the averages to ``.grad``. So when ``loss.backward()``
-   returns every ``.grad`` holds the average over the group: an ordinary training loop works
-   unchanged.
+   when ``loss.backward()`` returns every ``.grad`` holds the average over the group, so an
+   ordinary training loop works unchanged.
 
-Why divide *before* the sum: the sum of n gradients can overflow fp16 (max 65504) where the
-average does not; torch divides while copying into the bucket (reducer.cpp,
-``mark_variable_ready_dense``). Why launch buckets *in order*: collectives are matched by the
-order they are issued on each rank, so every rank must issue them in the same order, whatever
-order its gradients arrive in (``next_bucket_`` in reducer.cpp). phase3_multi_node/ddp_support.py
-documents the rest: communication hooks, unused and tied parameters, what differs from torch.
+The contract of each method, and the questions whose answers are its design, are in
+guidelines.md#34-ddp-from-scratch. phase3_multi_node/ddp_support.py documents the given part:
+communication hooks, unused and tied parameters, what differs from torch.
 """
 
 from __future__ import annotations
@@ -81,28 +76,34 @@ class DistributedDataParallel(DDPBase):
         )
 
     def _mark_ready(self, index: int) -> None:
-        """Copy ``params[index].grad`` (None counts as zeros), divided by the group size, into
-        its bucket slot; launch every bucket, in bucket order, whose slots are all filled.
+        """``params[index].grad`` holds this backward's gradient (None: this rank did not use
+        the parameter); start every all-reduce that may start now.
 
         ``self._locate[index]`` is (bucket, position in it); ``bucket.slot(position)`` is the
         slot; ``bucket.pending`` counts the gradients still to come; ``self._next_bucket`` is
         the first bucket not launched yet; ``bucket.work`` keeps the all-reduce's handle.
         """
-        # TODO 3.4: copy the gradient into its bucket (divided by the world) and launch buckets.
-        # Invariant: a bucket's all-reduce starts (async, through self._launch) as soon as its
-        #   last gradient is in and every earlier bucket has started, never later (overlap) and
-        #   never out of bucket order; each bucket is all-reduced once per backward; nothing
-        #   here waits for an all-reduce (backward goes on while it runs).
-        # Hint 1: scale on the way into the slot, by self._copy_factor (1/world, or 1 when a
-        #   hook divides), in one operation that writes straight into the slot: dividing after
-        #   the sum lets n fp16 gradients overflow where their average would not.
-        # Hint 2: fill the slot (zeros when .grad is None), count the bucket's pending down,
-        #   then loop: while the bucket at self._next_bucket has nothing pending, launch it
-        #   through self._launch, keep the returned work on the bucket and move
-        #   self._next_bucket on. Do not wait here: the callback waits when backward ends.
-        # Hint 3: torch.mul of the gradient and the copy factor with out= the slot; then, as
-        #   long as the next bucket index is within the bucket list and that bucket has no
-        #   gradient pending, store self._launch's work on it and advance the index.
+        # TODO 3.4: one gradient is in .grad: take it into its bucket, start what may start
+        # Invariant: over one backward every bucket's all-reduce starts once, through
+        #   self._launch, on every rank in bucket order whatever order the gradients arrive in,
+        #   as early as that order allows; nothing waits while backward runs; no value the
+        #   all-reduce sums may overflow where the average fits (fp16).
+        # Hint 1: collectives pair by the order each rank issues them, and one rank may see
+        #   bucket 2's gradients before bucket 1's (a layer it did not use).
+        # Hint 2: Where does the division by the world happen: on the way into the slot, or on
+        #   the sum? What do two fp16 gradients of 40000 become each way? When bucket 2 fills
+        #   before bucket 1, what do you do with it, and which later call launches it? Where
+        #   does the work go, so that someone can wait for it once backward is over?
+        # Hint 3: the division comes first: the slot receives the gradient times
+        #   self._copy_factor, written straight into the slot (zeros for a None gradient).
+        #   Halves of 40000 sum to 40000; the sum of two 40000s is inf in fp16.
+        # Hint 4: a full bucket waits its turn: only the bucket at self._next_bucket may start.
+        #   After counting this gradient off its bucket's pending, launch from there on, one
+        #   bucket after another, as long as the bucket there has nothing pending.
+        # Hint 5: find the bucket and position, write the scaled gradient into the slot, count
+        #   pending down by one; then, while self._next_bucket is inside the bucket list and
+        #   that bucket's pending is zero, keep what self._launch returns as its work and move
+        #   self._next_bucket on by one. Never wait here: the callback waits at the end.
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         bucket, position = self._locate[index]
@@ -124,21 +125,22 @@ class DistributedDataParallel(DDPBase):
     def _finish_reduction(self) -> None:
         """Wait for every bucket's all-reduce, put the averages in ``.grad``, reset the state
         of this backward so the next one starts afresh."""
-        # TODO 3.4: wait for the all-reduces, write the averaged gradients, reset for next step.
-        # Invariant: when backward returns every .grad holds the group's average (a copy, or
-        #   with gradient_as_bucket_view the bucket slot itself); every bucket is again
-        #   waiting for all its gradients and no all-reduce is remembered from this step.
-        # Hint 1: an async all-reduce's result is in the buffer only after its work's wait();
-        #   the next backward counts and launches from scratch, so everything _mark_ready
-        #   changed must be put back.
-        # Hint 2: When is an async all-reduce's result in its buffer? For each parameter, what
-        #   should .grad become: the bucket's slot itself, or a copy of it, and what if .grad is
-        #   None? Which counters and handles did _mark_ready change during this backward, and what
-        #   must the next backward find in them?
-        # Hint 3: For each bucket: wait for its work; for each of its parameters take its slot and
-        #   either make it the .grad (gradient_as_bucket_view), or copy it into .grad (a new tensor
-        #   when .grad is None); then its pending count back to its number of parameters and its
-        #   work forgotten. Finally the next bucket to launch is 0 again.
+        # TODO 3.4: backward is over: every .grad gets the group's average, ready for the next
+        # Invariant: when backward returns every .grad holds the group's average (with
+        #   gradient_as_bucket_view the bucket slot itself, otherwise a tensor of its own); the
+        #   next backward finds the buckets and self._next_bucket as this one found them.
+        # Hint 1: what did _mark_ready change during this backward?
+        # Hint 2: When is an async all-reduce's result in its buffer: once it is launched, or
+        #   later? What should .grad become when it already holds a tensor, and when it is
+        #   None? Which counters and handles did _mark_ready change, and what must the next
+        #   backward find in them?
+        # Hint 3: a buffer holds the sum only once its work's wait has returned: wait for each
+        #   bucket before reading any of its slots.
+        # Hint 4: with gradient_as_bucket_view the slot itself becomes the .grad; otherwise the
+        #   slot is copied into the existing .grad, and a .grad of None gets a clone of the slot.
+        # Hint 5: for each bucket in order: wait for its work; give each of its parameters its
+        #   slot as above; set its pending count back to its number of parameters and its work
+        #   to None. Last, the next bucket to launch is 0 again.
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         for bucket in self.buckets:
@@ -160,16 +162,20 @@ class DistributedDataParallel(DDPBase):
     def no_sync(self) -> Iterator[None]:
         """Inside, backward only accumulates into ``.grad``; the first backward of a forward run
         outside all-reduces the accumulated sum (torch's ``DistributedDataParallel.no_sync``)."""
-        # TODO 3.4: switch gradient synchronization off inside the block, restore it after.
+        # TODO 3.4: inside the block, backwards do not synchronize
         # Invariant: forwards run inside the block build backwards that do not communicate;
-        #   after the block (also when it raises) synchronization is as it was before.
+        #   after the block synchronization is as it was before it, also when the block raises
+        #   and when it is nested in another no_sync.
         # Hint 1: forward reads self.require_backward_grad_sync to decide.
-        # Hint 2: What if the body of the with-block raises: does synchronization still come back?
-        #   What if no_sync is used inside another no_sync: which value must the inner one restore
-        #   when it ends?
-        # Hint 3: Remember the old value of require_backward_grad_sync, set it to False, yield
-        #   inside a try, and put the old value back in its finally (so no_sync nested in no_sync
-        #   stays off until the outer one ends).
+        # Hint 2: What if the body of the with-block raises: does synchronization still come
+        #   back? What if no_sync is used inside another no_sync: which value must the inner
+        #   one restore when it ends?
+        # Hint 3: an inner block finds the flag already off, and off is what it must leave:
+        #   remember the value the flag had when the block began, not True.
+        # Hint 4: an exception raised in the with-block comes out of the generator's yield;
+        #   only a finally clause runs on both ways out.
+        # Hint 5: remember the flag, switch it off, yield inside a try, and put the remembered
+        #   value back in the finally clause.
         # See guidelines.md#34-ddp-from-scratch
         # >>> solution
         previous = self.require_backward_grad_sync

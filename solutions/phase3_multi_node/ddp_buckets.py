@@ -6,21 +6,21 @@ middle road (Li et al., "PyTorch Distributed: Experiences on Accelerating Data P
 Training", VLDB 2020, section 3.2.3): gradients are packed into *buckets* of about
 ``bucket_cap_mb``, and a bucket's all-reduce starts as soon as its last gradient is computed.
 
-Backward produces gradients roughly in reverse order of registration (the last layer's first),
-so the buckets are filled walking the parameters from the last registered to the first. The
-rule is torch's ``compute_bucket_assignment_by_size`` (torch/csrc/distributed/c10d/reducer.cpp,
-exposed as ``dist._compute_bucket_assignment_by_size``), applied as the Reducer applies it when
-it rebuilds its buckets after the first iteration, in the order the gradients became ready:
+The rule is torch's ``compute_bucket_assignment_by_size`` (torch/csrc/distributed/c10d/reducer.cpp,
+exposed as ``dist._compute_bucket_assignment_by_size``), which the Reducer applies when it
+rebuilds its buckets after the first iteration, handed the tensors in the order their gradients
+became ready:
 
-* walk the tensors in order; each joins the open bucket of its kind (dtype and device: one
-  bucket is one flat buffer, so it holds one dtype);
-* a bucket closes as soon as its bytes reach its limit (so a bucket may exceed the cap by one
-  tensor, and a tensor bigger than the cap gets a bucket of its own);
-* each kind's first bucket uses ``limits[0]``, its second ``limits[1]``, ..., the last limit
+* one bucket is one flat buffer, so it holds one kind (dtype and device);
+* a bucket is full as soon as its bytes reach its limit (so a bucket may pass the limit by one
+  tensor, and a tensor bigger than the limit gets a bucket of its own);
+* a kind's first bucket uses the first limit, its second bucket the second, the last limit
   repeating: torch passes ``[1 MiB, 25 MiB]`` when ``bucket_cap_mb`` is left at its default
   (a small first bucket gets the first all-reduce going early), ``[cap, cap]`` when it is given;
-* buckets are listed in the order they closed, then the ones still open at the end (torch lists
-  those in the order of a hash map; with one dtype there is exactly one).
+* buckets are listed in the order they filled, then the ones still open at the end (torch lists
+  those in the order of a hash map; ours in the order their kinds first appear).
+
+Which order the gradients become ready in is yours to work out (guidelines.md#34-ddp-from-scratch).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def assign_buckets(
     """Bucket membership of parameters ``0 .. n-1`` (registration order) with sizes in bytes.
 
     Returns the buckets in launch order, each a list of parameter indices in the order their
-    gradients are expected (reverse registration order). ``kinds[i]`` (e.g. the dtype) keeps
+    gradients are expected from a chain's backward. ``kinds[i]`` (e.g. the dtype) keeps
     parameters of different kinds in different buckets; None means one kind. ``limits`` as
     returned by :func:`bucket_size_limits`.
     """
@@ -66,20 +66,24 @@ def assign_buckets(
     if not limits:
         raise ValueError("limits is empty: give at least one bucket size limit in bytes")
     kind_of = list(kinds) if kinds is not None else [None] * len(sizes)
-    # TODO 3.4: group the parameters into buckets, walking them in reverse registration order.
-    # Invariant: every index in exactly one bucket; a bucket holds one kind; a bucket closes as
-    #   soon as its bytes reach its limit (the k-th closed bucket of a kind uses limits[k], the
-    #   last limit repeating); closed buckets in closing order, then the still-open ones.
-    # Hint 1: backward computes the last layer's gradients first: start from index n-1. Keep
-    #   one open bucket (indices and bytes) per kind, and per kind how many it has closed.
-    # Hint 2: for each index from the last down to 0: add it (and its bytes) to its kind's open
-    #   bucket; when that bucket's bytes reach the limit for this kind's next bucket, the
-    #   bucket is closed: it goes to the result and its kind starts an empty one. At the end
-    #   the buckets still open and not empty follow, in the order their kinds first appeared.
-    # Hint 3: the limit for a kind's next bucket is limits at position min(buckets of that
-    #   kind closed so far, last position); the bucket closes when its bytes are >= that
-    #   limit; per-kind dicts (setdefault, get with 0) hold the open bucket, its bytes, and
-    #   the closed count.
+    # TODO 3.4: group the parameters into the buckets torch rebuilds after its first iteration
+    # Invariant: every index in exactly one bucket, one kind per bucket; for a chain of layers
+    #   the result equals dist._compute_bucket_assignment_by_size handed the parameters in the
+    #   order the chain's backward makes their gradients ready (the rule: module docstring).
+    # Hint 1: which layer's gradients does backward compute first?
+    # Hint 2: Which index does your walk start from, and why? With parameters of two kinds
+    #   interleaved, how many buckets can be open at once, and what must each kind remember
+    #   from one parameter to the next? Does the parameter whose bytes reach the limit end
+    #   the bucket it joined, or start the next one?
+    # Hint 3: the walk starts at index n-1 and goes down to 0: backward reaches the last
+    #   layer first, and the buckets must fill in the order the gradients arrive.
+    # Hint 4: every kind has its own open bucket, its bytes so far, and its count of closed
+    #   buckets; that count picks the kind's limit in the list of limits, the last entry once
+    #   the count runs past the end. A parameter joins first, then the bytes are compared.
+    # Hint 5: for each index from the last down to the first, append it to its kind's open
+    #   bucket and add its bytes; if they now reach that kind's limit, move the bucket to the
+    #   result, give the kind a fresh empty one and count one more closed. At the end append
+    #   every open bucket that is not empty, kinds in the order they first appeared.
     # See guidelines.md#34-ddp-from-scratch
     # >>> solution
     open_buckets: dict[Hashable, list[int]] = {}

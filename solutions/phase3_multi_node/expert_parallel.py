@@ -5,26 +5,22 @@ j the contiguous block ``experts_of_rank(E, ep, j)``) and routes its own tokens;
 must travel to the rank of each expert it chose, be transformed there, and come back (Lepikhin et
 al., "GShard", 2020, section 3; Fedus et al., "Switch Transformers", 2022, section 2.2)::
 
-    rank 0 tokens t0 t1 t2    route, keep    dispatch: all-to-all      rank 0: experts 0, 1
-                 |  |  |     ------------->  rows sorted by expert ->  rank 1: experts 2, 3
+    rank 0 tokens t0 t1 t2    route, keep    dispatch                  rank 0: experts 0, 1
+                 |  |  |     ------------->  ------------------->      rank 1: experts 2, 3
     rank 1 tokens t3 t4                                                run the local experts
-                                             combine: all-to-all back  weights x outputs,
-    rank 0 output y0 y1 y2   <-------------  original order restored   summed per token
+                                             combine
+    rank 0 output y0 y1 y2   <-------------  <-------------------
 
-* :func:`dispatch`: sort this rank's kept choices by expert (so by destination rank too), tell
-  every rank how many rows to expect per expert (an all-to-all of counts: the receivers cannot
-  guess, the routing is uneven), then move the rows (an all-to-all with uneven splits);
-* :func:`combine`: the reverse all-to-all, each returned row put back at its token's place,
-  multiplied by its weight, summed over the token's choices;
+* :func:`dispatch`: every kept choice's row to the rank that holds its expert (the routing is
+  uneven and changes every step);
+* :func:`combine`: every expert output back to its token, mixed by the routing's weights;
 * :class:`MoELayer`: the layer itself (given), routing and capacity from part 1
   (``moe_routing``), the experts from ``moe_experts.LocalExperts``;
 * :func:`sync_moe_gradients`: with ``dp`` replicas of the expert-parallel group
-  (``moe_layout.ExpertLayout``), each gradient reduced over the ranks that hold a copy of it.
+  (``moe_layout.ExpertLayout``), each gradient made that of the mean of every rank's loss.
 
-Autograd runs through dispatch and combine: the rows move with ``moe_comm.all_to_all``, an
-autograd Function whose backward is the reverse all-to-all (torch's
-``torch.distributed.nn.functional.all_to_all_single`` is the same thing). Every function takes the
-expert-parallel ``group`` and communicates inside it only.
+The tokens, the router and the experts all learn through dispatch and combine. Every function
+takes the expert-parallel ``group`` and communicates inside it only.
 """
 
 from __future__ import annotations
@@ -83,27 +79,32 @@ def dispatch(
         )
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} does not divide over a group of {ep} ranks")
-    # TODO 3.8: dispatch: the counts first, then the rows, each with one all-to-all.
-    # Invariant: a token with two kept choices is sent twice (once to each expert), a dropped
-    #   choice not at all; the rows bound for one rank are contiguous and, inside them, sorted
-    #   by expert, each expert's rows in token order; before any row moves, every rank learns
-    #   how many rows it will get from each rank for each of its experts (the routing is
-    #   uneven: never assume equal splits).
-    # Hint 1: experts sit on ranks in contiguous blocks, so ordering the kept choices by
-    #   expert also orders them by destination rank; a count per expert, cut into the group's
-    #   blocks, says both what goes to each rank and (once exchanged) what each rank gets.
-    # Hint 2: (1) the positions of the kept choices in the flattened (T, k) choices, ordered by
-    #   expert with a stable sort (dropped ones left out); (2) how many kept choices go to each
-    #   expert (count_choices); (3) exchange those counts with dist.all_to_all_single on the
-    #   group: equal pieces, each rank gets the counts for its own experts, an (ep, E/ep) table
-    #   once viewed; (4) the rows to send: the token of each of those choices, in that order;
-    #   the splits: the counts sent and received summed per rank; (5) move the rows with the
-    #   given all_to_all and return them with a DispatchPlan.
-    # Hint 3: give each dropped choice the sort key num_experts, past every real expert
-    #   (torch.where over the flattened choices and keep); a stable torch.argsort of the keys
-    #   then puts the dropped ones last, and its first `kept` entries are the order; the token
-    #   of flat choice i is floor(i / k); the splits are the counts viewed as (ep, E/ep),
-    #   summed per rank (dim 1).
+    # TODO 3.8: every kept choice's row to the rank of its expert, and the plan to undo it.
+    # Invariant: a token with two kept choices is sent twice (once to each expert), a dropped choice
+    #   not at all; every rank receives the rows meant for it grouped by sender and, inside each
+    #   sender's block, by its own experts in order; the received rows are differentiable in tokens;
+    #   the plan records which choice each sent row was and the rows per rank each way; the routing
+    #   is uneven: never assume equal splits.
+    # Hint 1: experts sit on ranks in contiguous blocks, so an order of the kept choices by expert
+    #   is also an order by destination rank.
+    # Hint 2: Before any row moves, each receiver must size its buffer and its splits: who knows how
+    #   many rows rank j sends to this rank's expert e, and how does the receiver learn it (every
+    #   rank taking part)? In what order must the rows leave, so that they arrive grouped by expert?
+    #   What travels for a dropped choice? Which given function moves rows so that the tokens get
+    #   their gradient back?
+    # Hint 3: The order: the positions, in the flattened (T, k) choices, of the kept choices, sorted
+    #   by expert with a stable sort (each expert's in token order), the dropped ones left out; for
+    #   instance give every dropped choice the key num_experts, past every real expert, and keep the
+    #   first `kept` positions of the sort.
+    # Hint 4: The counts: count_choices of the kept choices (E numbers), E/ep of which belong to
+    #   each destination rank; one dist.all_to_all_single of equal pieces on the group hands every
+    #   rank, from each sender, the counts for its own experts: an (ep, E/ep) table once viewed so.
+    # Hint 5: The splits: to rank j goes the sum of the counts of rank j's experts; from rank j
+    #   comes the sum of the received table's row for j. Flat choice i belongs to token i divided by
+    #   k, rounded down.
+    # Hint 6: The rows: the tokens of the choices in that order, selected from tokens (nothing
+    #   detached), moved by the given all_to_all with the two splits on the group; return what
+    #   arrives and a DispatchPlan of the order, both splits, the received table, T and k.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     num_tokens, k = experts.shape
@@ -148,19 +149,26 @@ def combine(
             f"expert_out has {expert_out.shape[0]} rows but dispatch delivered "
             f"{sum(plan.recv_splits)}: pass one output per received row, in the same order"
         )
-    # TODO 3.8: combine: the outputs back to their ranks, each at its token's place, weighted.
-    # Invariant: row t of the result is token t's (this rank's original order, not the order
-    #   rows travelled in); a dropped choice adds nothing; the reverse all-to-all sends back
-    #   exactly the rows received, each to the rank it came from.
-    # Hint 1: the reverse exchange returns rows in the order this rank sent them, and the plan
-    #   remembers which (token, choice) each sent row stood for.
-    # Hint 2: the given all_to_all with the plan's splits swapped; a zero buffer with one row
-    #   per (token, choice), each returned row placed at its choice's position (out of place,
-    #   so that autograd follows); viewed as (T, k, hidden), times the weights (broadcast over
-    #   hidden), summed over the k choices.
-    # Hint 3: index_copy along dim 0 of a zero buffer (T·k rows) puts the returned rows at
-    #   the positions plan.order names, out of place; the weights with a last dimension of
-    #   size 1 (unsqueeze) broadcast over hidden; sum over dim 1 of the (T, k, hidden) view.
+    # TODO 3.8: every expert output back to its token, weighted, summed over the token's choices.
+    # Invariant: row t of the result is token t's (this rank's original order, not the order the
+    #   rows travelled in): the sum over its kept choices of weight times expert output; a dropped
+    #   choice adds nothing; exactly the rows received go back, each to the rank it came from;
+    #   differentiable in expert_out and weights.
+    # Hint 1: the rows come back in the order this rank sent them, and the plan remembers which
+    #   (token, choice) each sent row stood for.
+    # Hint 2: Which exchange brings the outputs back, and with which splits? Where does each
+    #   returned row belong among the T x k (token, choice) places, and what fills the places of
+    #   dropped choices? How is a token's output formed from its k places? Does autograd follow a
+    #   write into a buffer made in place?
+    # Hint 3: Back: the given all_to_all with the plan's splits swapped: receive what you sent, send
+    #   what you received.
+    # Hint 4: The places: a zero buffer of T times k rows; each returned row copied to the position
+    #   the plan's order names for it, out of place (index_copy returns a new tensor), so that
+    #   autograd follows; the places of dropped choices stay zero.
+    # Hint 5: The mix: that buffer viewed as T by k by hidden, multiplied by the weights given a
+    #   trailing dimension of size one (so they broadcast over hidden), summed over the k choices.
+    # Hint 6: The outputs sent back with the splits swapped, placed by the plan's order into T times
+    #   k zero rows, weighted per (token, choice) and summed over each token's choices.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     back = all_to_all(expert_out, plan.recv_splits, plan.send_splits, group)
@@ -238,24 +246,27 @@ def sync_moe_gradients(layer: MoELayer, layout: ExpertLayout) -> None:
     """
     router_grads = _gradients(layer.router, "router")
     expert_grads = _gradients(layer.experts, "expert")
-    # TODO 3.8: reduce the router's and the experts' gradients, each over its own group.
-    # Invariant: afterwards every rank's router gradient, and every copy of an expert's
-    #   gradient, equals what one process gets from the mean of all ep x dp ranks' losses;
-    #   copies stay identical; no expert's gradient is ever added to another expert's.
-    # Hint 1: for one expert, list whose losses its gradient already includes after backward
-    #   (the all-to-all's backward carried gradients from the ranks that sent it tokens) and
+    # TODO 3.8: every gradient made that of the mean of all ranks' losses, copies kept equal.
+    # Invariant: afterwards every rank's router gradient, and every copy of an expert's gradient,
+    #   equals what one process gets from the mean of all ep x dp ranks' losses; copies stay
+    #   identical; no expert's gradient is ever added to another expert's.
+    # Hint 1: for one expert, list whose losses its gradient already includes after backward and
     #   whose are still missing; do the same for the router, which every rank holds.
-    # Hint 2: the router: each copy saw only its own rank's tokens, so the missing parts sit
-    #   on every other rank. An expert: the all-to-all's backward already brought it the parts
-    #   of every rank of its own replica (its ep group), so the missing parts are those of the
-    #   other replicas, on the ranks holding copies of the same expert. Sum each gradient over
-    #   the ranks where its missing parts are, then divide by the number of losses the mean is
-    #   over (not necessarily the size of the group the sum ran over).
-    # Hint 3: router gradients: dist.all_reduce (a sum, in place) on layout.world_group, then
-    #   an in-place division by layout.world_size. Expert gradients: dist.all_reduce on
-    #   layout.dp_group, then an in-place division by layout.world_size too, not by dp_size:
-    #   the mean is over all ep·dp losses (Megatron-LM's expert_gradient_scaling_factor is
-    #   1/(data-parallel size including ep) for the same reason).
+    # Hint 2: The router's copy on this rank saw only this rank's tokens: where are the other parts?
+    #   An expert's rows came from every rank of its expert-parallel group, and the all-to-all's
+    #   backward sent their gradients back to it: whose parts does it hold, and which ranks hold
+    #   copies of the same expert that saw other tokens? Over how many losses is the mean, and is
+    #   that the size of the group an expert's sum runs over?
+    # Hint 3: The router: a sum over every rank of the layout (layout.world_group), divided by the
+    #   number of ranks, layout.world_size.
+    # Hint 4: An expert: a sum over the ranks holding its copies, one per replica (layout.dp_group);
+    #   its own replica's parts are in already.
+    # Hint 5: The expert's divisor: after the dp sum it holds the parts of all ep x dp losses, so
+    #   the world size, not dp_size (with ep 2 and dp 2, dividing by 2 leaves it twice too large);
+    #   Megatron-LM's expert_gradient_scaling_factor is 1 over the data-parallel size including ep
+    #   for the same reason.
+    # Hint 6: dist.all_reduce of each router gradient on the world group and of each expert gradient
+    #   on the dp group, in place, every one then divided in place by the world size.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     world = layout.world_size

@@ -3,22 +3,14 @@
 One process clips by the norm of *all* gradients: ``total = ||(g_1, ..., g_P)||_p`` over every
 element of every parameter, then scales every gradient by ``min(1, max_norm / (total + 1e-6))``
 (``torch.nn.utils.clip_grad_norm_``). On a sharded model each rank must scale by that same
-global ``total``, while it holds only some gradients, some of them also held by other ranks:
-
-* a p-norm is a sum in disguise: ``total^p = sum over elements |g|^p``. Each rank sums ``|g|^p``
-  over what it holds, the partial sums are added over the groups whose ranks hold *different*
-  pieces, and ``total = sum^(1/p)``;
-* a copy held by several ranks (replicated on dp, or on tp; in exercise 4.7 also on cp, on the
-  experts' edp group, or on the two stages of a tied embedding) must enter the sum once: only
-  one rank of each set of copies counts it (Megatron-LM's
-  ``param_is_not_tensor_parallel_duplicate`` decides it for tensor parallelism);
-* the inf-norm is a max: each rank's largest ``|g|``, then the max over the groups (a copy
-  counted twice changes nothing; a SUM would add the ranks' maxima).
-
-This is what Megatron-LM's ``get_grad_norm_fp32`` (megatron/core/optimizer/clip_grads.py) does,
-and what torch's ``clip_grad_norm_`` does on DTensor gradients (FSDP2, tensor parallel): the
-local norm of each shard, then a reduction over the mesh dimensions where the tensor is sharded.
-The gradients and where their copies live come as :class:`GradShard` (clip_placement.py).
+global ``total``, while it holds only some gradients, some of them also held by other ranks.
+Every piece of every gradient must enter that norm, and a copy held by several ranks (replicated
+on dp, or on tp; in exercise 4.7 also on cp, on the experts' edp group, or on the two stages of
+a tied embedding) exactly once. How, with one number per rank and a few all-reduces, is the
+exercise (guidelines.md#gradient-clipping-across-shards); Megatron-LM's ``get_grad_norm_fp32``
+(megatron/core/optimizer/clip_grads.py) and torch's ``clip_grad_norm_`` on DTensor gradients
+(FSDP2, tensor parallel) solve the same problem. The gradients and where their copies live
+come as :class:`GradShard` (clip_placement.py).
 """
 
 from __future__ import annotations
@@ -36,20 +28,21 @@ from phase3_multi_node.clip_placement import GradShard
 def counted_here(shard: GradShard, topology: Topology) -> bool:
     """Whether this rank adds ``shard`` into the global norm: of every set of ranks holding
     identical copies of it, exactly one does."""
-    # TODO 3.6: decide whether this rank's copy of the gradient is the one the norm counts.
+    # TODO 3.6: whether this rank's copy of the gradient is the one the norm counts
     # Invariant: over all ranks, every distinct piece of every gradient is counted exactly once:
-    #   a tensor replicated on some groups is counted by one rank of each set of copies, a
-    #   tensor held by nobody else by its rank.
+    #   a tensor replicated on some groups by one rank of each set of copies, decided by every
+    #   rank from its own place alone (no message); a tensor held by nobody else by its rank.
     # Hint 1: the copies of a tensor replicated on a group are the ranks of that group of the
-    #   topology (the ranks that differ from this one only along that group's axes); every rank
-    #   must recognise, from its own place alone (no message), whether it is the representative
-    #   of its set.
-    # Hint 2: Among the copies of a tensor along one group, which single rank could every copy agree
-    #   on without a message? With copies along several groups, what must be true of the counting
-    #   rank along each of them? And with no copies at all?
-    # Hint 3: For every group name the shard is replicated on, look at this rank's index in its
-    #   group of that name (topology.rank_in); the rank counts the shard only when that index is 0
-    #   in all of them; with no such group it always counts.
+    #   topology; topology.rank_in gives this rank's index in its group of a name.
+    # Hint 2: Among the copies of a tensor along one group, which single rank could every copy
+    #   agree on without a message? With copies along several groups, what must be true of
+    #   the counting rank along each of them? And with no copies at all?
+    # Hint 3: along one group, every copy knows its own index there, and index 0 exists in
+    #   every group: the rank with index 0 counts.
+    # Hint 4: along several groups, the counting rank must be that one along every one of
+    #   them: index 0 in all of them, not in any one.
+    # Hint 5: true when topology.rank_in of every name in shard.replicated_on is 0; with no
+    #   name at all, true.
     # See guidelines.md#gradient-clipping-across-shards
     # >>> solution
     return all(topology.rank_in(name) == 0 for name in shard.replicated_on)
@@ -66,24 +59,27 @@ def global_grad_norm(
     if math.isnan(norm_type) or norm_type <= 0:  # -inf, 0 and negative p included
         raise ValueError(f"norm_type={norm_type}: a positive number or inf")
     device = shards[0].grad.device if shards else torch.device("cpu")
-    # TODO 3.6: the global norm from this rank's partial result, reduced over the groups.
+    # TODO 3.6: the global norm, the same on every rank, from this rank's part and the groups
     # Invariant: every rank returns the norm one process would compute over all gradients:
-    #   every distinct element enters once (counted_here), every group holding other pieces
-    #   (tp shards, cp and dp copies or slices, pipeline stages) contributes; for inf, the
-    #   largest |g| anywhere.
-    # Hint 1: the p-th power of a p-norm is a sum over elements, and the inf-norm a max: both
-    #   can be computed in parts, one per rank, and combined by all-reduces (ReduceOp.SUM or
-    #   ReduceOp.MAX) on groups of the topology; a group of one rank costs nothing. The groups
-    #   of the topology's four axes (AXES: pp, dp, cp, tp) together span the world.
-    # Hint 2: a float64 zero on the grads' device; for inf, the max of |g| over the shards
-    #   (copies do not change a max), all-reduced with MAX on the group of every axis; else
-    #   the sum of |g|^p over the shards counted_here keeps, all-reduced with SUM on the same
-    #   four groups, then raised to 1/p.
-    # Hint 3: the partial result starts as a 0-dim float64 tensor on the device; a counted
-    #   gradient adds the sum of its absolute values in float64, each raised to the p-th power;
-    #   for inf the partial keeps the larger of itself and a gradient's largest absolute
-    #   value, and the reduction is ReduceOp.MAX; after one all-reduce on
-    #   topology.group(name) for each name of AXES, the 1/p-th power of the sum.
+    #   every distinct element enters once, every piece held anywhere contributes; for inf,
+    #   the largest |g| anywhere; a float64 0-dim tensor, the gradients left as they are.
+    # Hint 1: the groups of the topology's four axes (AXES) together span the world, and a
+    #   group of one rank costs nothing.
+    # Hint 2: Which groups hold other pieces of the model, and so must contribute? Can the
+    #   p-th power of the norm be computed in parts, and how do the parts combine for a finite
+    #   p, and for inf? Where is the p-th root taken: on each rank's part, or once? Which
+    #   shards enter this rank's part?
+    # Hint 3: every axis may hold other pieces (tp shards, pipeline stages, ZeRO slices along
+    #   dp or cp): reduce the part over the group of each of the four axes, one after the
+    #   other; together they reach every rank once.
+    # Hint 4: for a finite p, the p-th power of the norm is a sum over elements: each rank's
+    #   part is the sum of |g| to the p over the shards counted_here keeps, in float64; the
+    #   parts add (ReduceOp.SUM), and the root, the power 1/p, is taken once, after.
+    # Hint 5: for inf, each rank's part is its largest |g| over every shard it holds (a copy
+    #   cannot change a max), and the parts combine with ReduceOp.MAX; no root.
+    # Hint 6: a 0-dim float64 part on the gradients' device; fill it as above; one all-reduce
+    #   of it on topology.group of each name in AXES, SUM or MAX; then, for a finite p, its
+    #   power 1/p.
     # See guidelines.md#gradient-clipping-across-shards
     # >>> solution
     partial = torch.zeros((), dtype=torch.float64, device=device)

@@ -1,23 +1,14 @@
-"""Exercise 3.3: topology-aware (hierarchical) all-reduce: intra-node, inter-node, intra-node.
+"""Exercise 3.3: topology-aware (hierarchical) all-reduce, crossing nodes with 1/k of the tensor.
 
 Links inside a node (NVLink, shared memory) are an order of magnitude faster than the network
 between nodes. A flat ring over N nodes of k ranks sends 2(n-1)/n·S from every rank, and the N
 links that cross a node boundary each carry that much. The hierarchical all-reduce sends only
-1/k of it across:
-
-1. **reduce-scatter inside the node** (ring, over ``topology.intra_node_group``): local rank l
-   ends with chunk l of its node's sum, S/k bytes;
-2. **all-reduce across nodes** of that chunk (ring, over ``topology.inter_node_group``: the ranks
-   with the same local rank on every node), so chunk l holds the sum over the whole world;
-3. **all-gather inside the node**, so every rank holds every chunk.
-
-Each rank sends 2(N-1)/N·S/k bytes across nodes, all ranks at once on their own paths, and
-2(k-1)/k·S inside its node. The k inter-node rings run in parallel, one per local rank, which is
-what uses every NIC of a node (NCCL's trees and rings across nodes are built per GPU for the same
-reason; Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; Jia et al., "Highly scalable deep learning
-training system with mixed-precision", 2018, 2D/hierarchical all-reduce). The groups come from
-the :class:`~course.topology.Topology` built once for the run; nothing here decides
-which ranks share a node.
+1/k of it across: each rank sends 2(N-1)/N·S/k bytes to other nodes, all ranks at once on their
+own paths, built from the ring functions of 3.1 on the groups of the
+:class:`~course.topology.Topology` built once for the run (Horovod's
+``HOROVOD_HIERARCHICAL_ALLREDUCE``; Jia et al., "Highly scalable deep learning training system
+with mixed-precision", 2018). Nothing here decides which ranks share a node. The contract and
+the questions whose answers are the design: guidelines.md#33-hierarchical-all-reduce.
 """
 
 from __future__ import annotations
@@ -47,19 +38,25 @@ def hierarchical_all_reduce(
             f"topology must be a course.topology.Topology (Topology.build(...) on every "
             f"rank), got {type(topology).__name__}"
         )
-    # TODO 3.3: reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
-    # Invariant: only the middle step crosses nodes, and it carries this rank's chunk (about
-    #   S/k), not the whole tensor; every step runs on the topology's group for it.
-    # Hint 1: your three ring functions of 3.1 each take a group; the reduce-scatter can work
-    #   in place and hand back a view of tensor, which both later steps can use as it is.
-    # Hint 2: three calls in order: the reduce-scatter over the ranks of this node (in place),
-    #   an all-reduce of the chunk it returned over the ranks that share this local rank on
-    #   every node, and an all-gather of that chunk into tensor over this node again. With one
-    #   node, or one rank per node, the steps over a group of one rank do nothing.
-    # Hint 3: reduce_scatter_ring of tensor with op on the topology's intra-node group, in
-    #   place, returns the chunk; ring_all_reduce of that chunk with op on the inter-node
-    #   group; all_gather_ring from the chunk into tensor on the intra-node group; return
-    #   tensor.
+    # TODO 3.3: all-reduce over every rank of every node, crossing nodes with 1/k of the tensor
+    # Invariant: tensor ends with the reduction over the whole world; each rank sends about
+    #   2(N-1)/N·S/k bytes to other nodes, all on topology.inter_node_group, and what stays in
+    #   its node on topology.intra_node_group; only 3.1's ring functions send.
+    # Hint 1: your three ring functions of 3.1 each take a group.
+    # Hint 2: For a rank to send only its 1/k share across, what must its node have done
+    #   first, and which share does the rank hold then? Which ranks on other nodes hold the
+    #   same share of their node's sum, and which of the topology's groups joins them? Once
+    #   the share is reduced over the world, how do the other ranks of the node get it?
+    # Hint 3: first a reduce-scatter over this node's ranks: local rank l then holds share l
+    #   of its node's sum (with inplace, a view of tensor that the later steps can use as it
+    #   is).
+    # Hint 4: the ranks holding share l of their node's sum are the ones with local rank l on
+    #   every node: topology.inter_node_group. An all-reduce there sums the share over the
+    #   world; an all-gather over the node again brings every share back into tensor.
+    # Hint 5: reduce_scatter_ring of tensor on the intra-node group, in place, returns the
+    #   chunk; ring_all_reduce of that chunk on the inter-node group; all_gather_ring from the
+    #   chunk into tensor on the intra-node group; return tensor. With one node, or one rank
+    #   per node, the steps over a group of one rank do nothing.
     # See guidelines.md#33-hierarchical-all-reduce
     # >>> solution
     chunk = reduce_scatter_ring(tensor, op, topology.intra_node_group, inplace=True)

@@ -52,19 +52,26 @@ def route(logits: torch.Tensor, k: int) -> Routing:
             "and 1 <= k <= num_experts"
         )
     # TODO 3.8: each token's k most probable experts, and weights that sum to 1 per token.
-    # Invariant: every row of probs sums to 1 over all experts; experts[t] holds k distinct
-    #   experts in decreasing probability; weights[t] are their probabilities in that order,
-    #   scaled by one common factor per token so that the row sums to 1 (the share of the
-    #   experts not chosen is handed to the chosen ones in proportion).
-    # Hint 1: the gradient must reach the router through the weights and through probs (the
-    #   load-balancing loss reads probs): build everything from logits with differentiable
-    #   operations; the choice itself (the indices) needs no gradient.
-    # Hint 2: the softmax over the expert dimension; the k largest probabilities of each row
-    #   and where they are (one torch function returns both, sorted); each row of chosen
-    #   probabilities divided by its own total.
-    # Hint 3: topk over the last dimension of probs returns (values, indices), largest
-    #   first; the values' sum over the last dimension, kept as a column (keepdim), is the
-    #   per-token total to divide by.
+    # Invariant: every row of probs sums to 1 over all experts; experts[t] holds k distinct experts
+    #   in decreasing probability; weights[t] are their probabilities in that order, scaled by one
+    #   common factor per token so that the row sums to 1; probs and weights carry the gradient back
+    #   to the logits.
+    # Hint 1: the choice itself (which indices) needs no gradient; the router learns through what
+    #   the experts are weighted by.
+    # Hint 2: Over which dimension is the softmax taken? Which torch function gives the k largest
+    #   values of each row and where they are, and in which order? Through which outputs must the
+    #   gradient reach the logits, and may anything here be detached? What single number per token
+    #   makes its k weights sum to 1?
+    # Hint 3: The probabilities: the softmax over the last dimension, the experts; each row is one
+    #   token's distribution.
+    # Hint 4: torch.topk over the experts returns the k largest values and their indices, largest
+    #   first: the indices are the experts, the values their probabilities, still attached to the
+    #   graph.
+    # Hint 5: A token whose chosen probabilities are 0.5 and 0.3 gets the weights 0.625 and 0.375:
+    #   each divided by their sum, 0.8.
+    # Hint 6: The softmax of the logits over the experts; its top k over the same dimension; the
+    #   chosen probabilities divided by their sum per token (kept as a column, so that it
+    #   broadcasts); a Routing of the indices, the weights and the probabilities.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     probs = torch.softmax(logits, dim=-1)
@@ -102,21 +109,29 @@ def keep_within_capacity(
             f"{count_choices(experts, num_experts).tolist()} per expert: pass the census of these "
             "choices and this rank's index in the group that gathered it"
         )
-    # TODO 3.8: keep a choice when its expert has taken fewer than `capacity` choices before it.
+    # TODO 3.8: keep exactly the choices that come within their expert's capacity, group-wide.
     # Invariant: for every expert, the kept choices of the whole group are exactly its first
-    #   `capacity` choices in (group rank, token) order, or all of them when there are fewer;
-    #   no randomness, no probabilities: every rank can decide its own choices alone, and the
-    #   ranks' decisions fit together without a message.
-    # Hint 1: picture each expert's queue across the whole group. Before this rank's first
-    #   token, the ranks in front of it have already queued some choices for each expert (the
-    #   census says how many); this rank's own earlier tokens queue more.
-    # Hint 2: per expert, the choices of the ranks before this one (the census rows above
-    #   `rank`, summed); for each of this rank's choices in token order, how many earlier
-    #   choices of this rank named the same expert (a running count per expert); a choice's
-    #   place in its expert's queue is the sum of the two for its expert; keep it when that
-    #   place is below capacity. Return the mask in the shape of `experts`.
-    # Hint 3: torch.nn.functional.one_hot(experts.flatten(), num_experts).cumsum(0) counts the
-    #   choices so far per expert (itself included); gather each choice's own column.
+    #   `capacity` choices in (group rank, token) order, or all of them when there are fewer; no
+    #   randomness, no probabilities: every rank decides its own choices alone, and the ranks'
+    #   decisions fit together without a message.
+    # Hint 1: picture each expert's queue across the whole group: before this rank's first token,
+    #   the ranks in front of it have queued some choices for each expert already.
+    # Hint 2: For one choice of this rank, how many choices for the same expert stand ahead of it:
+    #   from the ranks before this one, and from this rank's own earlier tokens? Which of your
+    #   inputs tells you the first number without a message? When is a choice at place p kept,
+    #   counting places from 0?
+    # Hint 3: Ahead of this rank, per expert: the census rows of the ranks before it, summed over
+    #   those ranks (its own row is not ahead of it).
+    # Hint 4: Ahead within this rank: read the (T, k) choices row by row, as flattening gives them;
+    #   for each choice, the number of this rank's earlier choices that named the same expert, which
+    #   is a running count per expert (a cumulative sum over the one-hot encoding of the flattened
+    #   choices) minus the choice itself.
+    # Hint 5: A choice's place is the two counts for its expert added; it is kept when the place is
+    #   below capacity. The guide's example: 2 choices for expert 2 before rank 1, whose token 0
+    #   takes place 2 (kept, capacity 3) and token 2 place 3 (dropped).
+    # Hint 6: Flatten the choices; for each, the census rows above this rank summed for its expert,
+    #   plus its running count of earlier same-expert choices in this rank; a place below capacity
+    #   is kept; the mask reshaped like the choices.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     flat = experts.flatten()
@@ -154,14 +169,18 @@ def load_balancing_loss(
     if experts.shape[0] == 0:
         raise ValueError("no tokens: the load-balancing loss averages over at least one token")
     # TODO 3.8: the load-balancing loss of this rank's tokens.
-    # Invariant: 1 for a router that spreads both its choices and its probabilities evenly;
-    #   its gradient reaches the router through the mean probabilities only.
-    # Hint 1: two vectors over the experts, one from the choices (a fraction of all choices,
-    #   so it sums to 1), one from the probabilities (a mean over tokens, so it sums to 1 too).
-    # Hint 2: count the choices per expert (count_choices), divide by the number of choices
-    #   (tokens times k); the mean of probs over the tokens; the two multiplied expert by
-    #   expert and summed, times num_experts.
-    # Hint 3: experts.numel() is the number of choices; probs.mean(dim=0) the mean per expert.
+    # Invariant: num_experts times the sum over the experts of f_e times P_e: f_e the fraction of
+    #   all T x k choices that named e (before capacity), P_e e's probability averaged over the T
+    #   tokens; 1 for an even router; its gradient reaches probs through P only.
+    # Hint 1: two vectors over the experts, one from the choices and one from the probabilities;
+    #   each sums to 1.
+    # Hint 2: How many choices are there in all, and how many named each expert (which given helper
+    #   counts them)? Over which dimension of probs is the mean taken? Which of the two vectors may
+    #   carry a gradient, and in which dtype must f be to multiply P?
+    # Hint 3: f: count_choices of the experts, made the dtype of probs, divided by the number of
+    #   choices, T times k (the number of elements of experts), not by T.
+    # Hint 4: P: the mean of probs over the tokens, its first dimension: one value per expert.
+    # Hint 5: num_experts times the sum over the experts of f times P: a scalar tensor.
     # See guidelines.md#38-expert-parallelism
     # >>> solution
     fraction = count_choices(experts, num_experts).to(probs.dtype) / experts.numel()

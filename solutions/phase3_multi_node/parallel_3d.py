@@ -8,21 +8,14 @@ Megatron-LM", SC 2021, sections 2-3) combines the three, each on its own process
 (pp, dp, tp) grid that ``course/topology.py`` lays out:
 
 * **tensor** (tp, innermost, adjacent ranks): every block of a stage is phase 2's
-  ``ParallelMLP`` on ``topology.tp_group``: fc1 column-parallel, fc2 row-parallel, one
-  all-reduce forward and one backward per block and micro-batch;
-* **pipeline** (pp, outermost): the blocks are cut into pp contiguous stages, run by phase 2's
-  ``PipelineExecutor`` on ``topology.pp_group``; each tp rank of a stage exchanges activations
-  and gradients with the same tp rank of the next stage;
+  ``ParallelMLP``, one all-reduce forward and one backward per block and micro-batch;
+* **pipeline** (pp, outermost): the blocks are cut into pp stages, run by phase 2's
+  ``PipelineExecutor`` on ``topology.pp_group``;
 * **data** (dp): each replica of the whole (pipelined, tensor-parallel) model trains on its own
-  slice of the global batch; after the pipeline's step, the gradients are averaged on
-  ``topology.dp_group`` (phase 1's ``average_gradients``), never across tp (shards of different
-  columns) or pp (different blocks).
+  part of the global batch, and every replica must apply the same update.
 
-Why phase 1's ``average_gradients`` and not our DDP: the executor runs m backward passes per
-step, interleaved with forwards (1F1B). DDP all-reduces at the end of every backward its hooks
-see, so it would average m times per step unless told which backward is the last (Megatron
-wraps all but the last micro-batch in ``no_sync``); after the whole step, one flat all-reduce
-on the dp group does exactly what is needed (Megatron's ``finalize_model_grads`` does the same).
+Which ranks hold what, and which group each reduction runs on, is the exercise: the contract and
+the questions are in guidelines.md#36-3d-parallelism.
 
 The model is a stack of Megatron MLP blocks (``DenseMLP``: Linear, GELU, Linear), built dense
 from one seed so that one process can compute the reference; the 3D model is cut from its
@@ -163,26 +156,27 @@ def check_layout(
 
 
 def build_stage(dense: nn.Sequential, topology: Topology) -> nn.Sequential:
-    """This rank's pipeline stage: its contiguous run of the blocks of ``dense`` (equal runs,
-    the first stage the first blocks), each a ``ParallelMLP`` holding this rank's
-    tensor-parallel shard (copies: ``dense`` is left unchanged)."""
+    """This rank's pipeline stage: its blocks of ``dense``, each a ``ParallelMLP`` holding this
+    rank's tensor-parallel shard (copies: ``dense`` is left unchanged); the stages of one
+    pipeline, run in order, compute ``dense``."""
     stack = StackConfig.of(dense)
     check_layout(topology.world_size, topology.dp_size, topology.tp_size, topology.pp_size, stack)
-    # TODO 3.6: the blocks of this pipeline stage, each turned into a tensor-parallel block.
-    # Invariant: the pp stages hold equal, contiguous runs of the blocks, in order (stage 0 the
-    #   first run); each block is sharded among the ranks that split blocks in this layout
-    #   (fc1's rows / fc2's columns of this rank, fc2's bias whole), so the stages of one
-    #   pipeline together are the whole model.
-    # Hint 1: your ParallelMLP.from_dense of exercise 2.6 turns one DenseMLP into this rank's
-    #   shard over the group it is given; which of the topology's groups shards a block?
-    #   Blocks are split contiguously, like 2.5's stages: the first stage gets the first blocks.
-    # Hint 2: the blocks per stage from the number of blocks (dense_blocks lists them) and the
-    #   pipeline size; this stage's contiguous run of them, found from its pipeline rank; each
-    #   turned into its tensor-parallel shard on the tensor-parallel group (not the world, not
-    #   the pp or dp group); all of them, in order, in one nn.Sequential.
-    # Hint 3: per stage, the number of blocks divided (whole) by the pipeline size; this
-    #   stage's run starts at its pipeline rank times that; each block of the run through your
-    #   ParallelMLP.from_dense with the topology's tensor-parallel group, in an nn.Sequential.
+    # TODO 3.6: this pipeline stage's blocks, each turned into this rank's tensor-parallel shard
+    # Invariant: the pp stages hold equal numbers of blocks, and the stages of one pipeline,
+    #   run one after the other, compute the dense model; each block is this rank's shard as
+    #   your 2.6 ParallelMLP.from_dense makes it, over the ranks that split blocks.
+    # Hint 1: the executor sends stage s's output to stage s + 1.
+    # Hint 2: Which blocks must stage pp_rank hold for stage 0's output to feed stage 1's
+    #   first block? How many blocks does a stage hold? Which of the topology's groups
+    #   splits one block into shards, and which ranks hold the same shard?
+    # Hint 3: the stages hold contiguous runs of the blocks in order: with 4 blocks and
+    #   pp = 2, stage 0 holds blocks 0 and 1, stage 1 blocks 2 and 3 (dense_blocks lists them).
+    # Hint 4: a block is split among the ranks of one tp group (adjacent ranks, the same
+    #   stage and replica): ParallelMLP.from_dense gets topology.tp_group, not the world and
+    #   not the dp or pp group.
+    # Hint 5: the blocks per stage are the number of blocks divided (whole) by the pipeline
+    #   size; this stage's run starts at its pipeline rank times that; each block of the run
+    #   goes through ParallelMLP.from_dense with the tp group, all of them in one nn.Sequential.
     # See guidelines.md#36-3d-parallelism
     # >>> solution
     blocks = dense_blocks(dense)
@@ -208,17 +202,17 @@ def replica_batch(batch: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tens
             f"a global batch of {batch.shape[0]} samples does not split into {dp_size} equal "
             f"replica slices: use a multiple of dp={dp_size}"
         )
-    # TODO 3.6: replica dp_rank's own slice of the global batch.
+    # TODO 3.6: replica dp_rank's own slice of the global batch
     # Invariant: the dp_size slices are disjoint, equal, contiguous and in replica order, so
-    #   together they are the whole batch: the mean of the replicas' mean gradients is then
-    #   the whole batch's gradient.
-    # Hint 1: the data-parallel rank, not the global rank, picks the slice: the tp ranks and
-    #   the stages of one replica work on the same samples.
-    # Hint 2: Which dimension holds the samples? How large is each replica's slice, and how many
-    #   samples come before replica dp_rank's? Why the dp rank and not the global rank?
-    # Hint 3: One slice is the first dimension's size divided by dp_size; replica dp_rank takes the
-    #   samples from dp_rank times that size up to (dp_rank + 1) times it (a slice of the first
-    #   dimension).
+    #   together they are the whole batch.
+    # Hint 1: the samples lie along the first dimension.
+    # Hint 2: Which dimension holds the samples? How large is each replica's slice, and how
+    #   many samples come before replica dp_rank's?
+    # Hint 3: one slice is the first dimension's size divided by dp_size: 12 samples over 3
+    #   replicas give slices of 4.
+    # Hint 4: replica 2 of those 3 starts after the 8 samples of replicas 0 and 1.
+    # Hint 5: replica dp_rank takes the samples from dp_rank times the slice size up to
+    #   dp_rank + 1 times it, a slice of the first dimension.
     # See guidelines.md#36-3d-parallelism
     # >>> solution
     size = batch.shape[0] // dp_size
@@ -282,23 +276,26 @@ class Parallel3D:
             inputs.shape[0],
             self.num_microbatches,
         )
-        # TODO 3.6: one step: this replica's data through the pipeline, the dp average, SGD.
-        # Invariant: after the step each rank's gradients are the mean over its dp group only
-        #   (never over tp: those are different shards; never over pp: different blocks) of
-        #   its replica's gradients, and every replica applied the same update; one
-        #   all-reduce on the dp group per step, none of it crossing a tp or pp boundary.
-        # Hint 1: the pipeline's self.executor.step(inputs, targets) runs every micro-batch
-        #   (it needs the inputs on the first stage and the targets on the last; None
-        #   elsewhere) and leaves the summed gradients in .grad; phase 1's
-        #   average_gradients(model, group=...) averages them.
-        # Hint 2: Which samples does this replica train on, and which rank numbers pick them (dp,
-        #   not global)? Which stage needs the inputs, which the targets, and what do the others
-        #   pass? After the executor, which group averages the gradients, and which boundaries must
-        #   it never cross? What does the step return?
-        # Hint 3: Zero the gradients; this replica's slices of inputs and targets (replica_batch
-        #   with the dp rank and size); the executor step with the slices where this stage needs
-        #   them (None elsewhere); average_gradients on self.stage with the dp group; the optimizer
-        #   step; return the step result's loss.
+        # TODO 3.6: one SGD step of this replica on the global batch, every replica the same
+        # Invariant: afterwards every rank holds its shard of what one process's SGD on the
+        #   whole global batch gives; every tp rank of a replica trains on the same samples;
+        #   the gradients' reduction moves the stage's gradients once and stays inside the
+        #   ranks holding the same shard; the step returns the executor's loss.
+        # Hint 1: self.executor.step runs every micro-batch and sums their gradients into .grad;
+        #   phase 1's average_gradients averages .grad over the group it is given.
+        # Hint 2: Which coordinate of this rank picks its samples, and which ranks must see the
+        #   same ones? Which stage needs the inputs, which the targets? Which ranks hold a copy
+        #   of the same shard, so which group averages the gradients, and by how many? What
+        #   does .grad hold when the step starts?
+        # Hint 3: the data-parallel rank picks the slice (replica_batch with the dp rank and
+        #   size): the tp ranks and the stages of one replica work on the same samples.
+        # Hint 4: the copies of a shard are the ranks with the same stage and tp rank in the
+        #   other replicas: topology.dp_group, averaged (each replica's loss is a mean over its
+        #   own samples only). The executor accumulates into .grad: zero it first.
+        # Hint 5: zero the gradients; this replica's slices of inputs and targets; the executor
+        #   step with the inputs on the first stage and the targets on the last (None
+        #   elsewhere); average_gradients of self.stage on the dp group; the optimizer step;
+        #   return the step result's loss.
         # See guidelines.md#36-3d-parallelism
         # >>> solution
         self.optimizer.zero_grad(set_to_none=True)

@@ -43,23 +43,26 @@ def check_header(header: Header, max_payload: int) -> None:
     if header.type not in MsgType._value2member_map_:
         raise ProtocolError(f"unknown message type {header.type}")
     msg = MsgType(header.type)
-    # TODO 3.7: refuse a frame from its header alone: dtype, shape and length all bounded.
-    # Invariant: when this returns, `header.length` bytes are safe to read: a tensor frame has
-    #   a known dtype, at most MAX_DIMS dimensions, none negative and the unused ones 0, and a
-    #   length equal to the bytes its dtype and shape imply, never more than `max_payload`; a
-    #   CHALLENGE or AUTH frame has its fixed size (BYTES_TYPES); every other frame has none.
-    # Hint 1: every field is a number a stranger chose: the dtype code must index WIRE_DTYPES
-    #   before `header.dtype` may be read, and a length of 2**62 must be refused here, not
-    #   allocated.
-    # Hint 2: first the fields every frame shares: the dtype code, then ndim, then the shape
-    #   (used sizes not negative, unused ones zero). Then by message type: a tensor frame's
-    #   length must equal the element count times the element size, and stay within
-    #   max_payload; a fixed-size frame's length must equal its size; any other frame's must
-    #   be zero. Each refusal raises ProtocolError naming the field, its value and what was
-    #   allowed.
-    # Hint 3: an element's size is element_size() of an empty 0-d tensor of header.dtype;
-    #   the expected length is math.prod of header.shape times it; the unused sizes are the
-    #   entries of header.dims from position ndim on.
+    # TODO 3.7: refuse a frame from its header alone, before a byte of payload is read.
+    # Invariant: when this returns, `header.length` bytes are safe to read: a tensor frame has a
+    #   known dtype, at most MAX_DIMS dimensions, none negative and the unused ones 0, and a length
+    #   equal to the bytes its dtype and shape imply, never more than `max_payload`; a CHALLENGE or
+    #   AUTH frame has its fixed size (BYTES_TYPES); every other frame has none; every refusal is a
+    #   ProtocolError naming the field.
+    # Hint 1: every field is a number a stranger chose, and header.dtype looks one of them up in
+    #   WIRE_DTYPES.
+    # Hint 2: Which field must be checked before another may be read? In what order do the dtype
+    #   code, ndim and the sizes go? How many bytes do a dtype and a shape imply? Which frames carry
+    #   a tensor, which a fixed number of bytes, and which nothing at all?
+    # Hint 3: First the dtype code: below the length of WIRE_DTYPES, or header.dtype raises
+    #   IndexError instead of a refusal; then ndim between 0 and MAX_DIMS; then no used size
+    #   negative and every unused one (the dims from position ndim on) zero.
+    # Hint 4: A tensor frame (TENSOR_TYPES): its length must equal the product of its shape times
+    #   the element size of its dtype (that of an empty 0-d tensor of header.dtype), and stay within
+    #   max_payload. A [4] float64 tensor is 32 bytes: 31 or 2^62 is refused.
+    # Hint 5: The others: a CHALLENGE or AUTH frame's length must equal its entry of BYTES_TYPES;
+    #   any other frame's must be 0. Each refusal raises ProtocolError with the field, its value and
+    #   what was allowed.
     # See guidelines.md#37-parameter-server
     # >>> solution
     if header.dtype_code >= len(WIRE_DTYPES):

@@ -24,12 +24,11 @@ Gibiansky, 2017; baidu-research/baidu-allreduce), that Horovod built on, and tha
 everywhere: every rank ends with the same bits, though not necessarily the bits of
 ``dist.all_reduce``, whose order of additions differs.
 
-**Speed** (guidelines.md#speed). Each chunk is cut into segments of ``segment_bytes``, reduced
-as they arrive and forwarded at once while later ones are on the wire (the pipelining of gloo's
-and NCCL's rings); every receive is posted before the first send; nothing is copied (reductions
-write into the tensor, the all-gather receives into it, receive buffers are pooled);
-:func:`ring_all_reduce` overlaps the halves at their seam; messages travel on
-:class:`~phase3_multi_node.ring_links.RingLinks` (a gloo connection per direction).
+**Speed** (guidelines.md#speed): the goal is gloo's own all-reduce. Given: each chunk is cut
+into segments of ``segment_bytes`` (one message each, ``RingPlan.pieces``), receive buffers come
+from a pool kept between calls, and messages travel on
+:class:`~phase3_multi_node.ring_links.RingLinks` (a gloo connection per direction). When each
+message is posted, what waits for what, and whether the two halves overlap, are yours.
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ from phase3_multi_node.ring_links import RingLinks
 # with benchmark_collectives --segment-kib; guidelines.md#speed).
 SEGMENT_BYTES = 2 << 20
 REDUCE_SCATTER_TAG = 0
-ALL_GATHER_TAG = 1  # own tag: the all-gather's receives are posted while reduce-scatter runs
-_POOL = BufferPool()  # the reduce-scatter's receive buffers, one per step, kept between calls
+ALL_GATHER_TAG = 1  # the all-gather's messages
+_POOL = BufferPool()  # receive buffers, one per slot, kept between calls
 
 Receives = list[list[tuple[torch.Tensor, "dist.Work | None"]]]  # per step: (place, its irecv)
 
@@ -71,16 +70,19 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
         raise ValueError(f"n={n}: a ring needs at least one rank")
     if numel < 0:
         raise ValueError(f"numel={numel} must be >= 0")
-    # TODO 3.1: cut numel elements into n contiguous chunks whose sizes differ by at most one.
-    # Invariant: the chunks cover 0..numel exactly, in order, without overlap; the first
-    #   numel % n of them are one element longer (torch.tensor_split's pieces).
-    # Hint 1: one integer division of numel by n gives both the common size and how many
-    #   chunks are one element longer.
-    # Hint 2: walk the chunks in order keeping a running start; a chunk is one element longer
-    #   when its index is below the remainder. Check it on numel = 10, n = 4 (sizes 3, 3, 2, 2)
-    #   and on numel = 2, n = 3 (1, 1, 0).
-    # Hint 3: divmod of numel by n gives (base, extra); chunk i has base + 1 elements when
-    #   i < extra and base otherwise, and starts where chunk i − 1 stopped (chunk 0 at 0).
+    # TODO 3.1: cut numel elements into n contiguous chunks, the pieces of torch.tensor_split
+    # Invariant: the chunks cover 0..numel exactly, in order, without overlap, and equal
+    #   torch.tensor_split's pieces for any numel >= 0 and n >= 1.
+    # Hint 1: what does torch.tensor_split make of 10 elements in 4 pieces, and of 2 in 3?
+    # Hint 2: When n does not divide numel, which chunks get the elements left over: the
+    #   first ones or the last ones? How big is every chunk apart from that? Where does
+    #   chunk i start?
+    # Hint 3: one integer division of numel by n gives the common size and the remainder: with
+    #   numel = 10 and n = 4 the sizes are 3, 3, 2, 2 (the first two chunks take one more).
+    # Hint 4: chunk i starts where chunk i - 1 stopped (chunk 0 at 0): keep a running start
+    #   while walking the chunks in order. With numel = 2 and n = 3 the sizes are 1, 1, 0.
+    # Hint 5: divmod of numel by n gives the base and the extra; chunk i has base + 1 elements
+    #   when i is below extra, base otherwise; append each start and stop, and move on.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     base, extra = divmod(numel, n)
@@ -148,27 +150,29 @@ def _reduce_scatter_steps(
     ``ALL_GATHER_TAG``, the moment its last reduction is done: the all-gather's first step.
     """
     flat, links, rank, n = plan.flat, plan.links, plan.rank, plan.n
-    # TODO 3.1: the n-1 reduce-scatter steps: send a chunk right, reduce the one from the left.
-    # Invariant: at every step each rank sends one chunk to its right and receives one from its
-    #   left, which it reduces (combine_) into its own copy of that chunk in flat; what it sends
-    #   at step s+1 is what it reduced at step s; after step n-2 chunk r of flat holds every
-    #   rank's contribution. Never block in a send: every rank sends at the same time.
-    # Hint 1: first find which chunk rank r sends at step 0 and which it receives, for any n:
-    #   trips end at their owner, so walk the guide's 4-rank table backwards from its last
-    #   step. A received chunk goes into a separate buffer (_POOL.get), not into flat: flat's
-    #   chunk still holds your own value. Return the isends' works without waiting for them.
-    # Hint 2: post every step's receives before the first send (each step into its own pool
-    #   slot, one receive per segment of the chunk), then send the first chunk; then, step by
-    #   step and segment by segment: wait for the receive, reduce it into flat, and send that
-    #   reduced segment on at once (it is what the next step sends). At the last step the
-    #   reduced segment belongs to your own chunk: send it on only if forward_own, under the
-    #   all-gather's tag.
-    # Hint 3: at step s rank r sends chunk r − 1 − s and receives chunk r − 2 − s, both mod n
-    #   (plan.pieces(i) and plan.chunk(i) reduce any integer i mod n themselves). Step s's
-    #   buffer is the pool's slot s, sized to the arriving chunk; a segment [lo, hi) of that
-    #   chunk (which starts at `start`) lands in the buffer's [lo − start, hi − start) through
-    #   links.irecv under REDUCE_SCATTER_TAG, and is reduced into flat's [lo, hi) by combine_;
-    #   links.isend sends flat's views.
+    # TODO 3.1: the reduce-scatter's n-1 steps: afterwards chunk r of flat is fully reduced
+    # Invariant: at every step each rank sends one chunk to its right and receives one from
+    #   its left; after the last step chunk r of flat holds every rank's contribution, each
+    #   added once; nothing blocks in a send (every rank sends at the same time); the sends'
+    #   works are returned, not waited for; with forward_own, chunk r's segments also leave
+    #   under ALL_GATHER_TAG once final.
+    # Hint 1: trips end at their owner: walk the guide's 4-rank table backwards from its last
+    #   step to find what rank r sends and receives at step 0.
+    # Hint 2: At step s, which chunk does rank r send and which does it receive, for any n?
+    #   Where does a received segment go, given that flat's copy of that chunk still holds
+    #   this rank's own term? What is sent at step s + 1, and can it leave before the whole
+    #   chunk has arrived? Which receives can be posted before the first send?
+    # Hint 3: at step s rank r sends chunk r - 1 - s and receives chunk r - 2 - s, both mod n
+    #   (plan.pieces and plan.chunk take any integer and reduce it mod n). On 4 ranks, rank 0
+    #   sends chunk 3 at step 0 and receives chunk 2.
+    # Hint 4: a received segment lands in a buffer of its own (the pool's slot s for step s,
+    #   sized to the arriving chunk, each segment at its offset inside the chunk), under
+    #   REDUCE_SCATTER_TAG; combine_ then reduces it into flat's view, and that reduced view
+    #   is exactly what the next step sends: send it at once.
+    # Hint 5: post every step's receives first, one per segment; send the segments of chunk
+    #   r - 1; then per step and segment: wait for its receive, combine_ it into flat's view,
+    #   and send that view on, under REDUCE_SCATTER_TAG before the last step, and at the last
+    #   step under ALL_GATHER_TAG if forward_own (otherwise not at all). Return every send.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     incoming = []  # per step: (this rank's view of the chunk, its receive buffer, the irecv)
@@ -201,18 +205,23 @@ def _reduce_scatter_steps(
 
 def _post_all_gather_receives(plan: RingPlan) -> Receives:
     """Post every irecv of the all-gather, step by step, straight into ``plan.flat``."""
-    # TODO 3.1: post the all-gather's receives, each into its final place in flat.
-    # Invariant: one list per step, in step order, holding (the view of flat, its irecv) for
-    #   every segment of the chunk that arrives at that step, under ALL_GATHER_TAG; nothing is
-    #   sent here and nothing waited for.
+    # TODO 3.1: post the all-gather's receives, each into its final place in flat
+    # Invariant: one list per step, in step order, of (the view of flat, its irecv) for every
+    #   segment of the chunk that arrives at that step, under ALL_GATHER_TAG; nothing is sent
+    #   here and nothing waited for.
     # Hint 1: at step 0 each rank sends the chunk it owns, and afterwards what it just
-    #   received: so the chunk arriving at step s is the one your left neighbour sends then.
-    #   Receive into flat itself (no buffer): the data is final when it lands.
-    # Hint 2: for each step, the index of the arriving chunk, then one receive per segment of
-    #   it (plan.pieces lists a chunk's segments), each into that segment's view of flat.
-    # Hint 3: at step s rank r receives chunk r − 1 − s (mod n), for s from 0 to n − 2; for
-    #   each segment [lo, hi) of it, the pair (flat's view from lo to hi, an irecv by
-    #   plan.links into that same view under ALL_GATHER_TAG).
+    #   received.
+    # Hint 2: Which chunk does your left neighbour send at step s of the all-gather? Where in
+    #   flat does it belong, and does it need a buffer first, or is it final when it lands? In
+    #   which order must the receives be posted for gloo to pair each with the right send?
+    # Hint 3: your left neighbour, rank r - 1, sends its own chunk r - 1 at step 0, then what
+    #   it received: at step s rank r receives chunk r - 1 - s (mod n).
+    # Hint 4: the data is final when it lands: receive straight into flat's view of each
+    #   segment, no buffer; post step by step, and within a step segment by segment: the
+    #   order in which the left neighbour sends them.
+    # Hint 5: for s from 0 to n - 2, a list holding, for each segment of chunk r - 1 - s, the
+    #   pair of flat's view of that segment and an irecv by plan.links into it under
+    #   ALL_GATHER_TAG.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     rank, n = plan.rank, plan.n
@@ -233,20 +242,21 @@ def _finish_all_gather(
 
     ``sends`` already holds the first step's sends (this rank's own chunk), in flight.
     """
-    # TODO 3.1: the all-gather's steps: pass every received chunk on to the right, once.
+    # TODO 3.1: complete the all-gather: every chunk of flat final, every send waited for
     # Invariant: what rank r receives at step s it sends at step s+1, as it is (copied, never
-    #   reduced again: every rank ends with the same bits); the last step's chunk is not sent
-    #   on (its right neighbour started it). Every isend is waited for before returning: the
-    #   caller may overwrite the tensor at once.
-    # Hint 1: the receives are already posted, in step order: a segment is final the moment it
-    #   lands, so it can be passed on at once. Waiting for a send before the next receive
-    #   serializes the ring; wait for the sends only at the end.
-    # Hint 2: step by step, segment by segment: wait for the segment's receive; unless this is
-    #   the last step, post its send to the right under the all-gather's tag and keep the work.
-    #   When every receive is done, wait for every send (those already in `sends` included).
-    # Hint 3: after each segment's receive completes, at steps 0 to n − 3 only, an isend by
-    #   plan.links of that same view under ALL_GATHER_TAG, its work appended to sends; after
-    #   the loop, one wait_all over sends.
+    #   reduced again); every isend (those passed in included) is waited for before returning;
+    #   no all-gather send is waited for while all-gather receives are still pending.
+    # Hint 1: the receives are posted already, in step order.
+    # Hint 2: When is a received segment ready to be passed on? Which chunk does rank r
+    #   receive but never send on, and why? When may the sends be waited for, so that the
+    #   steps overlap and the caller may overwrite the tensor as soon as you return?
+    # Hint 3: a segment is final the moment its receive completes: pass it on at once, under
+    #   ALL_GATHER_TAG, and keep the work.
+    # Hint 4: the chunk that arrives at the last step is r + 1's own: its trip started at the
+    #   right neighbour, so it is not sent on. The sends are waited for once, at the very end.
+    # Hint 5: per step and segment: wait for the receive; at every step but the last, send
+    #   that same view on under ALL_GATHER_TAG and append the work to sends; after the loop,
+    #   wait for all of sends at once with wait_all.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     for step, posted in enumerate(receives):
@@ -341,22 +351,22 @@ def ring_all_reduce(
     plan = RingPlan.build(tensor.view(-1), group, segment_bytes)
     if plan.n == 1:
         return tensor
-    # TODO 3.1: compose the two halves in place, the all-gather starting at the seam.
-    # Invariant: afterwards tensor holds the reduction on every rank, bitwise the same, and
-    #   every rank sent 2(n-1)/n·S bytes, all to its right.
-    # Hint 1: the helpers above are the two halves: _reduce_scatter_steps leaves chunk r
-    #   reduced in plan.flat, _post_all_gather_receives + _finish_all_gather pass the chunks
-    #   around (see all_gather_ring for them used alone).
-    # Hint 2: the all-gather's receives can be posted before the reduce-scatter starts: gloo
-    #   pairs messages from one neighbour and tag in posting order, and their own tag keeps
-    #   them apart from the reduce-scatter's; and no all-gather data can arrive before the
-    #   chunk it belongs to is final everywhere. The all-gather's first step (your own chunk,
-    #   which all_gather_ring sends with _send_own_chunk) can then leave from inside the
-    #   reduce-scatter, segment by segment, the moment each is final.
-    # Hint 3: three calls in this order: _post_all_gather_receives on the plan; then
-    #   _reduce_scatter_steps with forward_own set to True, whose returned sends already hold
-    #   your own chunk's segments, in flight; then _finish_all_gather with those receives and
-    #   sends. Return the tensor.
+    # TODO 3.1: compose the two halves in place, the all-gather under way at the seam
+    # Invariant: afterwards tensor holds the reduction on every rank, bitwise the same; every
+    #   rank sent 2(n-1)/n·S bytes, all to its right; the all-gather's first step leaves
+    #   while the reduce-scatter's last step runs.
+    # Hint 1: all_gather_ring shows the all-gather's helpers used alone.
+    # Hint 2: Who sends the all-gather's first step, this rank's own chunk, when the halves
+    #   overlap? What must already be posted when the first of those segments leaves? Can the
+    #   all-gather's receives be posted before the reduce-scatter even starts, and what keeps
+    #   them from taking the reduce-scatter's messages?
+    # Hint 3: no all-gather data can arrive before its chunk is final everywhere, and the two
+    #   halves' tags keep their messages apart: the all-gather's receives can be posted first.
+    # Hint 4: _reduce_scatter_steps with forward_own sends your own chunk's segments the
+    #   moment they are final: those sends are the all-gather's first step.
+    # Hint 5: three calls in this order: _post_all_gather_receives; _reduce_scatter_steps with
+    #   forward_own set to True; _finish_all_gather with those receives and the sends it
+    #   returned. Return the tensor.
     # See guidelines.md#31-the-ring-all-reduce
     # >>> solution
     receives = _post_all_gather_receives(plan)

@@ -1,12 +1,11 @@
 """Exercise 3.2 (first part): halving-doubling all-reduce (Rabenseifner's algorithm), any world.
 
-With p = 2^k ranks, the **reduce-scatter by recursive halving** takes k steps. At the step with
-distance d (p/2, p/4, ..., 1), rank r pairs with ``r XOR d``, both split the range they are
-responsible for in two halves, the lower rank of the pair keeps the lower half, and each sends
-the half it gives up and reduces the half it keeps with the partner's copy of it. After k steps
-rank r holds block r (1/p of the tensor) fully reduced. The **all-gather by recursive doubling**
-replays the steps backwards (d = 1, 2, ..., p/2), each pair exchanging the blocks it holds, so
-the owned range doubles each step. Each rank sends S/2 + S/4 + ... = (p-1)/p·S per phase,
+With p = 2^k ranks, the **reduce-scatter by recursive halving** takes k steps. At each step the
+ranks pair up; the two ranks of a pair are responsible for the same range, split it in two
+halves, and each sends the half it gives up and reduces the half it keeps with the partner's
+copy of it. After k steps each rank holds 1/p of the tensor fully reduced. The **all-gather by
+recursive doubling** undoes the halving's steps, each pair exchanging what it holds, so the held
+range doubles each step. Each rank sends S/2 + S/4 + ... = (p-1)/p·S per phase,
 2(p-1)/p·S in all, the ring's volume, in 2·log2(p) messages instead of 2(p-1): the bandwidth of
 the ring with the latency of a tree (R. Rabenseifner, "Optimization of collective reduction
 operations", ICCS 2004; Thakur, Rabenseifner & Gropp, "Optimization of collective communication
@@ -14,13 +13,13 @@ operations in MPICH", IJHPCA 19(1), 2005, section 4.4). MPICH picks it for long 
 ``NCCL_ALGO=Tree`` is a different tree (a pipelined double binary tree), also logarithmic.
 
 **Not a power of two.** With n = p + e ranks (p the largest power of two <= n), the standard
-fold-in (Thakur et al. 2005): among the first 2e ranks, each even rank sends its whole tensor to
-the odd rank after it and sits out; the odd ranks reduce, and they and the ranks from 2e on take
-new ranks 0..p-1 (``r // 2`` for an odd r < 2e, ``r - e`` from 2e on) for the power-of-two
-algorithm; at the end each odd rank sends the result back to its even partner. The e extra pairs
-pay 2·(alpha + beta·S) more; the folded ranks send S and receive S.
+fold-in (Thakur et al. 2005): among the first 2e ranks, each even rank is folded into the odd
+rank after it and sits the power-of-two algorithm out; the others take new ranks 0..p-1 (the
+*core ranks*: ``fold_role`` and ``core_rank_to_group`` below) for the power-of-two algorithm. The
+e extra pairs pay 2·(alpha + beta·S) more; the folded ranks send S and receive S.
 
-Every block is reduced by exactly one rank and then copied, so every rank ends with the same bits.
+Every rank must end with the same bits (guidelines.md#32-halving-doubling-and-the-alpha-beta-model
+has the contract and the questions whose answers are the design).
 """
 
 from __future__ import annotations
@@ -102,20 +101,25 @@ def halving_doubling_all_reduce(
         return tensor
     p = largest_power_of_two(n)
     role, me = fold_role(rank, n)
-    # TODO 3.2: fold the extra ranks in: even ranks below 2e hand their tensor to rank + 1.
-    # Invariant: afterwards the p core ranks hold every rank's contribution between them (an
-    #   odd rank below 2e holds its partner's combined with its own); a folded rank waits for
-    #   the result and returns.
-    # Hint 1: with n = 6, p = 4 and e = 2: rank 0 sends to 1, rank 2 sends to 3; then ranks
-    #   1, 3, 4, 5 run the power-of-two algorithm as 0, 1, 2, 3.
-    # Hint 2: a folded rank sends its whole tensor to its partner, then receives the final
-    #   result back into it, and is done (blocking calls are safe: the partner receives first).
-    #   Its partner receives that tensor into a separate buffer and combines it into its own.
-    #   Every peer is a group rank to map to a global one.
-    # Hint 3: a folded rank: a blocking dist.send of the flat tensor to its partner (`me`
-    #   names it; peer maps it to a global rank, with group given), then a blocking dist.recv
-    #   from the same partner into the same tensor. An odd rank below 2e: a dist.recv from
-    #   group rank rank − 1 into a pooled buffer, then combine_ of that buffer into flat.
+    # TODO 3.2: fold the extra ranks in, so that p core ranks hold every rank's contribution
+    # Invariant: afterwards the p core ranks hold every rank's contribution between them, each
+    #   once; a folded rank ends holding the group's result, like every other rank.
+    # Hint 1: fold_role says which role this rank plays; with n = 6, ranks 0 and 2 are folded
+    #   and ranks 1, 3, 4, 5 are the core ranks 0, 1, 2, 3.
+    # Hint 2: What does a folded rank hand over, and to whom? Where does its partner put what
+    #   it receives, given that its own tensor still holds its own term? What does a folded
+    #   rank do while the core runs, and from whom does it get the result?
+    # Hint 3: a folded rank sends its whole tensor to its partner; the partner (an odd rank
+    #   below 2e, whose left neighbour is the folded one) receives it into a separate pooled
+    #   buffer and combines it into its own tensor. Blocking calls are safe here: the two wait
+    #   for each other only.
+    # Hint 4: the folded rank has nothing to do in the core: right after sending, it receives
+    #   the result from the same partner into its own tensor and returns. (Its partner's side
+    #   of that message comes at the end of the next TODO.)
+    # Hint 5: folded: a blocking send of the flat tensor to the partner fold_role named, then a
+    #   blocking receive from it into the flat tensor, then return. An odd rank below 2e: a
+    #   blocking receive from the group rank just below it into a pooled buffer, combined into
+    #   the flat tensor. Every peer goes through peer to become a global rank.
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     # >>> solution
     if role == "folded":
@@ -128,25 +132,28 @@ def halving_doubling_all_reduce(
         dist.recv(incoming, src=peer(group, rank - 1), group=group)
         combine_(flat, incoming, op)
     # <<< solution
-    # TODO 3.2: recursive halving, then recursive doubling, among the p core ranks.
-    # Invariant: at the halving step of distance d (p/2, p/4, ..., 1) core rank me pairs with
-    #   me ^ d; the lower of the two keeps the lower half of the current range [lo, hi), sends
-    #   the other half and reduces what it receives into the kept half. After the last step
-    #   [lo, hi) is block me, reduced; doubling replays the pairs in reverse, exchanging ranges.
-    # Hint 1: both ranks of a pair must split [lo, hi) at the same middle, rounded the same way,
-    #   or sizes that do not divide by p leave elements out. Remember each step's ranges:
-    #   doubling needs them back.
-    # Hint 2: the partner is a core rank: map it back to its group rank (core_rank_to_group),
-    #   then to a global one. Halving, per step: split at mid, decide which half you keep,
-    #   exchange (send the half you give, receive the partner's copy of the half you keep into
-    #   a buffer), reduce it into the kept half, remember the step. Doubling: the steps in
-    #   reverse, sending what you hold and receiving the half you gave into place. At the end
-    #   an odd rank below 2e sends the result back to its folded partner.
-    # Hint 3: the partner is core rank me XOR d, mapped by core_rank_to_group then peer; the
-    #   lower of the pair is the one whose bit d is 0 (me AND d = 0). Halving: exchange sends
-    #   flat's `give` range and receives into a buffer, then combine_ reduces the buffer into
-    #   flat's `keep` range. Doubling: exchange sends flat's `keep` range and receives straight
-    #   into flat's `give` range.
+    # TODO 3.2: halving, then doubling, among the p core ranks; then the folded ranks' result
+    # Invariant: every rank of the group ends with the same bits, the group's reduction: each
+    #   element reduced once, by one rank, then copied; a core rank sends 2(p-1)/p·S in
+    #   2·log2(p) messages; every message goes to a rank of the group, named by global rank.
+    # Hint 1: at the step of distance d (p/2, p/4, ..., 1) a rank pairs with the core rank d
+    #   away from its own, up or down: which one keeps both responsible for the same range?
+    # Hint 2: Which core rank is me's partner at distance d, and which rank numbers do the
+    #   destination and source of a message want? Which half does each of the two keep, and
+    #   where do both split a range of odd length? What must a rank remember from each
+    #   halving step, and in which order does doubling replay the steps? Who still waits for
+    #   the result when doubling is over?
+    # Hint 3: the partner's core rank is me with the bit of value d flipped (an exclusive or);
+    #   core_rank_to_group, then peer, turn it into the global rank a message wants. Check on
+    #   p = 8: core rank 5 pairs with 1, then 7, then 4.
+    # Hint 4: both split the current range at the integer middle, rounded down, so their halves
+    #   agree; the rank whose bit d is 0 keeps the lower half. Each step's partner, kept range
+    #   and given range go on a list; doubling walks that list backwards, from d = 1 up.
+    # Hint 5: halving, per step: exchange sends the given range and receives the partner's copy
+    #   of the kept range into a pooled buffer; combine_ reduces it into the kept range, and
+    #   the kept range becomes the current one. Doubling, per remembered step in reverse: send
+    #   the kept range (final now) and receive straight into the given range. Last, an odd rank
+    #   below 2e sends the whole result to the folded rank just below it.
     # See guidelines.md#32-halving-doubling-and-the-alpha-beta-model
     # >>> solution
     lo, hi = 0, flat.numel()

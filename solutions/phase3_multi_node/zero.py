@@ -10,12 +10,12 @@ and 8 of optimizer state (``exp_avg``, ``exp_avg_sq``): 16Ψ bytes per rank for 
 * Stage 2 (P_os+g) also shards the gradients: 4Ψ + 12Ψ/N. Gradients are reduce-scattered (each
   rank receives the mean of its slice only) as soon as a layer's backward is done; the full
   gradient is dropped.
-* Stage 3 (P_os+g+p) also shards the parameters: 16Ψ/N. A layer is all-gathered before its
-  forward, freed after it, gathered again before its backward and freed after.
+* Stage 3 (P_os+g+p) also shards the parameters: 16Ψ/N. A layer is whole only while it
+  computes.
 
 Communication per step, in elements handed to collectives (the paper's accounting, section 7):
 stages 1-2 move 2Ψ (reduce-scatter + all-gather, exactly what data parallelism's all-reduce
-moves); stage 3 moves 3Ψ (an all-gather in forward, one in backward, a reduce-scatter).
+moves); stage 3 moves 3Ψ (two all-gathers and a reduce-scatter).
 
 Layout: every module with parameters of its own (a "layer") is a unit with one flat buffer per
 dtype, padded to a multiple of N (zero_partition.py), as FSDP's FlatParameter. Ψ in the formulas
@@ -66,25 +66,33 @@ class ZeroOptimizer(ShardedOptimizer):
         self.stage = stage
 
     def step(self) -> None:
-        """Reduce the gradients (stage 1), step the shards, bring the parameters up to date."""
+        """One optimizer step on this rank's shards; afterwards every rank's model is where one
+        process's would be."""
         self.refuse_partial_backward(
             "ZeRO here needs a gradient for every parameter in every backward"
         )
         if self.stage == 1:
             for unit in self.units:
                 unit.adopt_gradients()
-        # TODO 3.5: the step: (stage 1) reduce-scatter, the local optimizer step, all-gather.
-        # Invariant: afterwards every rank's model holds the parameters one process would have
-        #   after AdamW on the whole batch; the inner optimizer only ever saw this rank's shards.
-        # Hint 1: stage 1 still holds the full gradient in unit.flat_grad and its shard.grad is
-        #   a view of this rank's slice of it; stages 2-3 reduced in backward already.
-        # Hint 2: three phases, in order: in stage 1 only, each unit's reduce-scatter of its full
-        #   gradient goes into its shard's gradient (in place: the optimizer holds that tensor);
-        #   then the inner optimizer's step; then, in stages 1-2 only, each unit brings its
-        #   parameters up to date (stage 3 gathers before the next forward instead).
-        # Hint 3: in stage 1, per unit: the unit's reduce_scatter of its flat_grad, copied
-        #   in place (copy_) into its shard's .grad; the inner optimizer's step; in stages 1 and
-        #   2, per unit: all_gather_params.
+        # TODO 3.5: one step that leaves every rank's model where one process's would be.
+        # Invariant: afterwards every rank's model holds the parameters one process would have after
+        #   AdamW on the whole global batch (in stage 3 its shards do); the inner optimizer only
+        #   ever sees this rank's shards; the bytes held and the collectives of a step are the
+        #   contract's.
+        # Hint 1: in stage 1 unit.flat_grad holds the full local gradient and shard.grad is a view
+        #   of this rank's slice of it; in stages 2-3 the given gradient hooks have put this rank's
+        #   reduced slice in shard.grad already.
+        # Hint 2: In which stages is the gradient still unreduced when step runs, and what must the
+        #   inner optimizer find in shard.grad? Once it has stepped this rank's slices, whose slices
+        #   are stale in each model, and in which stages does the contract want them current before
+        #   step returns?
+        # Hint 3: Stage 1 only: each unit's reduce_scatter of its flat_grad, copied in place (copy_)
+        #   into shard.grad, since the optimizer holds that very tensor.
+        # Hint 4: Stages 1 and 2 only: after the inner step, every unit's all_gather_params. Stage 3
+        #   must end holding the shards alone; each layer's next gather shows the new values.
+        # Hint 5: In stage 1, for every unit, its reduce-scattered flat gradient copied into its
+        #   shard's gradient; then the inner optimizer's step; then, in stages 1 and 2, every unit's
+        #   all_gather_params.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         if self.stage == 1:
@@ -119,16 +127,20 @@ def unit_parameters(layer: nn.Module, owned: set[int]) -> list[nn.Parameter]:
     ``nn.Parameter`` object registered by two modules (an embedding and the output layer that
     reuses its weight), belongs to the first layer that registers it, and to no other.
     """
-    # TODO 3.5: the layer's own parameters that go into its units, each parameter in one unit.
-    # Invariant: called on every layer in registration order, every trainable parameter of the
-    #   model is returned exactly once, and no frozen one ever.
-    # Hint 1: a tied weight is the very same object in both modules (that is what `owned`
-    #   remembers, by identity); whether a parameter trains is one of its attributes.
-    # Hint 2: Which call lists a layer's own parameters and not its children's? How do you recognise
-    #   a weight that another layer already put in a unit, when a tied weight is the same object in
-    #   both? Which attribute says a parameter trains?
-    # Hint 3: Walk the layer's own parameters (recurse off), in order; keep the ones that require
-    #   grad and whose id is not in owned yet, and add each kept one's id to owned.
+    # TODO 3.5: the parameters this layer's units shard, each trainable parameter in one unit.
+    # Invariant: called on every layer in registration order with one `owned`, it returns every
+    #   trainable parameter of the model exactly once (from the first layer that registers it
+    #   itself), no frozen one ever, in registration order; `owned` grows by what it returns.
+    # Hint 1: a tied weight is the very same nn.Parameter object in both modules.
+    # Hint 2: Which call lists the parameters a layer registers itself, not its children's? How do
+    #   you recognise a parameter an earlier layer's unit holds already, when two modules hold the
+    #   same object? Which attribute says a parameter trains?
+    # Hint 3: A layer's own parameters: its parameters with recursion turned off (each child layer
+    #   is visited on its own and has units of its own).
+    # Hint 4: By identity: `owned` holds id values; skip a parameter whose id is in it, and add the
+    #   id of every parameter you keep, so that a later layer skips it.
+    # Hint 5: Walk the layer's own parameters in order; keep each one that requires grad and whose
+    #   id is not in `owned` yet, adding its id as you keep it; return the kept ones.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     mine = []
@@ -159,24 +171,31 @@ def install_gradient_hooks(optimizer: ZeroOptimizer) -> None:
 
 
 def install_stage3_hooks(layer: nn.Module, units: list[ZeroUnit]) -> None:
-    """Stage 3: gather the layer's units before its forward and backward, free after forward.
+    """Stage 3: hooks on ``layer`` that keep its parameters whole whenever it computes, and
+    only shards otherwise.
 
     ``units`` are the units whose parameters the layer reads: its own, and the unit of a tied
-    parameter another layer owns. (After backward the gradient hooks free them, once the
-    gradients are reduce-scattered.)
+    parameter another layer owns. (The given gradient hooks free them once their gradients are
+    reduce-scattered.)
     """
 
-    # TODO 3.5: gather the layer before its forward and before its backward; free after forward.
-    # Invariant: at most one layer is gathered at a time (peak parameter memory = the shards +
-    #   one layer); every parameter is full-size whenever autograd or forward reads it.
-    # Hint 1: nn.Module has register_forward_pre_hook, register_forward_hook and
-    #   register_full_backward_pre_hook; each hook gets the module and its inputs/outputs.
-    # Hint 2: At which three moments must the layer's state change: before its forward, after its
-    #   forward, before its backward? Which of them gather, which free? What must a hook return so
-    #   that it changes nothing it receives?
-    # Hint 3: Two small functions over the layer's units, one gathering each, one freeing each; the
-    #   first registered as the forward pre-hook and the backward pre-hook, the second as the
-    #   forward hook (all three return None: they change nothing they get).
+    # TODO 3.5: the layer's parameters whole whenever it computes, and only shards otherwise.
+    # Invariant: whenever the layer's forward or backward reads its parameters they are whole;
+    #   between forward and backward, and after the step, only shards are held; at most one layer is
+    #   gathered at a time (peak parameter memory = the shards + the largest layer).
+    # Hint 1: nn.Module can run a function of yours just before its forward, just after it, and just
+    #   before its backward.
+    # Hint 2: At which moments must the layer change between gathered and freed for the memory bound
+    #   to hold? After forward it is freed: what does its backward need before it runs, and which
+    #   hook runs then? Who frees it after backward? What must a hook return so that it changes
+    #   nothing it receives?
+    # Hint 3: Forward: gather every unit in a forward pre-hook and free them in a forward hook;
+    #   after backward the given gradient hooks free them, once their gradients are reduced.
+    # Hint 4: Backward: a full backward pre-hook (register_full_backward_pre_hook) gathers them
+    #   again before the layer's backward reads its parameters.
+    # Hint 5: Two small functions over `units`, one calling gather on each, one calling free on
+    #   each, both returning None; the first registered as the forward pre-hook and as the full
+    #   backward pre-hook, the second as the forward hook.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     def gather(*_: Any) -> None:

@@ -70,27 +70,29 @@ class Prefetcher:
         """Unit ``order[position]`` is about to compute (forward or backward, as ``order`` is).
 
         ``recompute`` is True when the forward runs a second time inside backward (activation
-        checkpointing, 2.3): ``order`` is then the forward order, and backward has already
-        passed every unit after ``position`` in it.
+        checkpointing, 2.3); ``order`` is then the forward order.
         """
-        # TODO 3.5: make the unit about to compute gathered, and start the next ones' gathers.
-        # Invariant: when this returns, order[position] holds its whole parameters; the
-        #   all-gathers of the next `window` units of `order` (fewer at the end) are issued and
-        #   not waited for, so they run while this unit computes; no unit further ahead holds
-        #   memory (the window bounds the gathered bytes). A gather that is issued is waited
-        #   for later, by the unit it belongs to, in this same pass.
+        # TODO 3.5: the unit about to compute is gathered, and the window's next gathers travel.
+        # Invariant: when this returns, order[position] holds its whole parameters; the gathers the
+        #   window allows are issued and not waited for, so they run while this unit computes; every
+        #   gather issued is waited for later in this same pass, by the unit it belongs to; at every
+        #   unit's compute start the units holding memory are exactly that unit and the next
+        #   `window` ones of `order` (fewer at the end).
         # Hint 1: FsdpUnit.start_gather issues without waiting (and does nothing twice);
         #   FsdpUnit.wait_gather waits, and gathers first when nothing was issued.
-        # Hint 2: first the unit at `position`: wait for it (its gather was started one step
-        #   earlier, or is started now); then start the gathers of the units after it in
-        #   `order`, up to `window` of them; wait for none of those. In a recompute, ask which
-        #   hook would ever wait for a gather you start for a unit after this one.
-        # Hint 3: wait_gather on the unit at `position`; in a recompute stop there (the units
-        #   after it finished their backward: a gather started for one is never waited for,
-        #   and the next step's forward would find it issued and read the weights from before
-        #   the optimizer step); otherwise start_gather on each unit of `order` from position
-        #   + 1 up to (not including) position + 1 + window (a slice that ends early at the end
-        #   of the list).
+        # Hint 2: Which unit must be waited for before this returns, and which gathers are only
+        #   started? How many units after this one may hold memory? In a recompute (`order` is then
+        #   the forward order), which units has backward passed already, and which hook would ever
+        #   wait for a gather you start for one of them?
+        # Hint 3: Wait for the unit at `position` (wait_gather), and never for the ones ahead: a
+        #   unit waited for at once overlaps nothing.
+        # Hint 4: Start the gathers of the `window` units that follow `position` in `order`, fewer
+        #   when the list ends first: with a window of 1 at position 2 of 4 units, unit 3 only.
+        # Hint 5: In a recompute, start nothing: backward has passed every later unit of the forward
+        #   order, so a gather started for one is never waited for, and the next step's forward
+        #   would find it issued and read that unit's weights from before the optimizer step.
+        # Hint 6: wait_gather on the unit at `position`; return there in a recompute; otherwise
+        #   start_gather on each of the next `window` units of `order` after `position`.
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         order[position].wait_gather()

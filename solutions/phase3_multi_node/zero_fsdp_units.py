@@ -6,9 +6,8 @@ _fsdp_collectives.py) differs from stage 3 of ``zero_units.py`` in three ways, e
 * **Master shard and compute buffer.** The optimizer steps this rank's shard in the master dtype
   (fp32: K = 12 bytes per parameter with Adam); the layer computes with a separate full buffer in
   the policy's ``param_dtype`` (bf16 or fp16), which exists only while the unit is gathered.
-* **Cast before the all-gather.** Each rank casts its own shard to the compute dtype and the
-  all-gather moves the cast pieces: 2 bytes per element instead of 4, half the traffic. Casting
-  after the gather gives the same values for twice the bytes.
+* **Gather in the compute dtype.** The all-gather moves compute-dtype elements: 2 bytes per
+  element instead of 4, half the traffic.
 * **Reduce in the reduce dtype.** Gradients come out of backward in the compute dtype; they are
   reduce-scattered in the policy's ``reduce_dtype`` (fp32 keeps the sum exact; bf16 halves the
   bytes again) and the slice this rank receives is cast back to the master dtype before the
@@ -77,21 +76,24 @@ class FsdpUnit:
 
     def start_gather(self) -> None:
         """Issue the all-gather of the whole unit in the compute dtype; return without waiting."""
-        # TODO 3.5: start filling flat_param with every rank's shard, cast to the compute dtype.
-        # Invariant: each rank sends its own master shard already cast to param_dtype (its
-        #   element size, not the master's: half the bytes with bf16); afterwards flat_param's
-        #   storage holds padded_bytes and self.work is the all-gather still in flight; a unit
-        #   gathered or gathering already starts nothing.
-        # Hint 1: an all-gather issued with async_op=True returns a Work at once; the tensor it
-        #   sends must stay alive until that work is done (keep it in self.gather_input).
-        # Hint 2: return if the unit is gathered or a work is pending; grow flat_param's storage
-        #   to padded_bytes; cast the detached shard to param_dtype and keep it; issue the
-        #   all-gather from it into flat_param on the unit's group without waiting, and keep
-        #   the Work it returns.
-        # Hint 3: resize_ flat_param's untyped storage to padded_bytes; gather_input is the
-        #   shard, detached, converted to param_dtype; dist.all_gather_into_tensor from it into
-        #   flat_param on the unit's group with async_op set returns the Work to keep in
-        #   self.work.
+        # TODO 3.5: the unit's all-gather under way, in the compute dtype, without waiting for it.
+        # Invariant: afterwards flat_param's storage holds padded_bytes and self.work is the
+        #   all-gather into flat_param, still in flight, carrying param_dtype elements (their size,
+        #   not the master's: half the bytes with bf16); a unit gathered or gathering issues
+        #   nothing.
+        # Hint 1: a collective issued with async_op set returns a Work at once; the tensor it sends
+        #   must stay alive until that work is done.
+        # Hint 2: How do you know the unit is gathered or gathering already? Where do the gathered
+        #   bytes land, and how much memory must be there first? The master shard is fp32 and
+        #   flat_param holds param_dtype: does the cast go before the collective or after it, and
+        #   what does each cost? What must you keep once you return?
+        # Hint 3: Return at once when is_gathered is true or self.work is not None; otherwise grow
+        #   flat_param's untyped storage to padded_bytes (resize_).
+        # Hint 4: Cast before: each rank sends its shard, detached and converted to param_dtype,
+        #   kept in self.gather_input; casting after would move the master's 4 bytes per element
+        #   (and gloo refuses an fp32 input into a bf16 output).
+        # Hint 5: dist.all_gather_into_tensor from gather_input into flat_param on the unit's group,
+        #   issued asynchronously; the Work it returns goes into self.work.
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         if self.is_gathered or self.work is not None:
@@ -107,15 +109,17 @@ class FsdpUnit:
     def wait_gather(self) -> None:
         """Make the parameters hold the whole unit, gathering it now if nobody started it."""
         # TODO 3.5: the parameters must hold every rank's values before the layer reads them.
-        # Invariant: on return flat_param holds the gathered unit, no work is pending and the
-        #   sent tensor is released; a unit nobody prefetched is gathered here.
-        # Hint 1: a Work is done once its wait() has returned; start_gather does nothing for a
-        #   unit that is gathered already.
-        # Hint 2: Was this unit prefetched or not, and does it matter if you start its gather
-        #   anyway? If a work is pending, what must happen to it, and to the tensor it sent, so that
-        #   the next call does not wait again and that memory is released?
-        # Hint 3: Start the gather (a no-op when it was started or done); then, if a work is
-        #   pending, wait for it and forget it and the tensor it sent (both set to None).
+        # Invariant: on return flat_param holds every rank's shard in param_dtype, no work is
+        #   pending (self.work is None) and the sent tensor is released; a unit nobody prefetched is
+        #   gathered here.
+        # Hint 1: a Work's result is there once its wait() has returned, not before.
+        # Hint 2: Was this unit prefetched (a work pending), gathered already, or neither? Which of
+        #   your methods deals with "neither" and does nothing in the other two cases? Once you
+        #   waited, what must happen to the work and to the tensor it sent?
+        # Hint 3: Start the gather in every case: start_gather does nothing for a unit gathered or
+        #   gathering, and otherwise issues what is waited for next.
+        # Hint 4: Then, if a work is pending, wait for it and set self.work and self.gather_input
+        #   back to None, so that the next start_gather does not think one is in flight.
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         self.start_gather()
@@ -135,21 +139,23 @@ class FsdpUnit:
     def reduced_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the mean over the group of every rank's ``flat_grad`` (the
         padded gradient in the compute dtype), reduced in ``reduce_dtype``, in the master dtype."""
-        # TODO 3.5: reduce-scatter the gradient in the reduce dtype; return it in the master's.
-        # Invariant: the result has shard_numel elements in the shard's dtype: rank r's slice of
-        #   the sum over the group divided by the group size, the sum computed in reduce_dtype
-        #   (the reduce-scatter's input and output are reduce_dtype tensors).
-        # Hint 1: divide_factors(world, reduce_dtype) says how much to divide before the sum and
-        #   how much after (fp16 splits it, so neither overflows); the optimizer's tensor is the
-        #   fp32 shard, so the slice goes back to its dtype at the end.
-        # Hint 2: cast the flat gradient to reduce_dtype; divide it by the first factor; an
-        #   output of one slice in reduce_dtype; the reduce-scatter on the unit's group;
-        #   divide by the second factor; return it cast to the shard's dtype.
-        # Hint 3: divide_factors of the world size and reduce_dtype gives (before, after); the
-        #   input is flat_grad converted to reduce_dtype, divided by `before`; the output an
-        #   empty tensor of shard_numel elements in reduce_dtype on the gradient's device;
-        #   dist.reduce_scatter_tensor on the unit's group; divide by `after`, convert to the
-        #   shard's dtype.
+        # TODO 3.5: this rank's slice of the mean gradient, its sum formed in the reduce dtype.
+        # Invariant: shard_numel elements in the master dtype (the shard's): rank r's slice of the
+        #   sum over the group divided by the group's size; the reduce-scatter's input and output
+        #   carry reduce_dtype elements; the division is split as divide_factors says.
+        # Hint 1: divide_factors gives (before, after): the part of the division by the group's size
+        #   to do ahead of the sum, and the part after it.
+        # Hint 2: The gradient arrives in the compute dtype: in which dtype must the collective's
+        #   input be, and its output? Where does each factor apply? In which dtype does the
+        #   optimizer's fp32 shard want its gradient?
+        # Hint 3: The sum is formed in the dtype the collective carries: cast flat_grad to
+        #   reduce_dtype before the reduce-scatter, and make its output a reduce_dtype tensor of
+        #   shard_numel elements.
+        # Hint 4: With fp16 on 4 ranks divide_factors gives 2 and 2: halve the input before the
+        #   reduce-scatter and the sum after it; with fp32 or bf16 it gives 1 and N.
+        # Hint 5: The flat gradient cast to reduce_dtype and divided by `before`, reduce-scattered
+        #   on the unit's group into an empty reduce_dtype slice; that slice divided by `after` and
+        #   returned converted to the shard's dtype.
         # See guidelines.md#zero-3-the-fsdp-way
         # >>> solution
         before, after = divide_factors(self.world_size, self.reduce_dtype)

@@ -6,8 +6,8 @@ DeepSpeed (``stage_1_and_2.py``: one flat buffer per dtype, padded so it divides
 PyTorch FSDP (``FlatParameter``, ``torch/distributed/fsdp/_flat_param.py``) is the one built here:
 
 * the parameters of one unit (a layer) and one dtype are laid end to end in one flat buffer;
-* the buffer is padded with zeros to a multiple of N, so every rank owns a contiguous slice of
-  exactly ``padded / N`` elements: rank r owns ``[r·padded/N, (r+1)·padded/N)``;
+* the buffer is padded with zeros to a multiple of N, so every rank owns one contiguous slice,
+  all of the same length, in the order ``all_gather_into_tensor`` lays its pieces out;
 * because every slice has the same length, ``dist.reduce_scatter_tensor`` and
   ``dist.all_gather_into_tensor`` (which require equal pieces) move them with no special case.
 
@@ -27,13 +27,17 @@ def padded_size(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size`` (0 stays 0)."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: a group has at least one rank")
-    # TODO 3.5: round the flat buffer's length up so that it divides evenly by the world.
-    # Invariant: padded_size(n, N) % N == 0, n <= padded_size(n, N) < n + N.
-    # Hint 1: 107 elements on 4 ranks need 1 element of padding: 27 per rank.
-    # Hint 2: the elements per rank are numel divided by the world, rounded up (a ceiling
-    #   division in integers); the padded size is that times the world.
-    # Hint 3: in integers, ⌈a / b⌉ = (a + b − 1) // b, or minus the floor division of −a by b;
-    #   the padded size is that ceiling of numel / world_size, times world_size.
+    # TODO 3.5: the length of the flat buffer once padded for the group.
+    # Invariant: the shortest length at least `numel` that `world_size` divides (0 stays 0), so
+    #   that every rank can own a slice of the same length.
+    # Hint 1: 107 elements over 4 ranks: how many must each rank own at least, and how long does
+    #   that make the whole buffer?
+    # Hint 2: How many elements per rank are enough to hold numel of them, when no rank can own a
+    #   fraction of an element? Does a length that world_size divides already need any padding?
+    # Hint 3: Per rank, numel divided by world_size rounded up: 107 over 4 is 26.75, so 27 each and
+    #   108 in all; 108 over 4 is exactly 27 each, no padding.
+    # Hint 4: The ceiling of numel over world_size (in integers: the floor division of minus numel
+    #   by world_size, negated back), times world_size.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     return -(-numel // world_size) * world_size
@@ -49,16 +53,17 @@ def shard_bounds(padded_numel: int, world_size: int, rank: int) -> tuple[int, in
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside the group's ranks 0..{world_size - 1}")
-    # TODO 3.5: the contiguous slice of the padded buffer owned by `rank` (a rank of the group).
-    # Invariant: the N slices have equal lengths, do not overlap, and cover the buffer in rank
-    #   order (rank 0 first), which is the order all_gather_into_tensor lays pieces out.
-    # Hint 1: every slice has the same length, the padded size shared equally among the ranks;
-    #   rank r's slice comes after the r slices before it.
-    # Hint 2: Does world_size always divide padded_numel here (what was the padding for)? Check on
-    #   paper: a buffer of 12 over 4 ranks; which elements are rank 2's? Is the end of a slice
-    #   included or excluded in the (start, end) pair you return?
-    # Hint 3: The slice length is padded_numel divided by world_size (exact: the padding made it
-    #   so); rank r owns from r times that length up to (r + 1) times it, the end excluded.
+    # TODO 3.5: the slice of the padded buffer that `rank` owns.
+    # Invariant: the N slices have equal lengths and do not overlap, and laid end to end in the
+    #   order all_gather_into_tensor puts its pieces they are the whole buffer.
+    # Hint 1: all_gather_into_tensor lays every rank's piece end to end in group-rank order.
+    # Hint 2: How long is every slice, and does world_size always divide padded_numel here (what
+    #   was the padding for)? How many slices come before rank r's? Is the stop included in the
+    #   pair you return, or excluded?
+    # Hint 3: A buffer of 12 over 4 ranks: slices of 3 elements; rank 2's holds elements 6, 7 and
+    #   8, so its pair is 6 and 9: the stop excluded, as in a Python slice.
+    # Hint 4: The slice length is padded_numel divided by world_size; rank r starts r slice lengths
+    #   in and stops one slice length later.
     # See guidelines.md#35-zero-stages-1-3
     # >>> solution
     shard = padded_numel // world_size

@@ -3,22 +3,15 @@
 A unit owns one flat, padded buffer (see zero_partition.py) and this rank's slice of it, and it
 moves data with the two halves of a ring all-reduce (phase 3.1):
 
-* ``reduce_scatter``: every rank hands in the whole flat gradient, each gets back the sum of its
-  own slice over all ranks (then divided by N: data parallelism averages). Stage 1 does it in
-  ``step()``; stages 2 and 3 as soon as the layer's gradients are ready in backward, and drop the
-  full gradient (the stage 2 saving: 4Ψ -> 4Ψ/N bytes of fp32 gradients).
-* ``all_gather_params``: every rank hands in its updated slice; everyone gets the whole buffer.
-  Stages 1 and 2 do it after the local optimizer step; stage 3 before the layer's forward and
-  again before its backward (``gather``), and frees the buffer right after (``free``).
-
-Stage 3 frees by shrinking the buffer's *storage* to 0 bytes and regrows it before the next use,
-as PyTorch FSDP does (``_free_storage``/``_alloc_storage`` in torch/distributed/utils.py): the
-model's parameters stay views of the same storage, so the tensors autograd saved for backward are
-still valid once the storage holds the gathered values again.
+* ``reduce_scatter``: from every rank's whole flat gradient, this rank's slice of the whole
+  batch's gradient (the stage 2 saving: 4Ψ -> 4Ψ/N bytes of fp32 gradients kept);
+* ``all_gather_params``: from every rank's slice, the whole buffer on every rank;
+* stage 3 only: ``gather`` (the whole layer, current) and ``free`` (its memory released, every
+  tensor object kept: the optimizer, the hooks and autograd hold them), as PyTorch FSDP frees
+  and regrows its flat parameter.
 
 gloo in torch 2.15 implements both ``dist.reduce_scatter_tensor`` and
-``dist.all_gather_into_tensor`` (checked on this machine), so no fallback is needed. Neither has
-an AVG reduction on gloo: the sum is divided by the group size here.
+``dist.all_gather_into_tensor`` (checked on this machine), so no fallback is needed.
 """
 
 from __future__ import annotations
@@ -62,17 +55,25 @@ class ZeroUnit:
 
     def reduce_scatter(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the MEAN over the group of every rank's ``flat_grad``."""
-        # TODO 3.5: reduce-scatter the full flat gradient: this rank gets the mean of its slice.
-        # Invariant: the result has shard_numel elements: rank r's slice of sum_ranks(flat_grad)
-        #   divided by the group size; flat_grad is the padded buffer (every rank the same size).
-        # Hint 1: torch's reduce-scatter collective (dist.reduce_scatter_tensor) hands rank r the
-        #   SUM of slice r (gloo has no AVG); each rank's loss is the mean over its own samples.
-        # Hint 2: How many elements does this rank receive, in which dtype and on which device? The
-        #   collective sums: what turns the sum into the mean that each rank's loss (a mean over its
-        #   own samples) calls for? On which group: the world's, or this unit's?
-        # Hint 3: A new output of one slice (layout.shard_numel elements, flat_grad's dtype and
-        #   device), the reduce-scatter into it on this unit's group, then the division by the group
-        #   size; return it.
+        # TODO 3.5: this rank's slice of the whole batch's gradient, from every rank's flat one.
+        # Invariant: a new tensor of shard_numel elements (flat_grad's dtype and device): this
+        #   rank's slice of the gradient of the whole global batch's loss, every rank's flat_grad
+        #   being the gradient of the mean over its own, equal share of that batch; only the unit's
+        #   group takes part.
+        # Hint 1: dist.reduce_scatter_tensor hands rank r slice r of the SUM over the group of every
+        #   rank's input (gloo has no AVG).
+        # Hint 2: When every rank holds the same number of samples, what is the whole batch's mean
+        #   loss in terms of the ranks' mean losses? What then turns the collective's sum into the
+        #   gradient you want? Which ranks take part, and what does the output look like?
+        # Hint 3: The group is the unit's, self.group, never the world: inside a subgroup of 2 ranks
+        #   of a world of 4, a reduce-scatter on the world expects an input of 4 slices, and the
+        #   others' samples are not this model's.
+        # Hint 4: The divisor is the number of ranks in that group, self.world_size: with 2 ranks
+        #   whose gradients of one element are 1.0 and 3.0, the whole batch's is 2.0, not their sum
+        #   4.0.
+        # Hint 5: An empty output of shard_numel elements shaped like a slice of flat_grad; the
+        #   reduce-scatter of flat_grad into it on the unit's group; the output divided in place by
+        #   the group's size, and returned.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         out = torch.empty(self.layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
@@ -106,16 +107,21 @@ class ZeroUnit:
 
     def all_gather_params(self) -> None:
         """Fill ``flat_param`` with every rank's ``shard``: the whole layer, on every rank."""
-        # TODO 3.5: all-gather every rank's slice into the full flat parameter buffer.
-        # Invariant: afterwards flat_param[r·S:(r+1)·S] holds rank r's shard (S = shard_numel)
-        #   on every rank, so every model parameter (a view of flat_param) is up to date.
-        # Hint 1: torch's all-gather into one tensor (dist.all_gather_into_tensor) lays the pieces
-        #   out in group-rank order; in stages 1-2 the shard is a view of flat_param itself.
-        # Hint 2: What goes in and what comes out of the gather? In stages 1-2, whose memory is the
-        #   shard (a view of what?), and what happens when a collective's input and output overlap?
-        #   Does autograd need to see this copy?
-        # Hint 3: The input is this rank's shard, detached (and copied in stages 1-2: input and
-        #   output must not overlap), the output the whole flat_param, on this unit's group.
+        # TODO 3.5: every rank's current shard in its place in the whole buffer, on every rank.
+        # Invariant: afterwards flat_param holds each rank's shard in that rank's slice, so every
+        #   model parameter (a view of flat_param) is current on every rank.
+        # Hint 1: dist.all_gather_into_tensor lays every rank's input end to end, in group-rank
+        #   order, in one output tensor.
+        # Hint 2: What is the input, what is the output, and on which group? In stages 1-2 the shard
+        #   is a view of a slice of flat_param itself: is it wise to hand a collective an input that
+        #   lies inside its own output? Does autograd need to record this copy?
+        # Hint 3: The output is flat_param itself (the parameters are views of it); the input is
+        #   this rank's shard, detached: nothing here is for autograd.
+        # Hint 4: In stages 1-2 input and output overlap: hand the collective a copy of the shard
+        #   there, so that what it reads cannot change while it writes (stage 3's shard is a tensor
+        #   of its own already).
+        # Hint 5: The shard detached (and cloned in stages 1 and 2), all-gathered into flat_param on
+        #   the unit's group.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         mine = self.shard.detach()
@@ -125,18 +131,23 @@ class ZeroUnit:
         # <<< solution
 
     def gather(self) -> None:
-        """Stage 3: regrow the freed buffer and all-gather the layer into it."""
-        # TODO 3.5: give flat_param its memory back, then fill it with the whole layer.
-        # Invariant: after gather() the layer's parameters hold the full, current values;
-        #   calling it on a gathered unit costs nothing (no second all-gather).
-        # Hint 1: the memory behind a tensor is its storage (Tensor.untyped_storage()); a freed
-        #   one holds 0 bytes and can be grown back in place, so every view of it sees the memory.
-        # Hint 2: How do you tell a gathered unit from a freed one without a flag (how many bytes
-        #   does its storage hold in each case)? How many bytes does the whole padded buffer take?
-        #   Once the memory is back, what fills it?
-        # Hint 3: If the storage already holds the whole padded buffer's bytes (padded_numel times
-        #   the element size), return; otherwise grow the storage to that many bytes and fill it
-        #   with all_gather_params().
+        """Stage 3: the whole, current layer in ``flat_param``."""
+        # TODO 3.5: the whole layer in flat_param again, current on every rank.
+        # Invariant: afterwards flat_param's storage holds the whole padded buffer and every
+        #   parameter (a view of it) its current values; on a unit that is gathered already, nothing
+        #   is communicated.
+        # Hint 1: a freed unit's flat_param still exists: its storage (Tensor.untyped_storage) holds
+        #   0 bytes.
+        # Hint 2: How do you tell a gathered unit from a freed one? How many bytes does the whole
+        #   padded buffer take? Once the memory is back, what fills it, and which of your methods
+        #   does that already?
+        # Hint 3: Gathered or not: compare the storage's nbytes with padded_numel times the element
+        #   size; equal means gathered, and then return at once (a tied weight's unit is asked for
+        #   by a second layer while it is still whole).
+        # Hint 4: The memory: resize the storage in place (resize_) to that many bytes; every view
+        #   of it, the parameters included, sees memory again, uninitialised.
+        # Hint 5: If the storage already holds the padded buffer's bytes, return; otherwise resize
+        #   it to them and call all_gather_params.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         storage = self.flat_param.untyped_storage()
@@ -149,16 +160,19 @@ class ZeroUnit:
 
     def free(self) -> None:
         """Stage 3: release the gathered layer; only ``shard`` (1/N of it) stays."""
-        # TODO 3.5: release the memory of the gathered layer, keeping the parameter objects.
-        # Invariant: afterwards flat_param's storage holds 0 bytes and the model's parameters
-        #   are still views of it (autograd saved them for backward: gather() refills them).
-        # Hint 1: free the memory, not the tensor: the storage can be resized in place, and the
-        #   parameters (views of flat_param) must stay the same objects.
-        # Hint 2: What must stay the same object (the parameters autograd saved, flat_param that
-        #   they view), and what may go? Which call on a tensor's storage changes how many bytes it
-        #   holds without replacing the tensor?
-        # Hint 3: Resize flat_param's untyped storage to zero bytes, and nothing else: the
-        #   parameters stay views of flat_param, and gather() grows the storage back.
+        # TODO 3.5: release the gathered layer's memory, keeping every tensor object.
+        # Invariant: afterwards flat_param's storage holds 0 bytes, and flat_param and the model's
+        #   parameters are the very same tensor objects as before (the optimizer, the hooks and
+        #   autograd's saved tensors hold them); the next gather() refills them in place.
+        # Hint 1: autograd saved the layer's parameters during forward; the backward that reads them
+        #   runs after free() and the next gather().
+        # Hint 2: If free gave the parameters new data, which memory would autograd's saved tensors
+        #   still point at? Underneath a tensor and its views, what holds the bytes, and can it
+        #   shrink without the tensor being replaced?
+        # Hint 3: The bytes are in the storage that flat_param and its views share
+        #   (untyped_storage); a storage can be resized in place, and every view of it sees the new
+        #   size.
+        # Hint 4: Resize flat_param's untyped storage to 0 bytes, and nothing else.
         # See guidelines.md#35-zero-stages-1-3
         # >>> solution
         self.flat_param.untyped_storage().resize_(0)

@@ -169,7 +169,9 @@ def halves_diagnosis(data: torch.Tensor) -> list[str]:
             "the reduce-scatter half is wrong: reduce_scatter_ring alone leaves rank r without "
             f"chunk r of the sum ({mine}); all_gather_ring alone is right. Look at "
             "_reduce_scatter_steps: which chunk rank r sends and which it receives and reduces "
-            "at step s (check them against the guide's 4-rank table)"
+            "at step s (check them against the guide's 4-rank table), and where a received "
+            "segment lands before it is reduced (the tensor's own copy of that chunk still "
+            "holds this rank's term until the reduction)"
         ]
     if ag_any:
         where = differs(out, total) if ag_wrong else "on another rank"
@@ -237,10 +239,15 @@ def one_half_worker(half: str) -> bool:
 
 def crash_verdict(world_size: int) -> str:
     """After ring_all_reduce crashed or hung: which half does so alone (two more worlds)."""
-    broken = []
+    broken, notes = [], []
     for half in ("reduce-scatter", "all-gather"):
         try:
             works = all(small_world(one_half_worker, world_size, half))
+        except WorldHung as exc:  # what its pending messages show, when they single a cause out
+            works = False
+            note = ring_hang_note(exc)
+            if note:
+                notes.append(f" The {half} alone hangs: {note}")
         except WorldError:
             works = False
         if not works:
@@ -264,7 +271,10 @@ def crash_verdict(world_size: int) -> str:
             "in ring_all_reduce is what breaks: the all-gather's receives, then the "
             "reduce-scatter with forward_own=True, then _finish_all_gather"
         )
-    return f"3.1 ring_all_reduce on {world_size} ranks stopped before comparing values; {where}."
+    return (
+        f"3.1 ring_all_reduce on {world_size} ranks stopped before comparing values; {where}."
+        + "".join(notes)
+    )
 
 
 def halves_worker() -> list[str]:

@@ -31,11 +31,13 @@ def halving_doubling() -> Any:
     return module("tree_allreduce").halving_doubling_all_reduce
 
 
-def fold_hang_note(exc: WorldHung) -> str:
-    """A specific cause when a folded rank waits for a result its partner never sent back."""
+def fold_hang_note(exc: WorldHung, world_size: int) -> str:
+    """A specific cause when a folded rank waits for a result its partner never sent back, or
+    when two ranks wait on each other's partners (a pairing that is not mutual)."""
+    extra = world_size - (1 << (world_size.bit_length() - 1))
     for rank in exc.hung:
         op = p2p_ledger.waiting_on(exc.pending.get(rank, ()))
-        if op is None or op.is_send or op.peer != rank + 1 or rank % 2:
+        if op is None or op.is_send or op.peer != rank + 1 or rank % 2 or rank >= 2 * extra:
             continue
         partner = p2p_ledger.waiting_on(exc.pending.get(rank + 1, ()))
         if partner is None or partner.peer != rank:
@@ -44,6 +46,25 @@ def fold_hang_note(exc: WorldHung) -> str:
                 f"from its partner {rank + 1}, which went on without sending it. At the end each "
                 "odd rank below 2e sends the reduced tensor back to its even partner."
             )
+    return pairing_hang_note(exc)
+
+
+def pairing_hang_note(exc: WorldHung) -> str:
+    """Rank a waits on b while b waits on c != a: the partners of a step did not choose each
+    other."""
+    waits = {rank: p2p_ledger.waiting_on(exc.pending.get(rank, ())) for rank in exc.hung}
+    for rank, op in waits.items():
+        if op is None or op.peer is None:
+            continue
+        other = waits.get(op.peer)
+        if other is None or other.peer is None or other.peer == rank:
+            continue
+        return (
+            f"Partners that do not choose each other: rank {rank} waits on its partner "
+            f"{op.peer}, whose partner at the same step is {other.peer}. At every halving and "
+            "doubling step the pairing must be mutual (if a's partner is b, b's partner is a), "
+            "and the two must be responsible for the same range."
+        )
     return ""
 
 
@@ -116,7 +137,12 @@ def test_halving_doubling_equals_dist_all_reduce(world_size: int) -> None:
         else ""
     )
     try:
-        results = small_world(values_worker, world_size, hint=hint, hang_note=fold_hang_note)
+        results = small_world(
+            values_worker,
+            world_size,
+            hint=hint,
+            hang_note=lambda exc: fold_hang_note(exc, world_size),
+        )
     except RankDied as exc:
         if exc.exitcode != -6:  # not SIGABRT: not gloo's check on message sizes
             raise
@@ -214,7 +240,12 @@ def subgroup_worker() -> dict[str, Any]:
 @exercise("3.2")
 def test_halving_doubling_inside_a_group_of_three() -> None:
     problems = []
-    for rank, result in enumerate(small_world(subgroup_worker, 4)):
+    hint = (
+        "3.2 in the group (1, 2, 3) of a world of 4, a rank failed: most likely a message named "
+        "a rank as the wrong kind of number. Partners and fold-in peers are computed as core "
+        "or group ranks; dst= and src= of a send or receive take global ranks"
+    )
+    for rank, result in enumerate(small_world(subgroup_worker, 4, hint=hint)):
         if result["skip"]:
             continue
         if result["outside"]:

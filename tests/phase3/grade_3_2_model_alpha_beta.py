@@ -116,10 +116,50 @@ def test_fit_refuses_what_cannot_be_fitted() -> None:
     ]
     for what, costs, times in cases:
         try:
-            ab().fit_alpha_beta(costs, times)
+            fit = ab().fit_alpha_beta(costs, times)
         except ValueError:
             continue
-        fail(f"3.2 fit_alpha_beta given {what} must raise a ValueError saying why")
+        except ArithmeticError as err:
+            fail(
+                f"3.2 fit_alpha_beta given {what} raised {type(err).__name__}: {err}. Such "
+                "measurements cannot tell alpha from beta (every row of the 2x2 system is a "
+                "multiple of the others, so its determinant is 0, or nearly): check for it and "
+                "raise a ValueError saying why"
+            )
+        singular = (
+            " (the same size twice: the two rows of the 2x2 system are proportional, its "
+            "determinant is 0 up to rounding, and any alpha, beta on one line fit equally)"
+            if what == "the same size twice"
+            else ""
+        )
+        fail(
+            f"3.2 fit_alpha_beta given {what} returned {fit} instead of raising a ValueError "
+            f"saying why{singular}"
+        )
+
+
+@exercise("3.2")
+def test_a_clamped_fit_refits_the_other_unknown() -> None:
+    costs = [ab().ring_cost(s, 2) for s in (1e3, 1e6, 1e7)]
+    seconds = [1e-7, 1.2e-3, 1.3e-2]  # the unconstrained relative least squares: alpha < 0
+    fit = ab().fit_alpha_beta(costs, seconds)
+    rows = [cost.bytes_sent / t for cost, t in zip(costs, seconds, strict=True)]
+    best = sum(rows) / sum(c * c for c in rows)  # min over beta of sum (beta·v_i/t_i - 1)^2
+    if fit.alpha == 0.0 and math.isclose(fit.beta, best, rel_tol=1e-9):
+        return
+    if fit.alpha == 0.0:
+        fail(
+            f"3.2 fit_alpha_beta on times whose unconstrained fit has a negative alpha: alpha "
+            f"= 0 as it should, but beta = {fit.beta:.6g}, not {best:.6g}, the beta that fits "
+            "best once alpha is fixed at 0 (the same relative least squares with one unknown). "
+            "A beta solved together with a negative alpha no longer fits the data once alpha "
+            "is set to 0: refit it alone"
+        )
+    fail(
+        f"3.2 fit_alpha_beta returned alpha = {fit.alpha:.6g}, beta = {fit.beta:.6g} on times "
+        "whose least squares relative to each time wants a negative alpha: the contract "
+        f"returns alpha = 0 and the best beta alone, {best:.6g}"
+    )
 
 
 @exercise("3.2")

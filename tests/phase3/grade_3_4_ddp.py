@@ -102,7 +102,16 @@ def test_assign_buckets_matches_torchs_bucket_assignment() -> None:
             continue
         forward = [[i for i in b] for b in _forward_order(sizes, limits)] if single else None
         hint = ""
-        if forward is not None and got == forward:
+        mixed_bucket = next(
+            (b for b in got if len({dtypes[i] for i in b if 0 <= i < len(dtypes)}) > 1), None
+        )
+        if mixed_bucket is not None:
+            kinds_in = sorted({str(dtypes[i]).split(".")[-1] for i in mixed_bucket})
+            hint = (
+                f" Bucket {mixed_bucket} holds {' and '.join(kinds_in)}: a bucket is one flat "
+                "buffer of one dtype, so each kind fills its own open bucket, side by side."
+            )
+        elif forward is not None and got == forward:
             hint = (
                 " You walked the parameters in registration order: backward produces the last "
                 "layer's gradients first, so torch fills buckets from index n-1 down to 0."
@@ -569,6 +578,16 @@ def training_worker(case: str) -> list[str]:
                         f"{name}, used by no rank, has a .grad after backward; torch's DDP leaves "
                         "the .grad of a parameter no rank used untouched (None here)"
                     )
+            if not extra_here:
+                for name in ("extra.weight", "extra.bias"):
+                    if dict(ours.module.named_parameters())[name].grad is None:
+                        problems.append(
+                            f"{name} is used on rank {world_size - 1} only; on this rank its "
+                            ".grad is still None when backward returns. It must hold the "
+                            "group's average like every other gradient (this rank's part "
+                            "counting zero): a .grad of None gets a tensor of its own, or this "
+                            "rank's optimizer skips the parameter and the replicas drift apart"
+                        )
         for optimizer in optimizers:
             optimizer.step()
         got = params_of(ours.module)
@@ -579,7 +598,9 @@ def training_worker(case: str) -> list[str]:
             name, diff = worst(got, want)
             if diff > TOLERANCE:
                 problems.append(_step_problem(step, name, diff, label))
-        if problems:
+        stop = torch.tensor(float(bool(problems)))
+        dist.all_reduce(stop)  # all ranks stop together: a problem may be seen on one rank only
+        if stop.item():
             break
     return problems
 

@@ -290,17 +290,28 @@ def trajectory_problem(
 
 
 @contextmanager
-def freed_parameters_explained(stage: int, phase: str, hook: str) -> Iterator[None]:
-    """Turn torch's "storage of size 0" error into what it means here."""
+def freed_parameters_explained(
+    stage: int, phase: str, hook: str, unit_problems: dict[str, str] | None = None
+) -> Iterator[None]:
+    """Turn torch's "storage of size 0" error into what it means here; any other error of the
+    model's own computation, when a ZeroUnit method misbehaved alone first, into that method's
+    remark (a free() that replaced the parameters' data makes forward fail deep inside torch)."""
     try:
         yield
     except RuntimeError as err:
-        if "storage of size 0" not in str(err):
-            raise
-        raise AssertionError(
-            f"stage {stage}: a layer's parameters were still freed (0-byte storage) when its "
-            f"{phase} ran: gather the layer in {hook} ({err})"
-        ) from None
+        first = str(err).splitlines()[0][:160]
+        if "storage of size 0" in str(err):
+            raise AssertionError(
+                f"stage {stage}: a layer's parameters were still freed (0-byte storage) when its "
+                f"{phase} ran: gather the layer in {hook} ({err})"
+            ) from None
+        if unit_problems:
+            raise AssertionError(
+                f"stage {stage}: the model's {phase} raised RuntimeError ({first}) after "
+                "ZeroUnit's methods, tried alone first, misbehaved: "
+                + "; ".join(unit_problems.values())
+            ) from None
+        raise
 
 
 def zero_run(stage: int, seed: int = 0, subgroup: Any = None) -> ZeroRun:
@@ -322,10 +333,14 @@ def zero_run(stage: int, seed: int = 0, subgroup: Any = None) -> ZeroRun:
         shard = GLOBAL_BATCH // world
         xs, ys = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
         with CommCounter() as step_comm:
-            with freed_parameters_explained(stage, "forward", "a forward pre-hook"):
+            with freed_parameters_explained(
+                stage, "forward", "a forward pre-hook", run.unit_problems
+            ):
                 loss = nn.functional.cross_entropy(model(xs), ys)
             run.after_forward_param_bytes = acc.parameter_bytes(model, optimizer)
-            with freed_parameters_explained(stage, "backward", "a full backward pre-hook"):
+            with freed_parameters_explained(
+                stage, "backward", "a full backward pre-hook", run.unit_problems
+            ):
                 loss.backward()
             optimizer.step()
         run.after_step_param_bytes = acc.parameter_bytes(model, optimizer)
