@@ -4,10 +4,9 @@ Given (not an exercise). Exercise 2.5's messages (``template_pipeline_comm.py``:
 ``post_receive``) and the executor use these:
 
 * :class:`StageLinks`: for the pipeline's process group and placement (``pipeline_layout``),
-  which GLOBAL rank holds each virtual stage (``links.peer(stage)``, what torch's
-  ``dst=``/``src=`` want) and the tag of every message of a step (``links.tag(kind, receiving
-  stage, micro-batch)``), distinct for every message;
-* :class:`Pending`: a posted ``isend``/``irecv`` with the tensor it reads or fills, kept alive
+  which GLOBAL rank holds each virtual stage (``links.peer(stage)``) and the tag of every
+  message of a step (``links.tag(kind, stage, micro-batch)``), distinct for every message;
+* :class:`Pending`: a posted message's work with the tensor it reads or fills, kept alive
   until the work is done; :func:`wait_all` waits for a list of them;
 * the kinds of message (:data:`ACTIVATION`, :data:`GRADIENT`, :data:`HEADER`) and
   :data:`HEADER_META`, what a header's receive buffer looks like (``course/tensor_header.py``).
@@ -81,19 +80,20 @@ class StageLinks:
         return stage_rank(stage, self.num_ranks, self.placement) == self.rank
 
     def peer(self, stage: int) -> int:
-        """The GLOBAL rank of the process holding virtual stage ``stage``: give it to dst/src."""
+        """The GLOBAL rank of the process holding virtual stage ``stage``."""
         return self.peers[stage_rank(stage, self.num_ranks, self.placement)]
 
     def tag(self, kind: int, stage: int, microbatch: int) -> int:
-        """The tag of one message of a step: (ACTIVATION, GRADIENT or HEADER, the stage that
-        receives it, micro-batch; 0 for a header). Distinct for every message of a step."""
+        """The tag of one message of a step, from its kind (ACTIVATION, GRADIENT or HEADER), a
+        stage and its micro-batch (0 for a header): distinct for every (kind, stage,
+        micro-batch) of a step. Both ends of a message must name the same three."""
         return (kind * self.num_stages + stage) * self.num_microbatches + microbatch
 
 
 @dataclass
 class Pending:
-    """A posted ``isend``/``irecv``: its work (None when it completed at once) and its tensor,
-    kept alive until the work is done."""
+    """A posted message: its work (None when it completed at once) and its tensor, kept alive
+    until the work is done."""
 
     work: dist.Work | None
     tensor: torch.Tensor

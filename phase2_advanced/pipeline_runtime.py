@@ -18,8 +18,8 @@ of a step:
      backward whose (micro-batch, chunk) has a W later in this rank's list is split: B runs
      ``_backward_input`` (the input's gradient, which stage s - 1 waits for) and W runs
      ``_backward_weight`` (the parameters'); any other backward runs ``_backward`` (both);
-   * ``send``: what it returned goes to the neighbouring stage with ``send_tensor`` (an
-     ``isend``, awaited at the end of the step). When this rank holds that stage too (the turn
+   * ``send``: what it returned goes to the neighbouring stage with ``send_tensor`` (awaited
+     at the end of the step). When this rank holds that stage too (the turn
      of a V placement, ``pipeline_layout.py``) the tensor is handed over in memory instead.
 3. **The result.** :class:`StepResult`: the loss (last stage), the stash's peak and what was left
    in it, and the recorded events (``course/events.py``).
@@ -58,13 +58,13 @@ class StepResult:
     loss: the batch's mean loss on the rank holding the last stage, ``None`` elsewhere.
     peak_stashed: the most (micro-batch, chunk) activations held at once: entries of the stash
         (forward done, backward not) plus entries of the weight stash (B done, W not).
-    left_stashed: how many stash entries were still held when the step ended (0 when every
-        backward popped its entry).
+    left_stashed: how many stash entries were still held when the step ended (0 when no entry
+        outlived its backward).
     events: per action, a "forward", "backward" or "weight" event (labels: microbatch, chunk,
         stage), preceded by a "wait" event while its input arrives and followed by a "send"
         event when it has something to send; times from ``time.perf_counter``.
-    left_weight_stashed: weight-stash entries still held when the step ended (0 when every W
-        popped its entry).
+    left_weight_stashed: weight-stash entries still held when the step ended (0 when no entry
+        outlived its W).
     """
 
     loss: float | None
@@ -148,7 +148,8 @@ def check_microbatches(batch_size: int, num_microbatches: int) -> None:
     if batch_size % num_microbatches:
         raise ValueError(
             f"a batch of {batch_size} samples cannot be cut into {num_microbatches} equal "
-            "micro-batches: equal sizes are what make the 1/m-scaled losses sum to the batch mean"
+            "micro-batches: equal sizes are what make the scaled micro-batch losses sum to the "
+            "batch mean"
         )
 
 
@@ -186,8 +187,9 @@ class PipelineRuntime:
 
     The pipeline's ranks are those of ``group`` (the default group when None); p is its size
     and "rank" is this process's rank in it. ``loss_fn(output, target)`` must return the mean
-    loss of a micro-batch; the executor scales it by 1/m. With ``checkpoint_chunks`` each chunk's
-    forward keeps only its input and is recomputed in backward (exercise 2.3's ``checkpoint``).
+    loss of a micro-batch; the executor scales it so that the m micro-batches' losses sum to the
+    batch mean. With ``checkpoint_chunks`` each chunk's forward keeps only its input and is
+    recomputed in backward (exercise 2.3's ``checkpoint``).
 
     ``placement`` is the stage-to-rank rule the schedule was written for (``"loop"`` or
     ``"v"``, ``pipeline_layout.py``; ``pipeline_schedules.placement_of(name)`` says which).

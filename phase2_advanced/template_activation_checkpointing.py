@@ -4,19 +4,17 @@
 """Exercise 2.3: activation checkpointing by hand, memory traded for recomputation.
 
 Backward needs activations from forward: a plain n-layer network keeps all n of them until
-backward reaches them. Checkpointing keeps only the *input* of a segment, runs the segment's
-forward without recording a graph, and in backward runs that forward again, this time recording,
-to get the activations just before they are needed (Chen et al., "Training Deep Nets with
-Sublinear Memory Cost", 2016). With n layers cut into k segments the peak is about
-k boundary activations + n/k activations of the segment being recomputed, smallest near
+backward reaches them. Checkpointing drops the activations inside a segment of layers during the
+forward and gets them back in backward by running that segment's forward a second time, just
+before they are needed (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016).
+With n layers cut into k segments the peak is about k + n/k activations, smallest near
 k = sqrt(n): O(sqrt n) memory for one extra forward.
 
-Two details make recomputation *exact*:
+The second forward must be the *same* computation as the first:
 
-* RNG state. Dropout draws a new mask every call. The recomputed forward must draw the same
-  mask, so the RNG state is saved before the first forward and restored (inside
-  ``torch.random.fork_rng``, so the outer stream is untouched) before recomputing.
-* Autocast state. A forward under autocast must be recomputed under the same autocast.
+* Dropout draws a new mask every call: the recomputed forward must draw the same masks, and
+  the caller's random stream must carry on afterwards as if nothing had been replayed.
+* A forward under autocast must be recomputed under the same autocast (recorded for you).
 
 This mirrors PyTorch's reentrant ``torch.utils.checkpoint.checkpoint`` (torch/utils/checkpoint.py,
 ``CheckpointFunction``) and its ``checkpoint_sequential``, with one difference: an extra
@@ -52,7 +50,8 @@ def _cuda_devices(tensors: Sequence[Any]) -> list[int]:
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """Runs ``run_function(*args)`` without saving activations; recomputes them in backward.
+    """Runs ``run_function(*args)`` without keeping its activations for backward; backward
+    gets them back by running it again.
 
     ``forward(ctx, run_function, preserve_rng_state, anchor, *args)``: ``anchor`` is a zero-size
     tensor with ``requires_grad=True`` that makes the output require grad whatever ``args`` are.
@@ -69,34 +68,32 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.preserve_rng_state = preserve_rng_state
         ctx.autocast_states = _autocast_states()
-        # TODO 2.3: remember what the recomputation needs, then run the forward without a graph.
-        # Invariant: nothing inside run_function is saved for backward (only the inputs are);
-        #   the RNG state saved is the one the forward below starts from.
-        # Hint 1: backward will run the same forward again and must draw the same random
-        #   numbers, so it needs the inputs and the RNG state as they are now (CPU, and each
-        #   CUDA device among the inputs); running the forward without recording a graph is
-        #   what saves the memory.
+        # TODO 2.3: keep what backward needs to run this forward again, then run it.
+        # Invariant: returns what run_function(*args) returns; nothing computed inside
+        #   run_function is kept for backward (the bytes saved equal torch.utils.checkpoint's);
+        #   backward can replay the very random numbers this call draws.
+        # Hint 1: backward will call run_function a second time and must get bitwise the same
+        #   result, dropout included.
         # More hints: uv run python -m tests.hint 2.3
         # See guidelines.md#23-activation-checkpointing
         raise NotImplementedError(
-            "TODO 2.3: remember what the recomputation needs, then run the forward without a graph "
+            "TODO 2.3: keep what backward needs to run this forward again, then run it "
             "(see phase2_advanced/guidelines.md#23-activation-checkpointing)"
         )
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
-        # TODO 2.3: recompute the forward with a graph, then backpropagate through it.
-        # Invariant: the recomputed forward sees the same inputs, RNG state and autocast state
-        #   as the first one, so its outputs (dropout masks included) are bitwise the same; the
-        #   caller's RNG stream is left as it was.
-        # Hint 1: rebuild the inputs as fresh leaves (so their .grad is what you return),
-        #   recompute with a graph under the forward's RNG and autocast state, without
-        #   disturbing the caller's RNG stream, then backpropagate the incoming gradients
-        #   through the recomputed outputs.
+        # TODO 2.3: run the forward again, recording this time, and backpropagate through it.
+        # Invariant: one entry per argument of forward (the gradient of each tensor argument
+        #   that requires one, None for everything else), bitwise equal to the plain function's
+        #   gradients, dropout included; afterwards the caller's random stream is where it was
+        #   before this backward began.
+        # Hint 1: the saved tensors come back without a graph, and the second run must draw the
+        #   same random numbers under the same autocast as the first.
         # More hints: uv run python -m tests.hint 2.3
         # See guidelines.md#23-activation-checkpointing
         raise NotImplementedError(
-            "TODO 2.3: recompute the forward with a graph, then backpropagate through it "
+            "TODO 2.3: run the forward again, recording this time, and backpropagate through it "
             "(see phase2_advanced/guidelines.md#23-activation-checkpointing)"
         )
 
@@ -135,7 +132,8 @@ def _run_layers(functions: nn.Sequential, start: int, end: int) -> Callable[[Any
 def checkpoint_sequential(
     functions: nn.Sequential, segments: int, input: torch.Tensor, preserve_rng_state: bool = True
 ) -> torch.Tensor:
-    """Run ``functions`` in ``segments`` pieces; every piece but the last is checkpointed.
+    """``functions(input)``, run in ``segments`` pieces and checkpointed as
+    ``torch.utils.checkpoint.checkpoint_sequential`` does.
 
     Pieces are ``len(functions) // segments`` layers long and the last piece takes the rest,
     as in ``torch.utils.checkpoint.checkpoint_sequential``.
@@ -146,17 +144,16 @@ def checkpoint_sequential(
             f"segments={segments} for {n} layers: use between 1 and {n} segments (about the "
             "square root of the number of layers that save activations minimises memory)"
         )
-    # TODO 2.3: checkpoint every segment but the last, which runs normally.
-    # Invariant: same result as functions(input); only segment inputs are kept for backward,
-    #   plus the activations of the last segment (its backward comes first, so recomputing it
-    #   would buy nothing).
-    # Hint 1: every piece has the same number of layers except the last, which takes what is
-    #   left (the docstring above); _run_layers(functions, a, b) makes a function that runs
-    #   layers a..b inclusive.
+    # TODO 2.3: run the layers segment by segment, checkpointing where it pays.
+    # Invariant: returns functions(input); the bytes kept for backward and the number of
+    #   forward calls of every layer are those of torch.utils.checkpoint.checkpoint_sequential
+    #   with the same segment count.
+    # Hint 1: _run_layers(functions, a, b) makes a function that runs layers a..b inclusive;
+    #   the docstring says how long each segment is.
     # More hints: uv run python -m tests.hint 2.3
     # See guidelines.md#23-activation-checkpointing
     raise NotImplementedError(
-        "TODO 2.3: checkpoint every segment but the last, which runs normally "
+        "TODO 2.3: run the layers segment by segment, checkpointing where it pays "
         "(see phase2_advanced/guidelines.md#23-activation-checkpointing)"
     )
 

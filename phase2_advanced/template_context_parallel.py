@@ -5,10 +5,9 @@
 
 Each rank of the context-parallel ``group`` holds the q, k and v of its own positions (its
 chunks, see context_parallel_layout.py). Attention needs every query to meet every key, so the
-key/value blocks travel around the ring: at step s, rank r holds the K/V block that started on
-the rank s places behind it; after cp steps every block has visited every rank, and each rank
-has seen all keys without ever holding more than two K/V blocks (Liu, Zaharia, Abbeel, "Ring
-Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
+key/value blocks travel around the ring; after cp steps every block has visited every rank,
+and each rank has seen all keys without ever holding more than two K/V blocks (Liu, Zaharia,
+Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
 
     step 0          step 1          step 2            at each step, every rank computes its
     r0: kv0         r0: kv2         r0: kv1           queries against the block it holds and
@@ -19,14 +18,12 @@ Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
 each step gives it the output over one block's keys, with that block's log-sum-exp (lse). Two
 such partial results over disjoint key sets combine exactly into the result over both (the
 online softmax of Milakov and Gimelshein, 2018, which FlashAttention and ring attention use):
-:func:`merge_partials`. Written naively the combination overflows; the guide derives the form
-that does not.
+:func:`merge_partials`, which must stay finite where a naive combination overflows.
 
-**Backward.** The gradient of each block needs the queries' *final* output and lse (saved by
-the forward) and the block's K/V. dQ stays on its rank and sums the contributions of every
-block. dK and dV belong to the block's home rank, but are computed on every rank the block
-visits: they travel around the ring with their block, collecting each rank's share, and the
-sum comes home at the end.
+**Backward.** A second ring. The gradient of each block needs the queries' *final* output and
+lse (saved by the forward) and the block's K/V. The dQ of a rank's queries sums the shares of
+every block they met; the dK and dV of a rank's own K/V sum the shares of every rank's queries,
+and must end on that rank. How they get there is the exercise.
 
 Every function takes the context-parallel ``group`` (None: the world); ranks and sizes are
 ``dist.get_rank(group)`` and ``dist.get_world_size(group)``. Blocks come from
@@ -60,13 +57,12 @@ def merge_partials(
     """Combine attention over key set A (``out_a`` [B, H, L, d], ``lse_a`` [B, H, L]) and over a
     disjoint key set B into attention over A and B together: ``(out, lse)``, same shapes."""
     # TODO 2.7: merge two partial attention results over disjoint key sets
-    # Invariant: the result is attention over both key sets at once: lse is the log of the two
-    #   sets' summed exponentials, out the mix of out_a and out_b weighted by each set's share
-    #   of that sum; nothing is exponentiated that can overflow, so it stays finite and exact
-    #   for any finite lse (hundreds, in float32 too); merging (a, b) or (b, a) is the same.
-    # Hint 1: out_a is (sum over A of exp(score) * v) / exp(lse_a). Write the numerator and the
-    #   denominator of the union from the two partial results, then factor out the larger of
-    #   the two exponentials before computing anything (the guide derives it).
+    # Invariant: the result is attention over both key sets at once (the out and lse that
+    #   block_attention would return for the union); it stays finite and exact for any finite
+    #   lse (hundreds, in float32 too); merging (a, b) or (b, a) gives the same.
+    # Hint 1: each partial result is a ratio, and its lse gives back that ratio's denominator
+    #   (the guide writes out_A and lse_A). Write the union's numerator and denominator from the
+    #   two partial results, then make them safe to compute.
     # More hints: uv run python -m tests.hint 2.7
     # See guidelines.md#27-context-parallelism
     raise NotImplementedError(
@@ -88,13 +84,13 @@ def ring_attention_forward(
     """This rank's attention output (in q's dtype) and lse [B, H, local length], over the keys of
     every rank of ``group``, by passing K/V blocks around the ring."""
     # TODO 2.7: the forward ring loop: each local query chunk meets every key chunk once
-    # Invariant: after cp steps, every local query chunk has merged exactly the blocks
-    #   block_kind asks for, from every rank, each computed once; at each step but the last,
-    #   the K/V block this rank holds is passed on (start_ring_pass) BEFORE it computes on it,
-    #   and the next block is waited for only after: cp - 1 passes in all.
-    # Hint 1: at step s this rank holds the block that started on the rank s places behind it
-    #   in the ring (chunk_ids of that rank says which chunks the block holds); the block is
-    #   its local k and v, cut into chunks the same way.
+    # Invariant: every local query chunk merges exactly the blocks block_kind asks for, from
+    #   every rank's K/V, each computed once; returns (out in q's dtype, lse in the
+    #   accumulation dtype) over every key of the sequence; the transfers hide behind the
+    #   compute: every block is computed while a ring pass is in flight, except on the last
+    #   step, which passes nothing; cp - 1 passes in all.
+    # Hint 1: the queries stay and the K/V blocks move; the guide's step table shows which
+    #   block each rank holds at each step.
     # More hints: uv run python -m tests.hint 2.7
     # See guidelines.md#27-context-parallelism
     raise NotImplementedError(
@@ -117,22 +113,19 @@ def ring_attention_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dq, dL/dk, dL/dv of this rank's local q, k, v (in their dtypes), given dL/d``out`` and
-    the forward's ``out`` and ``lse``: K/V blocks go around the ring again, and each block's
-    dK/dV sum travels with it and comes home."""
-    # TODO 2.7: the backward ring loop: dQ stays, dK/dV travel with their block and come home
-    # Invariant: every block is computed with the K/V of the step it belongs to and the saved
-    #   final out and lse of the queries; dq sums every block's share; the dK/dV of a block
-    #   sum the shares of every rank and end on the block's home rank. K/V travel as in the
-    #   forward (cp - 1 passes) and so do the dK/dV sums (cp - 1 passes): the home rank's own
-    #   share never travels, it waits at home for the sum of the others.
-    # Hint 1: at step s the block from the rank s behind visits. Its home rank added its own
-    #   share at step 0 and kept it; the others' shares start as zeros on the next rank (step
-    #   1) and are passed on after each computation, so the pass after the last step lands on
-    #   the block's home rank.
+    the forward's ``out`` and ``lse``, by a second ring over ``group``."""
+    # TODO 2.7: the backward ring loop: every share of dQ, dK and dV reaches its owner
+    # Invariant: dq sums the shares of every block this rank's queries met; dk and dv sum the
+    #   shares of every rank's queries in this rank's K/V; all three are accumulated in lse's
+    #   dtype and returned in the dtypes of q, k and v; every block is computed with the K/V of
+    #   its own step and the saved final out and lse; this rank sends 2(cp − 1) times the bytes
+    #   of its K and V in all, no more.
+    # Hint 1: the K/V blocks visit every rank again, as in the forward. A block's dQ share
+    #   belongs to the queries here; its dK/dV share belongs to the block's home rank.
     # More hints: uv run python -m tests.hint 2.7
     # See guidelines.md#27-context-parallelism
     raise NotImplementedError(
-        "TODO 2.7: the backward ring loop: dQ stays, dK/dV travel with their block and come home "
+        "TODO 2.7: the backward ring loop: every share of dQ, dK and dV reaches its owner "
         "(see phase2_advanced/guidelines.md#27-context-parallelism)"
     )
 

@@ -47,7 +47,7 @@ def zigzag_chunk_ids(rank: int, cp: int) -> tuple[int, int]:
     #   key chunks at or before it); the earlier chunk comes first.
     # Hint 1: work the cp = 2 and cp = 4 pictures of the guide into a table (rank, first
     #   chunk, second chunk), then read the rule off it. An early chunk has little to attend
-    #   to, a late one a lot: pair them so the sums come out equal.
+    #   to, a late one a lot.
     # More hints: uv run python -m tests.hint 2.7
     # See guidelines.md#27-context-parallelism
     raise NotImplementedError(

@@ -5,16 +5,14 @@
 
 Memory for activations grows with the batch. To train with an effective batch B when only
 B/k fits, run k micro-batches forward and backward, let their gradients add up in ``.grad``, and
-step once. Gradients are linear, so with each micro-batch's mean loss weighted by its share of
-the samples, (b_1/B)·grad(mean_1) + ... + (b_k/B)·grad(mean_k) = grad(mean over all B): the step
-equals one step on the whole batch, even when the last micro-batch is short. Dividing every
-micro-batch loss by k instead over-weights a short last micro-batch.
+step once. Gradients are linear, so a weighted sum of the micro-batches' mean losses has the
+same weighted sum of their gradients as its gradient: the step can equal one step on the whole
+batch, even when the last micro-batch is short.
 
-Data-parallel, the k backward passes must not each all-reduce: only the sum matters, so the
-gradients are averaged once, after the last micro-batch, over the data-parallel ``group`` (the
-whole world by default). Phase 1's ``average_gradients`` is simply called once;
-``DistributedDataParallel`` needs ``no_sync()`` around all but the last micro-batch
-(torch/nn/parallel/distributed.py), otherwise its hooks fire every backward.
+Data-parallel, only the accumulated sum needs averaging over the data-parallel ``group`` (the
+whole world by default): one all-reduce per optimizer step, through phase 1's
+``average_gradients``, or through ``DistributedDataParallel``, whose ``no_sync()`` context turns
+its all-reduces off (torch/nn/parallel/distributed.py).
 
 The demo (DDP, counting bucket all-reduces) is demos/accumulation.py:
 
@@ -51,23 +49,22 @@ def split_micro_batches(
 def accumulate_gradients(
     model: nn.Module, loss_fn: LossFn, micro_batches: Sequence[MicroBatch]
 ) -> float:
-    """Backward through every micro-batch so ``.grad`` ends as the whole batch's gradient.
+    """Backward through every micro-batch so that ``.grad`` gains the whole batch's gradient.
 
     ``loss_fn`` must average over its batch (reduction="mean"). Returns the whole batch's mean
-    loss. Gradients add to whatever ``.grad`` holds: zero them before the first micro-batch.
+    loss. Gradients add to whatever ``.grad`` holds.
     """
     total = sum(len(targets) for _, targets in micro_batches)
-    # TODO 2.1: accumulate gradients over the micro-batches, weighting each by its samples.
-    # Invariant: afterwards p.grad equals the gradient of the mean loss over ALL samples,
-    #   also when the last micro-batch is shorter; the return value is that mean loss; the
-    #   model runs once per micro-batch, on that micro-batch only.
-    # Hint 1: backward() adds into .grad. Weight each micro-batch's mean loss so that it
-    #   counts for its share of the samples; dividing by the number of micro-batches is only
-    #   right when all micro-batches have the same size.
+    # TODO 2.1: add the whole batch's gradient into .grad, one micro-batch at a time.
+    # Invariant: afterwards p.grad has gained the gradient of the mean loss over ALL samples, also
+    #   when the last micro-batch is shorter; the return value is that mean loss; the model runs
+    #   once per micro-batch, on that micro-batch only.
+    # Hint 1: backward() adds into .grad, and loss_fn returns each micro-batch's MEAN loss. How much
+    #   should one sample of a short micro-batch count, compared with one of a full micro-batch?
     # More hints: uv run python -m tests.hint 2.1
     # See guidelines.md#21-gradient-accumulation
     raise NotImplementedError(
-        "TODO 2.1: accumulate gradients over the micro-batches, weighting each by its samples "
+        "TODO 2.1: add the whole batch's gradient into .grad, one micro-batch at a time "
         "(see phase2_advanced/guidelines.md#21-gradient-accumulation)"
     )
 
@@ -87,19 +84,19 @@ def accumulation_step(
 
     With ``data_parallel=True`` (a process group is running and ``model`` is a plain module
     replicated on every rank of ``group``, the whole world when None) gradients are averaged
-    across the group with phase 1's ``average_gradients``: once per optimizer step, not once
-    per micro-batch.
+    across the group with phase 1's ``average_gradients``, with one all-reduce per optimizer
+    step.
     """
-    # TODO 2.1: zero, accumulate, (average across the group once), step.
-    # Invariant: exactly one gradient all-reduce per optimizer step when data_parallel, on
-    #   `group` only; the update equals one step on the whole batch (on one rank, or on the
-    #   concatenation of every group member's batch).
-    # Hint 1: the accumulation is local work; communication belongs after the last
-    #   micro-batch, when .grad holds the full local gradient.
+    # TODO 2.1: one optimizer step on the whole batch, taken in micro-batches.
+    # Invariant: the update equals one step on the whole batch (on one rank, or on the concatenation
+    #   of every group member's batch); exactly one gradient all-reduce per optimizer step when
+    #   data_parallel, on `group` only; returns the batch's mean loss.
+    # Hint 1: the functions above cut the batch and accumulate its gradient. What must .grad hold
+    #   before the first micro-batch, and when does the group have something worth averaging?
     # More hints: uv run python -m tests.hint 2.1
     # See guidelines.md#21-gradient-accumulation
     raise NotImplementedError(
-        "TODO 2.1: zero, accumulate, (average across the group once), step "
+        "TODO 2.1: one optimizer step on the whole batch, taken in micro-batches "
         "(see phase2_advanced/guidelines.md#21-gradient-accumulation)"
     )
 
@@ -112,23 +109,22 @@ def ddp_accumulation_step(
     targets: torch.Tensor,
     micro_batch_size: int,
 ) -> float:
-    """The same step with ``DistributedDataParallel``; it all-reduces in the last backward only.
+    """The same step with ``DistributedDataParallel``, one all-reduce per bucket per step.
 
     The data-parallel group is the one ``ddp_model`` was built with (``process_group=``).
     """
     micro_batches = split_micro_batches(inputs, targets, micro_batch_size)
     total = len(targets)
     optimizer.zero_grad(set_to_none=True)
-    # TODO 2.1: accumulate under ddp_model.no_sync() for every micro-batch but the last.
-    # Invariant: DDP all-reduces each gradient bucket once per optimizer step (during the
-    #   last micro-batch's backward), and the update equals one step on the whole batch,
-    #   also when the last micro-batch is shorter.
-    # Hint 1: DDP all-reduces from hooks that run during backward(); inside no_sync() it only
-    #   accumulates locally, and it decides in forward whether the next backward syncs. The
-    #   loss weighting is the same as accumulate_gradients'.
+    # TODO 2.1: the same step under DDP, with one all-reduce per bucket per optimizer step.
+    # Invariant: DDP all-reduces each gradient bucket exactly once per optimizer step, and the
+    #   update equals one step on the concatenation of every rank's batch, also when the last
+    #   micro-batch is shorter.
+    # Hint 1: DDP all-reduces from hooks that run during backward(), in every backward it is allowed
+    #   to. Which backward of the step has the whole sum of the micro-batches' gradients?
     # More hints: uv run python -m tests.hint 2.1
     # See guidelines.md#21-gradient-accumulation
     raise NotImplementedError(
-        "TODO 2.1: accumulate under ddp_model.no_sync() for every micro-batch but the last "
+        "TODO 2.1: the same step under DDP, with one all-reduce per bucket per optimizer step "
         "(see phase2_advanced/guidelines.md#21-gradient-accumulation)"
     )

@@ -18,9 +18,9 @@ small gradients underflow to zero. The recipe of Micikevicius et al., "Mixed Pre
 
 bf16 has fp32's exponent range, so it needs no loss scaling; fp16 does. Every rank must make
 the same skip decision: with data parallelism averaging spreads an inf to every rank anyway, but
-with model-parallel shards (or ZeRO) each rank sees different gradients, so the overflow flag is
-all-reduced (MAX) over the scaler's ``group`` (the ranks that step together; the whole world by
-default) before deciding.
+with model-parallel shards (or ZeRO) each rank sees different gradients, so the ranks of the
+scaler's ``group`` (the ranks that step together; the whole world by default) must agree on the
+overflow before deciding.
 
 The demo (data-parallel training in fp32, bf16 or fp16) is demos/mixed_precision.py:
 
@@ -101,22 +101,23 @@ class DynamicLossScaler:
         return loss * self._scale.to(loss.device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale, in place; detect inf/NaN on any rank."""
+        """Turn the optimizer's gradients into the true ones, in place, as GradScaler does; find
+        whether any gradient on any rank of the group holds an inf or NaN."""
         if not self.enabled or self._unscaled:
             return
         grads = _grads(_optimizer_params(optimizer))
-        # TODO 2.2: unscale every gradient in place and decide, with the group, if any overflowed.
-        # Invariant: afterwards grads equal GradScaler's unscaled grads bit for bit, and
-        #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient
-        #   on any of its ranks has an inf or NaN. Every rank calls the collective, every time.
-        # Hint 1: GradScaler multiplies every gradient by ONE float32 number computed once from
-        #   the scale (the guide's "arithmetic of S" says how it is rounded); dividing each
-        #   gradient by the scale rounds differently. The ranks of the group agree on "some
-        #   rank overflowed" through one collective on a 0/1 flag.
+        # TODO 2.2: unscale every gradient in place; decide with the group whether any overflowed.
+        # Invariant: afterwards the gradients equal GradScaler's unscaled ones bit for bit, and
+        #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient on
+        #   any of its ranks holds an inf or NaN; a step() after this in the same iteration leaves
+        #   the gradients alone. Every rank of the group takes part every iteration, gradients or
+        #   none.
+        # Hint 1: GradScaler does not divide each gradient by the scale. The flags of the group's
+        #   ranks must end up equal: what one call makes a value the same on every rank?
         # More hints: uv run python -m tests.hint 2.2
         # See guidelines.md#22-mixed-precision
         raise NotImplementedError(
-            "TODO 2.2: unscale every gradient in place and decide, with the group, if any "
+            "TODO 2.2: unscale every gradient in place; decide with the group whether any "
             "overflowed "
             "(see phase2_advanced/guidelines.md#22-mixed-precision)"
         )
@@ -139,11 +140,11 @@ class DynamicLossScaler:
         if self._found_inf is None:
             raise RuntimeError("update() without unscale_()/step() this iteration")
         # TODO 2.2: the loss scale's state machine.
-        # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same
-        #   overflow pattern, for any growth and backoff factor (1.3 and 0.7 too).
-        # Hint 1: the guide's table "at update()" is the whole machine: an overflow backs off,
-        #   growth_interval clean steps in a row grow. The trap is the rounding: GradScaler's
-        #   kernel multiplies the float32 scale by the factor in float64 and rounds once.
+        # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same overflow
+        #   pattern, for any growth and backoff factor (1.3 and 0.7 too); the iteration's flag and
+        #   _unscaled are forgotten afterwards.
+        # Hint 1: the guide's table "at update()" is the transition; the question is the arithmetic.
+        #   S is a float32 tensor, and a factor is a Python float.
         # More hints: uv run python -m tests.hint 2.2
         # See guidelines.md#22-mixed-precision
         raise NotImplementedError(
@@ -173,15 +174,16 @@ def mixed_precision_step(
 
     Returns (loss, whether the optimizer stepped). ``autocast_dtype=None`` runs in fp32.
     """
-    # TODO 2.2: put the pieces together in the right order.
-    # Invariant: clipping sees the true gradients (unscaled), an overflowing step changes
-    #   neither the weights nor the optimizer state, and the scaler updates once per step.
-    # Hint 1: the scaler is used as torch.amp.GradScaler is. Autocast covers the forward and
-    #   the loss only (backward runs outside it); clipping needs the true gradients.
+    # TODO 2.2: one training step with autocast, loss scaling and optional clipping.
+    # Invariant: with autocast_dtype the matrix products run in it and the loss in float32; the
+    #   clipping limits the true (unscaled) gradients; an overflowing step changes neither the
+    #   weights nor the optimizer state; the scaler updates once per step, a skipped step included.
+    # Hint 1: the scaler is used as torch.amp.GradScaler is. What does the clipping need to see, and
+    #   which of the scaler's methods gives it that?
     # More hints: uv run python -m tests.hint 2.2
     # See guidelines.md#22-mixed-precision
     raise NotImplementedError(
-        "TODO 2.2: put the pieces together in the right order "
+        "TODO 2.2: one training step with autocast, loss scaling and optional clipping "
         "(see phase2_advanced/guidelines.md#22-mixed-precision)"
     )
 
@@ -207,17 +209,17 @@ class MasterWeights:
             param.grad = None
 
     def step(self, scaler: DynamicLossScaler | None = None) -> bool:
-        """Move gradients to the masters, step them (through ``scaler`` if given), copy back."""
-        # TODO 2.2: gradients model -> fp32 masters, optimizer step on masters, weights back.
-        # Invariant: masters stay fp32 and accumulate updates too small for the model's dtype;
-        #   after a real step every model parameter equals its master cast to the model dtype;
-        #   after a skipped step nothing changes.
-        # Hint 1: the optimizer only knows the masters: their gradients come from the model's,
-        #   in fp32 (a missing gradient stays missing); a scaler decides whether the optimizer
-        #   steps at all.
+        """One optimizer step on the masters (through ``scaler`` if given), after a backward on
+        the model; returns whether it stepped."""
+        # TODO 2.2: one optimizer step on the fp32 masters, and the model refreshed from them.
+        # Invariant: the masters stay fp32 and accumulate updates too small for the model's dtype; a
+        #   parameter without a gradient is left alone; after a real step every model parameter
+        #   equals its master cast to the model's dtype; after a skipped step nothing changes.
+        # Hint 1: the optimizer only knows the masters. Where do their gradients come from, and who
+        #   decides whether the optimizer steps at all?
         # More hints: uv run python -m tests.hint 2.2
         # See guidelines.md#22-mixed-precision
         raise NotImplementedError(
-            "TODO 2.2: gradients model -> fp32 masters, optimizer step on masters, weights back "
+            "TODO 2.2: one optimizer step on the fp32 masters, and the model refreshed from them "
             "(see phase2_advanced/guidelines.md#22-mixed-precision)"
         )

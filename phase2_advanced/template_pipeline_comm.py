@@ -5,28 +5,25 @@
 
 Two kinds of message cross a stage boundary in a step: the activation of a micro-batch, forward
 from stage s to stage s + 1, and the gradient of that activation, back from s + 1 to s. The
-executor (``pipeline_executor.py``) decides *when*; this module says *how*:
+executor (``pipeline_executor.py``) decides *when*; this module says *how*, under three rules:
 
-* **Never block on a send.** A gloo ``dist.send`` returns only once the receiver has posted the
-  matching receive, so two neighbours that both send first wait for each other forever (1F1B
-  when receives are posted only when needed: rank 0 sends activation 1 while rank 1 sends
-  gradient 0; interleaved 1F1B even with receives posted one action ahead). Every send is an
-  ``isend``; the tensor it reads must stay alive and unchanged until the executor waits for it
-  at the end of the step.
-* **Post receives early.** ``irecv`` returns at once; the data lands in the buffer while the rank
-  computes, and the executor waits just before the action that needs it.
-* **Tag every message.** ``StageLinks.tag`` gives every message of a step its own tag, so the
-  receiver asks for exactly the message it means. (gloo matches by
-  source and tag; NCCL ignores tags and matches in posting order, which the schedules keep the
-  same at both ends of every link.)
-* **Headers first.** Before the data of a step, a header (``course/tensor_header.py``,
-  the one format exercise 2.4 uses too) walks the stages in order with the shape and dtype of the
-  *whole batch* at each boundary, so every stage knows its buffers, and every rank, not only
-  the ones holding the batch, can check that the batch splits into m equal micro-batches before
-  any data moves.
+* **A send returns before its receiver has posted the matching receive.** Two neighbours that
+  both send first would otherwise wait for each other forever (1F1B when receives are posted
+  only when needed: rank 0 sends activation 1 while rank 1 sends gradient 0; interleaved 1F1B
+  even with receives posted one action ahead). The tensor being sent must stay alive and
+  unchanged until the executor waits for it at the end of the step.
+* **A receive returns at once** too: the data lands in its buffer while the rank computes, and
+  the executor waits just before the action that needs it.
+* **Both ends name the same message.** ``StageLinks.tag`` gives every message of a step its own
+  tag, and ``StageLinks.peer`` the global rank holding a stage. (gloo matches by source and tag;
+  NCCL ignores tags and matches in posting order, which the schedules keep the same at both
+  ends of every link.)
 
-Peers are ranks within the pipeline's process group (the default group when ``group`` is None),
-mapped once to global ranks with ``dist.get_global_rank``: torch's ``dst``/``src`` are global.
+**Headers first.** Before the data of a step, a header (``course/tensor_header.py``, the one
+format exercise 2.4 uses too) walks the stages in order with the shape and dtype of the *whole
+batch* at each boundary, so every stage knows its buffers, and every rank, not only the ones
+holding the batch, can check that the batch splits into m equal micro-batches before any data
+moves.
 """
 
 from __future__ import annotations
@@ -63,8 +60,8 @@ def send_tensor(
     #   deadlocks interleaved 1F1B); the returned Pending holds the very tensor being sent,
     #   so it stays alive and unchanged until the send completes; the receiver finds the
     #   message by its peer and tag, so both ends must name the same ones.
-    # Hint 1: torch has a send that returns at once with a Work to wait on later. links (given,
-    #   pipeline_links.py) knows who holds a stage and how a message of a step is tagged.
+    # Hint 1: links (given, pipeline_links.py) knows the global rank holding each stage and the
+    #   tag of every message of a step.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(
@@ -89,8 +86,8 @@ def post_receive(
     #   work completes (the executor waits just before the action that needs it); the buffer
     #   has exactly the message's shape and dtype; the peer and the tag are the ones the
     #   sender of this message used.
-    # Hint 1: meta describes the buffer (TensorMeta.empty). Gradients travel backward, from the
-    #   stage after; activations and headers travel forward, from the stage before.
+    # Hint 1: meta describes the message (its shape and dtype); the docstring says which
+    #   neighbour sends each kind.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(

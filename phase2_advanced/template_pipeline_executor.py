@@ -12,19 +12,18 @@ the result. What is left is the exercise, the work of one action:
 
 * a **forward** runs the chunk on its input and keeps what its backward will need in the step's
   *stash*, since autograd needs the graph; the last stage turns its output into the loss;
-* a **backward** takes its stash entry out and backpropagates from the loss or from the
-  gradient that came back, and hands on the gradient of its input;
+* a **backward** takes its stash entry out, backpropagates through what its forward kept, and
+  hands on the gradient of its input;
 * in a zero-bubble schedule the backward is split in two (Qi et al., "Zero Bubble Pipeline
   Parallelism", ICLR 2024): **B** computes only the gradient of the input, which the previous
   stage is waiting for, and keeps what the weights' gradients need in the *weight stash*;
   **W**, later, computes the weights' gradients, which no other stage waits for.
 
-Received activations are fresh leaf tensors, with no history: autograd computes a gradient
-only for tensors that ask for one, and that gradient is what the previous stage is waiting for.
+Received activations are fresh tensors, with no history.
 
-``loss_fn`` returns each micro-batch's mean loss; with m equal micro-batches, scaling each by 1/m
-makes the m losses sum to the mean over the whole batch, so the gradients that accumulate in
-``.grad`` are exactly those of one big batch.
+``loss_fn`` returns each micro-batch's mean loss; the losses the last stage records must sum to
+the mean over the whole batch, so that the gradients that accumulate in ``.grad`` over the m
+backwards are exactly those of one big batch.
 """
 
 from __future__ import annotations
@@ -80,14 +79,13 @@ class PipelineExecutor(PipelineRuntime):
         chunk, microbatch = action.chunk, action.microbatch
         stage = self.stage_of(chunk)
         # TODO 2.5: run the forward of one micro-batch through one chunk.
-        # Invariant: afterwards state.stash[(microbatch, chunk)] holds this chunk's input and
-        #   what its backward will start from; an input that arrived from another stage will
-        #   get a .grad in backward; the last stage records its micro-batch loss, scaled so the
-        #   m of them sum to the batch mean, in state.losses (detached) and returns None; the
-        #   other stages return plain data for the next stage (the graph stays here).
-        # Hint 1: a received tensor is a leaf with no history, and autograd fills .grad only
-        #   for leaves that ask for it. Run the chunk with self._run_chunk (it checkpoints when
-        #   asked). See "Why 1/m" in the guide for the scale.
+        # Invariant: afterwards state.stash[(microbatch, chunk)] holds this chunk's input and what
+        #   its backward will start from; an input that arrived from another stage will get a .grad
+        #   in backward; the last stage records its micro-batch loss, scaled so the m of them sum to
+        #   the batch mean, in state.losses (detached) and returns None; the other stages return
+        #   plain data for the next stage (the graph stays here).
+        # Hint 1: self._run_chunk runs a chunk (through 2.3's checkpoint when asked); state holds
+        #   this step's micro-batches, targets and stash.
         # More hints: uv run python -m tests.hint 2.5
         # See guidelines.md#25-pipeline-parallelism
         raise NotImplementedError(
@@ -98,19 +96,17 @@ class PipelineExecutor(PipelineRuntime):
     def _backward(
         self, state: StepState, action: Action, received: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """One backward: autograd through the stash from the scaled loss (last stage) or from
-        ``received``, the gradient of the output. Returns the gradient of the input, to send
-        to stage - 1, or ``None`` on stage 0."""
+        """One backward of one micro-batch through one chunk. ``received`` is the gradient of
+        the chunk's output from stage + 1 (``None`` on the last stage). Returns the gradient of
+        the input, to send to stage - 1, or ``None`` on stage 0."""
         chunk, microbatch = action.chunk, action.microbatch
         stage = self.stage_of(chunk)
         # TODO 2.5: run the backward of one micro-batch through one chunk and free its stash.
         # Invariant: afterwards the stash no longer holds (microbatch, chunk) and the chunk's
-        #   parameters' .grad have accumulated this micro-batch's share; every stage but 0
-        #   returns the gradient of its input (same shape as the input).
-        # Hint 1: the last stage starts backward from its scaled loss, the others from their
-        #   output and the gradient that came back for it. A stage whose output needs no grad
-        #   (no parameters, and an input that needs none) has nothing to backpropagate.
-        #   Removing the stash entry is what frees the micro-batch's activations.
+        #   parameters' .grad have accumulated this micro-batch's share; every stage but 0 returns
+        #   the gradient of its input (same shape as the input).
+        # Hint 1: torch.autograd.backward takes the tensors to start from and the gradients flowing
+        #   into them (None for a scalar), and accumulates into .grad.
         # More hints: uv run python -m tests.hint 2.5
         # See guidelines.md#25-pipeline-parallelism
         raise NotImplementedError(
@@ -129,13 +125,12 @@ class PipelineExecutor(PipelineRuntime):
         chunk, microbatch = action.chunk, action.microbatch
         stage = self.stage_of(chunk)
         # TODO 2.5: the input's gradient of one micro-batch through one chunk; keep the rest for W.
-        # Invariant: afterwards the stash no longer holds (microbatch, chunk) and the weight
-        #   stash does, with what W starts from; no parameter's .grad has changed yet; every
-        #   stage but 0 returns the gradient of its input (same shape as the input), as
-        #   _backward does.
-        # Hint 1: autograd can differentiate with respect to chosen tensors only, and frees the
-        #   graph it walked unless asked to keep it; W walks the same graph later. Stage 0's
-        #   input needs no gradient: its B has nothing to compute, its W does all the work.
+        # Invariant: afterwards the stash no longer holds (microbatch, chunk) and the weight stash
+        #   does, with what W starts from; no parameter's .grad has changed yet; every stage but 0
+        #   returns the gradient of its input (same shape as the input), as _backward does.
+        # Hint 1: the input's gradient goes to stage − 1 at once; the weights' gradients wait for
+        #   this micro-batch's W, which reads the weight stash (the API table says what an entry
+        #   holds).
         # More hints: uv run python -m tests.hint 2.5
         # See guidelines.md#zero-bubble-split-the-backward-in-two
         raise NotImplementedError(
@@ -150,12 +145,9 @@ class PipelineExecutor(PipelineRuntime):
         chunk, microbatch = action.chunk, action.microbatch
         # TODO 2.5: the weights' gradients of one micro-batch through one chunk, after its B.
         # Invariant: afterwards the weight stash no longer holds (microbatch, chunk) and every
-        #   parameter of the chunk has accumulated this micro-batch's share in .grad, exactly
-        #   what the full backward would have added; nothing is sent.
-        # Hint 1: the same graph and the same incoming gradient as B, now differentiated with
-        #   respect to the chunk's parameters; accumulating into .grad (not replacing) is what
-        #   sums the m micro-batches. A chunk without parameters, or an output that needs no
-        #   grad, has nothing to compute.
+        #   parameter of the chunk has accumulated this micro-batch's share in .grad, exactly what
+        #   the full backward would have added; nothing is sent.
+        # Hint 1: everything W needs is in the entry its B left in the weight stash.
         # More hints: uv run python -m tests.hint 2.5
         # See guidelines.md#zero-bubble-split-the-backward-in-two
         raise NotImplementedError(

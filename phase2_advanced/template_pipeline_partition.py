@@ -48,9 +48,8 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     # TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest.
     # Invariant: the ranges are non-empty, in order, and cover 0..n-1 exactly; no other split
     #   into num_stages contiguous pieces has a smaller maximum piece cost.
-    # Hint 1: dynamic programming over prefixes. However the first layers are cut, only two
-    #   things matter for the rest: where the last stage begins, and the best maximum the
-    #   layers before it can reach with one stage fewer.
+    # Hint 1: an exact answer must weigh every cut, and the cuts are many; but many of them
+    #   begin the same way.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(

@@ -76,8 +76,8 @@ def gpipe_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> lis
     # Invariant: each micro-batch's forward comes before its backward; this rank holds all m
     #   micro-batches' activations at the turn from forwards to backwards; forwards and
     #   backwards each go through the micro-batches in order 0, 1, ..., m-1.
-    # Hint 1: the order is the same on every rank: the rank only decides *when* it can start
-    #   (the executor and the simulator wait for the neighbours), not *what* comes next.
+    # Hint 1: the executor and the simulator make every action wait for the messages it needs: a
+    #   rank's list only says in which order that rank runs its own actions.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(
@@ -99,9 +99,8 @@ def one_f_one_b_order(num_warmup: int, num_forwards: int) -> list[tuple[ActionKi
     # Invariant: the forwards appear as k = 0, 1, ..., and so do the backwards; exactly
     #   num_warmup forwards come before the first backward; from then on the number of
     #   forwards without their backward (the stash) never grows: one in, one out.
-    # Hint 1: three phases. Warm-up: forwards only, to fill the pipeline. Steady state: each
-    #   forward is followed at once by the oldest backward still owed. Drain: the backwards
-    #   left when no forward is left.
+    # Hint 1: once the warm-up is over, every forward that enters the stash is matched by a
+    #   backward that leaves it, until the forwards run out.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(
@@ -117,8 +116,7 @@ def one_f_one_b_rank_actions(rank: int, num_stages: int, num_microbatches: int) 
     # Invariant: no rank ever holds more than p micro-batches' activations, however large m
     #   is (the first rank holds the most); the k-th forward and the k-th backward are those
     #   of micro-batch k.
-    # Hint 1: a rank must keep running forwards until the first gradient can come back to it,
-    #   and it cannot run more forwards than there are micro-batches.
+    # Hint 1: the warm-up count is all this function decides; one_f_one_b_order does the rest.
     # More hints: uv run python -m tests.hint 2.5
     # See guidelines.md#25-pipeline-parallelism
     raise NotImplementedError(

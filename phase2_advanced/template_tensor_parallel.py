@@ -4,18 +4,16 @@
 """Exercise 2.6, part 3: Megatron's parallel MLP and self-attention.
 
 A transformer layer is attention + MLP. Megatron-LM (Shoeybi et al., 2019, section 3, figure 3)
-parallelizes both with the same pattern: a column-parallel layer, an element-wise (or per-head)
-middle, a row-parallel layer. The middle needs no communication, so each block costs exactly one
-all-reduce in forward (g, after the row-parallel layer) and one in backward (f, before the
-column-parallel one): four per transformer layer per step, each of batch x sequence x hidden
-values. Every all-reduce runs on the tensor-parallel ``group`` (the whole world when None).
+parallelizes both so that each block costs exactly one all-reduce in forward and one in
+backward, each of batch x sequence x hidden values: four per transformer layer per step. Every
+all-reduce runs on the tensor-parallel ``group`` (the whole world when None).
 
-* ``ParallelMLP``: fc1 (hidden -> ffn) split by output features, GELU on the slice, fc2
-  (ffn -> hidden) split by input features.
-* ``ParallelSelfAttention``: heads split across ranks. The fused QKV projection is
-  column-parallel so each rank computes q, k and v of *its* heads; attention runs per head, on
-  this rank's heads only; the output projection is row-parallel. Its dense reference is PyTorch's
-  own ``nn.MultiheadAttention``.
+* ``ParallelMLP``: fc1 (hidden -> ffn) a ``ColumnParallelLinear``, GELU, fc2 (ffn -> hidden) a
+  ``RowParallelLinear``; its dense reference is ``DenseMLP``.
+* ``ParallelSelfAttention``: the heads split across ranks, each rank computing attention for its
+  own heads only. Its dense reference is PyTorch's own ``nn.MultiheadAttention``.
+
+Which options of the layers make that so is the exercise (guidelines.md#26-tensor-parallelism).
 
 The library way (``torch.distributed.tensor.parallel``) is library/tensor_parallel.py; the demo
 that compares all three with their dense references is demos/tensor_parallel.py:
@@ -49,11 +47,9 @@ class DenseMLP(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """Megatron's MLP: fc1 column-parallel (no gather), GELU on the slice, fc2 row-parallel.
+    """Megatron's MLP: fc1 (a ColumnParallelLinear), GELU, fc2 (a RowParallelLinear).
 
-    GELU is element-wise, so applying it to this rank's slice of fc1's output is the same as
-    applying it to the whole and slicing: the only communication is fc1's f (backward) and
-    fc2's g (forward).
+    Equal to the dense MLP on every rank, with one all-reduce in forward and one in backward.
     """
 
     def __init__(self, fc1: ColumnParallelLinear, fc2: RowParallelLinear) -> None:
@@ -67,15 +63,15 @@ class ParallelMLP(nn.Module):
         divide by the group's size."""
         _, tp_size = tp_rank_and_size(group)
         check_divisible(dense.fc1.out_features, "MLP hidden size", tp_size)
-        # TODO 2.6: build fc1 and fc2 so that the MLP needs one all-reduce each way.
-        # Invariant: fc1's output on this rank is exactly the slice of features fc2's weight
-        #   shard expects, so nothing is gathered between them; the output is replicated.
-        # Hint 1: fc1 keeps its output split (no gather); fc2 is told its input is already
-        #   split, so it does not slice it again.
+        # TODO 2.6: this rank's shard of the dense MLP, one all-reduce each way.
+        # Invariant: the output equals the dense MLP's on every rank; one forward calls one
+        #   all-reduce of the [batch, seq, hidden] activation and nothing else, and so does one
+        #   backward; every shard's gradient is the matching part of the dense one.
+        # Hint 1: GeLU works element by element: it can run on any slice of fc1's output features.
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
-            "TODO 2.6: build fc1 and fc2 so that the MLP needs one all-reduce each way "
+            "TODO 2.6: this rank's shard of the dense MLP, one all-reduce each way "
             "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
         )
 
@@ -106,10 +102,10 @@ def check_attention(attention: nn.MultiheadAttention) -> None:
 class ParallelSelfAttention(nn.Module):
     """Multi-head self-attention with the heads split across ranks (batch-first input).
 
-    ``qkv`` is column-parallel over the fused [q; k; v] projection (``fused_parts=3``), so rank
-    r computes q, k and v for heads [r*h, (r+1)*h) where h = num_heads / tp_size. Heads are
-    independent until the output projection, which is row-parallel: its input features are the
-    concatenated heads, so this rank's heads are exactly its input slice.
+    Rank r of the group holds heads [r*h, (r+1)*h), where h = num_heads / tp_size: ``qkv`` (a
+    ColumnParallelLinear) holds their rows of the in-projection, q's, then k's, then v's, and
+    ``out_proj`` (a RowParallelLinear) their part of the output projection. Equal to
+    ``nn.MultiheadAttention`` on every rank, with one all-reduce in forward and one in backward.
     """
 
     def __init__(
@@ -137,30 +133,31 @@ class ParallelSelfAttention(nn.Module):
         check_attention(attention)
         _, tp_size = tp_rank_and_size(group)
         check_divisible(attention.num_heads, "number of attention heads", tp_size)
-        # TODO 2.6: shard the fused QKV projection by heads and the output projection by rows.
-        # Invariant: this rank's qkv output holds [q; k; v] of its own heads only; out_proj
-        #   takes those heads' outputs (input_is_parallel) and reduces once.
-        # Hint 1: nn.MultiheadAttention keeps q, k, v stacked in one [3E, E] in-projection (and
-        #   its bias): a contiguous slice of its rows would give rank 0 only q's. The layers of
-        #   tensor_parallel_layers.py can be built from raw weights, with fused parts.
+        # TODO 2.6: this rank's heads of the dense attention.
+        # Invariant: qkv holds the in-projection's rows (weight and bias) of this rank's heads, q's,
+        #   then k's, then v's; out_proj holds the out-projection's entries for those heads and its
+        #   whole bias; the block communicates once each way.
+        # Hint 1: nn.MultiheadAttention keeps q, k and v stacked in one [3E, E] in_proj_weight (and
+        #   one [3E] in_proj_bias); the layers of tensor_parallel_layers.py can be built from raw
+        #   weights.
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
-            "TODO 2.6: shard the fused QKV projection by heads and the output projection by rows "
+            "TODO 2.6: this rank's heads of the dense attention "
             "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, seq, embed] -> [batch, seq, embed], replicated on every rank."""
-        # TODO 2.6: attention over this rank's heads, then the row-parallel output projection.
-        # Invariant: the result equals the dense attention's output on every rank; the only
-        #   communication is qkv's f (backward) and out_proj's g (forward).
-        # Hint 1: qkv(x) holds, for each position, q, k and v of this rank's heads, one after
-        #   the other, each head-major; torch's scaled_dot_product_attention works per head
-        #   on [batch, heads, seq, head_dim]; out_proj wants this rank's heads side by side.
+        # TODO 2.6: attention over this rank's heads, then the out-projection.
+        # Invariant: the result equals the dense attention's output on every rank; the block
+        #   communicates once each way, in qkv and out_proj and nowhere else.
+        # Hint 1: qkv's output holds, at each position, this rank's q features, then its k features,
+        #   then its v features, head after head in each; torch's scaled_dot_product_attention works
+        #   per head on [batch, heads, seq, head_dim].
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
-            "TODO 2.6: attention over this rank's heads, then the row-parallel output projection "
+            "TODO 2.6: attention over this rank's heads, then the out-projection "
             "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
         )

@@ -3,28 +3,24 @@
 # one say what to build. Grade yourself: uv run pytest tests/test_phase2.py
 """Exercise 2.6, part 2: column- and row-parallel linear layers (Megatron-LM, section 3).
 
-A linear layer computes ``y = x W^T + b`` with ``W`` of shape [out, in]. Its weight can be split
-across n ranks in two ways, and each needs different communication::
+A linear layer computes ``y = x W^T + b`` with ``W`` of shape [out, in]. It can be split across
+the n ranks of a group in two ways:
 
-    column-parallel: split W's rows (output features)   row-parallel: split W's columns (inputs)
+* column-parallel: every rank holds the whole (replicated) x and computes an equal slice of y's
+  output features; with ``gather_output``, the whole y on every rank;
+* row-parallel: every rank holds an equal slice of x's input features (``input_is_parallel``,
+  or the whole x, cut here) and the layer returns the whole y on every rank. Its bias is
+  replicated: every rank holds all of it.
 
-      x (replicated) --f--> x W_r^T + b_r = y_r            x_r (sliced) --> x_r W_r^T = p_r
-      rank r holds out/n of y's features                   rank r holds a partial sum of all of y
-      gather_output: all-gather y_r -> y                   g sums the p_r: y, on every rank
-
-Column then row, with no communication between them, is Megatron's MLP: the column layer's
-output slice is exactly the row layer's input slice, so the pair costs one all-reduce in forward
-(g) and one in backward (f).
-
-The bias of a row-parallel layer is replicated on every rank, and where it enters decides both
-the output (how many biases it holds) and which copies learn: guidelines.md#26-tensor-parallelism
-("The bias") works through the choices.
+Both are compared with the dense layer: outputs, the input's gradient, every shard's gradient,
+and every copy of the replicated bias gets the whole bias gradient.
+guidelines.md#26-tensor-parallelism asks where the operators of tensor_parallel_ops.py go and
+where the bias enters.
 
 Both layers are built from a dense ``nn.Linear`` (``from_dense``) so that tests and the demo can
-compare them with it. Every layer works on its tensor-parallel ``group`` (None: the whole world):
-the shard it holds is picked by ``dist.get_rank(group)``, and its collectives stay in the group.
-PyTorch's counterparts are ``ColwiseParallel`` / ``RowwiseParallel`` in
-``torch.distributed.tensor.parallel`` (see library/tensor_parallel.py).
+compare them with it. Every layer works on its tensor-parallel ``group`` (None: the whole world),
+and its collectives stay in the group. PyTorch's counterparts are ``ColwiseParallel`` /
+``RowwiseParallel`` in ``torch.distributed.tensor.parallel`` (see library/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -52,51 +48,52 @@ __all__ = ["check_divisible"]  # given, used by tensor_parallel.py and the demo
 def column_shard(
     weight: torch.Tensor, rank: int, world_size: int, fused_parts: int = 1
 ) -> torch.Tensor:
-    """Rank ``rank``'s rows of ``weight`` (or entries of a bias) for a column-parallel layer.
+    """Rank ``rank``'s part of ``weight`` (or of a bias) for a column-parallel layer: the
+    entries that compute its output features.
 
     ``fused_parts`` > 1 says that the output features are that many equal matrices stacked (a
-    fused QKV projection: [q; k; v]); the rank then takes its slice of *each* part, so it gets
-    the q, k and v of the same heads. Returns a copy.
+    fused QKV projection: [q; k; v]); each is split among the ranks on its own, and the result
+    holds the rank's part of each, in stacking order. Returns a copy.
     """
     if weight.shape[0] % fused_parts:
         raise ValueError(
             f"{weight.shape[0]} output features cannot be {fused_parts} equal fused parts"
         )
     check_divisible(weight.shape[0] // fused_parts, "output size", world_size)
-    # TODO 2.6: take this rank's equal slice of dim 0, from each of the fused_parts blocks.
-    # Invariant: result.shape[0] == weight.shape[0] // world_size; the ranks' results, put
-    #   side by side in rank order within each part, give back every row of the part.
-    # Hint 1: with fused_parts > 1 the rows are that many stacked matrices, and each of them is
-    #   split among the ranks on its own (the guide's q/k/v picture); with 1 part it is one
-    #   equal slice of the rows per rank.
+    # TODO 2.6: this rank's part of a column-parallel weight (or bias), from each fused part.
+    # Invariant: the result holds the entries that compute this rank's output features, of each of
+    #   the fused_parts stacked matrices in stacking order; the ranks' results together hold every
+    #   entry once; a copy, not a view of weight.
+    # Hint 1: W is [out, in] and a bias is [out]: which dimension lists the output features?
     # More hints: uv run python -m tests.hint 2.6
     # See guidelines.md#26-tensor-parallelism
     raise NotImplementedError(
-        "TODO 2.6: take this rank's equal slice of dim 0, from each of the fused_parts blocks "
+        "TODO 2.6: this rank's part of a column-parallel weight (or bias), from each fused part "
         "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
     )
 
 
 def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s columns (input features) of ``weight`` for a row-parallel layer (a copy)."""
+    """Rank ``rank``'s part of ``weight`` for a row-parallel layer: the entries that read its
+    input features (a copy)."""
     check_divisible(weight.shape[1], "input size", world_size)
-    # TODO 2.6: take this rank's equal slice of the weight's input dimension (dim 1).
-    # Invariant: result.shape == (out, in // world_size); the ranks' results side by side in
-    #   rank order give back the whole weight.
-    # Hint 1: the input features of a row-parallel layer are split, and W is [out, in].
+    # TODO 2.6: this rank's part of a row-parallel weight.
+    # Invariant: the result holds the entries that read this rank's input features; the ranks'
+    #   results side by side in rank order give back the whole weight; a copy, not a view.
+    # Hint 1: W is [out, in]: which dimension lists the input features?
     # More hints: uv run python -m tests.hint 2.6
     # See guidelines.md#26-tensor-parallelism
     raise NotImplementedError(
-        "TODO 2.6: take this rank's equal slice of the weight's input dimension (dim 1) "
+        "TODO 2.6: this rank's part of a row-parallel weight "
         "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
     )
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W's rows (output features) split across the group's ranks.
+    """``y = x W^T + b`` with y's output features split across the group's ranks.
 
     The input is replicated on every rank; the output is this rank's slice of y's features, or
-    the whole y when ``gather_output`` (an all-gather in forward, a slice in backward).
+    the whole y on every rank when ``gather_output``.
     """
 
     def __init__(
@@ -119,7 +116,7 @@ class ColumnParallelLinear(nn.Module):
         local = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
-        with torch.no_grad():  # each rank draws its own rows: they are different rows anyway
+        with torch.no_grad():  # each rank draws its own entries: they are different ones anyway
             uniform_like_linear(self.weight, in_features)
             if self.bias is not None:
                 uniform_like_linear(self.bias, in_features)
@@ -172,15 +169,18 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO 2.6: column-parallel forward: f, this rank's slice of the linear, maybe gather.
-        # Invariant: output == this rank's slice of the dense output's features (all of them
-        #   with gather_output); in backward, dL/dx is summed over ranks (f does it).
-        # Hint 1: the operators of tensor_parallel_ops.py put the communication where it
-        #   belongs; between them, an ordinary linear layer on this rank's weight and bias.
+        # TODO 2.6: column-parallel forward: this rank's slice of the dense layer's output features.
+        # Invariant: the output is this rank's slice of the dense output's features (the whole
+        #   output, on every rank, with gather_output); x's gradient is the dense layer's dL/dx on
+        #   every rank; the weight and bias shards' gradients are the matching slices of the dense
+        #   ones.
+        # Hint 1: every rank's output slice is computed from all of x with its own weight rows: how
+        #   much of dL/dx does one rank's backward find?
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
-            "TODO 2.6: column-parallel forward: f, this rank's slice of the linear, maybe gather "
+            "TODO 2.6: column-parallel forward: this rank's slice of the dense layer's output "
+            "features "
             "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
         )
 
@@ -193,11 +193,11 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W's columns (input features) split across the group's ranks.
+    """``y = x W^T + b`` with x's input features split across the group's ranks.
 
     The input is this rank's slice of x's features (``input_is_parallel``, e.g. a column-parallel
-    layer's output) or the whole x, which is then sliced here. Each rank computes a partial sum,
-    g all-reduces it, and the bias is replicated on every rank.
+    layer's output) or the whole x. The output is the whole y on every rank. The bias is
+    replicated: every rank holds all of it.
     """
 
     def __init__(
@@ -263,16 +263,17 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO 2.6: row-parallel forward: maybe slice x, local product, g, then the bias once.
-        # Invariant: output == the dense layer's output on every rank, with exactly one bias;
-        #   every rank's bias receives the same (full) gradient; one all-reduce in forward.
-        # Hint 1: each rank's product is a partial sum of the output, g adds them up, and the
-        #   replicated bias must be counted once: the guide's "The bias: once, after the
-        #   reduction" says where it goes.
+        # TODO 2.6: row-parallel forward: the dense layer's whole output, on every rank.
+        # Invariant: the output equals the dense layer's (its bias included once) on every rank; x's
+        #   gradient is the dense one (its slice when input_is_parallel); every rank's copy of the
+        #   replicated bias gets the dense bias's whole gradient.
+        # Hint 1: each rank's product with its weight columns is a partial sum of y. The bias is
+        #   whole on every rank: how many times may it end up in y, and which of its copies must
+        #   learn?
         # More hints: uv run python -m tests.hint 2.6
         # See guidelines.md#26-tensor-parallelism
         raise NotImplementedError(
-            "TODO 2.6: row-parallel forward: maybe slice x, local product, g, then the bias once "
+            "TODO 2.6: row-parallel forward: the dense layer's whole output, on every rank "
             "(see phase2_advanced/guidelines.md#26-tensor-parallelism)"
         )
 

@@ -3,8 +3,7 @@
 Not an exercise. The operators (``template_tensor_parallel_ops.py``), the layers
 (``template_tensor_parallel_layers.py``) and the blocks (``template_tensor_parallel.py``) use:
 
-* :func:`tp_rank_and_size`: this rank's index in the tensor-parallel group and the group's size,
-  the two numbers that choose a shard (never the world's rank and size inside a subgroup);
+* :func:`tp_rank_and_size`: this rank's index in a group and the group's size;
 * :func:`last_dim_slice`: this rank's equal slice of a tensor's last dimension;
 * :func:`check_divisible`: refuse unequal slices before any communication, saying the fix;
 * :func:`uniform_like_linear`: ``nn.Linear``'s default initialisation, from the dense layer's

@@ -1,19 +1,17 @@
 """Exercise 2.3: activation checkpointing by hand, memory traded for recomputation.
 
 Backward needs activations from forward: a plain n-layer network keeps all n of them until
-backward reaches them. Checkpointing keeps only the *input* of a segment, runs the segment's
-forward without recording a graph, and in backward runs that forward again, this time recording,
-to get the activations just before they are needed (Chen et al., "Training Deep Nets with
-Sublinear Memory Cost", 2016). With n layers cut into k segments the peak is about
-k boundary activations + n/k activations of the segment being recomputed, smallest near
+backward reaches them. Checkpointing drops the activations inside a segment of layers during the
+forward and gets them back in backward by running that segment's forward a second time, just
+before they are needed (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016).
+With n layers cut into k segments the peak is about k + n/k activations, smallest near
 k = sqrt(n): O(sqrt n) memory for one extra forward.
 
-Two details make recomputation *exact*:
+The second forward must be the *same* computation as the first:
 
-* RNG state. Dropout draws a new mask every call. The recomputed forward must draw the same
-  mask, so the RNG state is saved before the first forward and restored (inside
-  ``torch.random.fork_rng``, so the outer stream is untouched) before recomputing.
-* Autocast state. A forward under autocast must be recomputed under the same autocast.
+* Dropout draws a new mask every call: the recomputed forward must draw the same masks, and
+  the caller's random stream must carry on afterwards as if nothing had been replayed.
+* A forward under autocast must be recomputed under the same autocast (recorded for you).
 
 This mirrors PyTorch's reentrant ``torch.utils.checkpoint.checkpoint`` (torch/utils/checkpoint.py,
 ``CheckpointFunction``) and its ``checkpoint_sequential``, with one difference: an extra
@@ -49,7 +47,8 @@ def _cuda_devices(tensors: Sequence[Any]) -> list[int]:
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """Runs ``run_function(*args)`` without saving activations; recomputes them in backward.
+    """Runs ``run_function(*args)`` without keeping its activations for backward; backward
+    gets them back by running it again.
 
     ``forward(ctx, run_function, preserve_rng_state, anchor, *args)``: ``anchor`` is a zero-size
     tensor with ``requires_grad=True`` that makes the output require grad whatever ``args`` are.
@@ -66,22 +65,28 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.preserve_rng_state = preserve_rng_state
         ctx.autocast_states = _autocast_states()
-        # TODO 2.3: remember what the recomputation needs, then run the forward without a graph.
-        # Invariant: nothing inside run_function is saved for backward (only the inputs are);
-        #   the RNG state saved is the one the forward below starts from.
-        # Hint 1: backward will run the same forward again and must draw the same random
-        #   numbers, so it needs the inputs and the RNG state as they are now (CPU, and each
-        #   CUDA device among the inputs); running the forward without recording a graph is
-        #   what saves the memory.
-        # Hint 2: on ctx, only when preserve_rng_state: the CPU RNG state, the CUDA devices of
-        #   the inputs (_cuda_devices) and their RNG states. Always: the positions of the tensor
-        #   arguments and a copy of args with those positions blanked out, and the tensors
-        #   themselves through the way autograd Functions save tensors for backward. Then the
-        #   call itself, without grad, returned as it is.
-        # Hint 3: torch.get_rng_state for the CPU and torch.cuda.get_rng_state for each CUDA
-        #   device, kept as attributes of ctx; ctx.save_for_backward with the tensor arguments
-        #   unpacked; the call of run_function on every argument inside a torch.no_grad block,
-        #   its result returned from inside it.
+        # TODO 2.3: keep what backward needs to run this forward again, then run it.
+        # Invariant: returns what run_function(*args) returns; nothing computed inside
+        #   run_function is kept for backward (the bytes saved equal torch.utils.checkpoint's);
+        #   backward can replay the very random numbers this call draws.
+        # Hint 1: backward will call run_function a second time and must get bitwise the same
+        #   result, dropout included.
+        # Hint 2: What does a second call of run_function need: which tensors, which other
+        #   arguments, and which state outside the arguments (think of dropout)? Must that state
+        #   be read before or after the call? What does ctx.save_for_backward give a tensor that
+        #   an attribute of ctx does not?
+        # Hint 3: The state is the random number generators': the CPU's and, for each CUDA
+        #   device among the inputs (_cuda_devices), that device's; read before the call, when
+        #   preserve_rng_state is set.
+        # Hint 4: The only tensors kept are the arguments themselves, through
+        #   ctx.save_for_backward; the non-tensor arguments and the positions of the tensor ones
+        #   go on ctx as plain attributes. Nothing the call computes is kept.
+        # Hint 5: When preserve_rng_state: torch.get_rng_state, the CUDA devices of the inputs
+        #   and torch.cuda.get_rng_state of each, as attributes of ctx. Always: the positions of
+        #   the tensor arguments, a copy of the arguments with those positions blanked, and the
+        #   tensor arguments saved with ctx.save_for_backward. Then return the call of
+        #   run_function on every argument, inside torch.no_grad (a Function's forward runs
+        #   without grad anyway; the block says so).
         # See guidelines.md#23-activation-checkpointing
         # >>> solution
         if preserve_rng_state:
@@ -97,26 +102,32 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
-        # TODO 2.3: recompute the forward with a graph, then backpropagate through it.
-        # Invariant: the recomputed forward sees the same inputs, RNG state and autocast state
-        #   as the first one, so its outputs (dropout masks included) are bitwise the same; the
-        #   caller's RNG stream is left as it was.
-        # Hint 1: rebuild the inputs as fresh leaves (so their .grad is what you return),
-        #   recompute with a graph under the forward's RNG and autocast state, without
-        #   disturbing the caller's RNG stream, then backpropagate the incoming gradients
-        #   through the recomputed outputs.
-        # Hint 2: the arguments rebuilt with each saved tensor detached and asking for a
-        #   gradient exactly when the original did; a forked RNG into which the saved states are
-        #   restored; grad enabled and autocast re-entered (_reentered_autocast); the call; a
-        #   backward of the outputs that require grad with their grad_outputs. Return one entry
-        #   per forward input: three Nones (run_function, preserve_rng_state, anchor), then
-        #   for each of args the .grad of its rebuilt copy (tensors) or None.
-        # Hint 3: each saved tensor detached, then requires_grad_ set to the saved one's flag;
-        #   torch.random.fork_rng over the saved CUDA devices, enabled by preserve_rng_state,
-        #   inside which torch.set_rng_state and torch.cuda.set_rng_state put the saved states
-        #   back; one `with` holding torch.enable_grad and _reentered_autocast of the saved
-        #   autocast states around the call; torch.autograd.backward on the (output, gradient)
-        #   pairs whose output requires grad.
+        # TODO 2.3: run the forward again, recording this time, and backpropagate through it.
+        # Invariant: one entry per argument of forward (the gradient of each tensor argument
+        #   that requires one, None for everything else), bitwise equal to the plain function's
+        #   gradients, dropout included; afterwards the caller's random stream is where it was
+        #   before this backward began.
+        # Hint 1: the saved tensors come back without a graph, and the second run must draw the
+        #   same random numbers under the same autocast as the first.
+        # Hint 2: What must be true of a tensor for autograd to fill its .grad, and how do you get
+        #   such a tensor from a saved one without touching the caller's tensor? How do you put
+        #   the saved random state back for the second run and still leave the caller's stream
+        #   as it was? Through which outputs, starting from which gradients, does the backward
+        #   go?
+        # Hint 3: Recompute from fresh leaves: each saved tensor detached, then asking for a
+        #   gradient exactly when the original did; their .grad after the backward is what you
+        #   return.
+        # Hint 4: Put the saved states back inside a torch.random.fork_rng block (over the saved
+        #   CUDA devices, enabled by preserve_rng_state): the block undoes every change to the
+        #   generators when it ends, so the caller's stream is untouched.
+        # Hint 5: The backward starts from the recomputed outputs that require grad, each with
+        #   the grad_output autograd handed you for it (torch.autograd.backward takes both lists).
+        # Hint 6: Rebuild the arguments with the fresh leaves in the tensor positions; inside the
+        #   fork_rng block restore the CPU and CUDA states saved in forward, then call
+        #   run_function under torch.enable_grad and _reentered_autocast of the saved autocast
+        #   states; backpropagate the (output, gradient) pairs whose output requires grad;
+        #   return three Nones (run_function, preserve_rng_state, anchor), then, per argument,
+        #   the .grad of its leaf or None.
         # See guidelines.md#23-activation-checkpointing
         # >>> solution
         args = list(ctx.non_tensor_args)
@@ -181,7 +192,8 @@ def _run_layers(functions: nn.Sequential, start: int, end: int) -> Callable[[Any
 def checkpoint_sequential(
     functions: nn.Sequential, segments: int, input: torch.Tensor, preserve_rng_state: bool = True
 ) -> torch.Tensor:
-    """Run ``functions`` in ``segments`` pieces; every piece but the last is checkpointed.
+    """``functions(input)``, run in ``segments`` pieces and checkpointed as
+    ``torch.utils.checkpoint.checkpoint_sequential`` does.
 
     Pieces are ``len(functions) // segments`` layers long and the last piece takes the rest,
     as in ``torch.utils.checkpoint.checkpoint_sequential``.
@@ -192,18 +204,22 @@ def checkpoint_sequential(
             f"segments={segments} for {n} layers: use between 1 and {n} segments (about the "
             "square root of the number of layers that save activations minimises memory)"
         )
-    # TODO 2.3: checkpoint every segment but the last, which runs normally.
-    # Invariant: same result as functions(input); only segment inputs are kept for backward,
-    #   plus the activations of the last segment (its backward comes first, so recomputing it
-    #   would buy nothing).
-    # Hint 1: every piece has the same number of layers except the last, which takes what is
-    #   left (the docstring above); _run_layers(functions, a, b) makes a function that runs
-    #   layers a..b inclusive.
-    # Hint 2: a loop over the first segments - 1 pieces, each replacing the running input by
-    #   checkpoint() of that piece's layers; after the loop, the last piece's layers called
-    #   directly on the running input. Every layer runs exactly once here.
-    # Hint 3: size = n // segments; pieces start at 0, size, 2 * size, ...; the last runs
-    #   from size * (segments - 1) to n - 1.
+    # TODO 2.3: run the layers segment by segment, checkpointing where it pays.
+    # Invariant: returns functions(input); the bytes kept for backward and the number of
+    #   forward calls of every layer are those of torch.utils.checkpoint.checkpoint_sequential
+    #   with the same segment count.
+    # Hint 1: _run_layers(functions, a, b) makes a function that runs layers a..b inclusive;
+    #   the docstring says how long each segment is.
+    # Hint 2: Which segment's backward runs first, right after the forward ends? What would
+    #   checkpointing that segment save, and what would it cost? How does the output of one
+    #   segment reach the next?
+    # Hint 3: Every segment but the last goes through checkpoint; the last runs plainly: its
+    #   activations are needed as soon as the forward ends, so recomputing them saves nothing
+    #   and adds a forward.
+    # Hint 4: With size the integer quotient of n by segments, the segments start at 0, size,
+    #   2·size, ...: each but the last replaces the running input by checkpoint of the function
+    #   _run_layers makes for its layers; the layers from size·(segments − 1) to n − 1 then run
+    #   directly on the running input, and their output is returned.
     # See guidelines.md#23-activation-checkpointing
     # >>> solution
     size = n // segments

@@ -2,10 +2,9 @@
 
 Each rank of the context-parallel ``group`` holds the q, k and v of its own positions (its
 chunks, see context_parallel_layout.py). Attention needs every query to meet every key, so the
-key/value blocks travel around the ring: at step s, rank r holds the K/V block that started on
-the rank s places behind it; after cp steps every block has visited every rank, and each rank
-has seen all keys without ever holding more than two K/V blocks (Liu, Zaharia, Abbeel, "Ring
-Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
+key/value blocks travel around the ring; after cp steps every block has visited every rank,
+and each rank has seen all keys without ever holding more than two K/V blocks (Liu, Zaharia,
+Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
 
     step 0          step 1          step 2            at each step, every rank computes its
     r0: kv0         r0: kv2         r0: kv1           queries against the block it holds and
@@ -16,14 +15,12 @@ Attention with Blockwise Transformers for Near-Infinite Context", 2023)::
 each step gives it the output over one block's keys, with that block's log-sum-exp (lse). Two
 such partial results over disjoint key sets combine exactly into the result over both (the
 online softmax of Milakov and Gimelshein, 2018, which FlashAttention and ring attention use):
-:func:`merge_partials`. Written naively the combination overflows; the guide derives the form
-that does not.
+:func:`merge_partials`, which must stay finite where a naive combination overflows.
 
-**Backward.** The gradient of each block needs the queries' *final* output and lse (saved by
-the forward) and the block's K/V. dQ stays on its rank and sums the contributions of every
-block. dK and dV belong to the block's home rank, but are computed on every rank the block
-visits: they travel around the ring with their block, collecting each rank's share, and the
-sum comes home at the end.
+**Backward.** A second ring. The gradient of each block needs the queries' *final* output and
+lse (saved by the forward) and the block's K/V. The dQ of a rank's queries sums the shares of
+every block they met; the dK and dV of a rank's own K/V sum the shares of every rank's queries,
+and must end on that rank. How they get there is the exercise.
 
 Every function takes the context-parallel ``group`` (None: the world); ranks and sizes are
 ``dist.get_rank(group)`` and ``dist.get_world_size(group)``. Blocks come from
@@ -57,21 +54,27 @@ def merge_partials(
     """Combine attention over key set A (``out_a`` [B, H, L, d], ``lse_a`` [B, H, L]) and over a
     disjoint key set B into attention over A and B together: ``(out, lse)``, same shapes."""
     # TODO 2.7: merge two partial attention results over disjoint key sets
-    # Invariant: the result is attention over both key sets at once: lse is the log of the two
-    #   sets' summed exponentials, out the mix of out_a and out_b weighted by each set's share
-    #   of that sum; nothing is exponentiated that can overflow, so it stays finite and exact
-    #   for any finite lse (hundreds, in float32 too); merging (a, b) or (b, a) is the same.
-    # Hint 1: out_a is (sum over A of exp(score) * v) / exp(lse_a). Write the numerator and the
-    #   denominator of the union from the two partial results, then factor out the larger of
-    #   the two exponentials before computing anything (the guide derives it).
-    # Hint 2: take the element-wise larger lse; exponentiate each lse minus it (one weight is
-    #   1, the other at most 1); the new lse is that maximum plus the log of the summed
-    #   weights; the new out is each out times its weight over the summed weights (the
-    #   weights need a trailing dimension to broadcast over head_dim).
-    # Hint 3: m = the element-wise maximum of lse_a and lse_b (torch.maximum);
-    #   w_a = exp(lse_a − m), w_b = exp(lse_b − m); lse = m + log(w_a + w_b);
-    #   out = (w_a·out_a + w_b·out_b) / (w_a + w_b), every weight given a last dimension of
-    #   size 1 (unsqueeze) so that it broadcasts over head_dim.
+    # Invariant: the result is attention over both key sets at once (the out and lse that
+    #   block_attention would return for the union); it stays finite and exact for any finite
+    #   lse (hundreds, in float32 too); merging (a, b) or (b, a) gives the same.
+    # Hint 1: each partial result is a ratio, and its lse gives back that ratio's denominator
+    #   (the guide writes out_A and lse_A). Write the union's numerator and denominator from the
+    #   two partial results, then make them safe to compute.
+    # Hint 2: What is the denominator of A, as a function of lse_a, and what is its numerator,
+    #   from out_a and lse_a? What are the union's? An exponential overflows float32 above 88:
+    #   by which common factor can you multiply the union's numerator and denominator so that
+    #   every exponent is at most zero? The out tensors have one more dimension than the lse
+    #   tensors: how do the weights meet head_dim?
+    # Hint 3: The union's denominator is the sum of the two exponentials of the lse; its
+    #   numerator is the sum of each out times the exponential of its own lse. So the merged
+    #   lse is the log of that sum, and the merged out is the weighted mix of the two outs.
+    # Hint 4: Factor out the exponential of the larger of the two lse (element-wise,
+    #   torch.maximum): each weight becomes the exponential of its lse minus that maximum, one
+    #   of them exactly 1, the other at most 1, and their sum lies between 1 and 2.
+    # Hint 5: With the element-wise maximum of the two lse and the two weights of Hint 4: the
+    #   merged lse is the maximum plus the log of the summed weights; the merged out is the sum
+    #   of each out times its weight, divided by the summed weights, every weight given a last
+    #   dimension of size 1 (unsqueeze) so that it broadcasts over head_dim.
     # See guidelines.md#27-context-parallelism
     # >>> solution
     largest = torch.maximum(lse_a, lse_b)
@@ -96,25 +99,32 @@ def ring_attention_forward(
     """This rank's attention output (in q's dtype) and lse [B, H, local length], over the keys of
     every rank of ``group``, by passing K/V blocks around the ring."""
     # TODO 2.7: the forward ring loop: each local query chunk meets every key chunk once
-    # Invariant: after cp steps, every local query chunk has merged exactly the blocks
-    #   block_kind asks for, from every rank, each computed once; at each step but the last,
-    #   the K/V block this rank holds is passed on (start_ring_pass) BEFORE it computes on it,
-    #   and the next block is waited for only after: cp - 1 passes in all.
-    # Hint 1: at step s this rank holds the block that started on the rank s places behind it
-    #   in the ring (chunk_ids of that rank says which chunks the block holds); the block is
-    #   its local k and v, cut into chunks the same way.
-    # Hint 2: cut the local q into its chunks and keep one (out, lse) per query chunk, empty
-    #   at first. Each step: post the pass of the current K/V unless it is the last step;
-    #   find the source rank and its chunk ids; cut the block into chunks; for each (query
-    #   chunk, key chunk) pair ask block_kind, skip or compute block_attention (the mask only
-    #   on the diagonal) and merge the result into that query chunk's (out, lse) (the first one
-    #   is taken as it is); wait for the pass and make what arrived the current block. Return
-    #   the outputs (in q's dtype) and the lse, concatenated back along the sequence.
-    # Hint 3: the visiting block's home is rank − step (mod cp); chunk q (and each block's k
-    #   and v) along dim 2 into as many pieces as the rank holds chunks; the pass takes the
-    #   pair [k, v] of the block held now and its wait() gives the next pair; at the end,
-    #   torch.cat along dim 2 of the outs (cast to q's dtype) and of the lses (left in the
-    #   accumulation dtype, as the guide's "Which dtype" says).
+    # Invariant: every local query chunk merges exactly the blocks block_kind asks for, from
+    #   every rank's K/V, each computed once; returns (out in q's dtype, lse in the
+    #   accumulation dtype) over every key of the sequence; the transfers hide behind the
+    #   compute: every block is computed while a ring pass is in flight, except on the last
+    #   step, which passes nothing; cp - 1 passes in all.
+    # Hint 1: the queries stay and the K/V blocks move; the guide's step table shows which
+    #   block each rank holds at each step.
+    # Hint 2: At step s, on which rank did the block this rank holds start, and which chunks
+    #   does it hold? For which (query chunk, key chunk) pairs do you compute, and with which
+    #   mask? Where does each result go, and what is a query chunk's result before its first
+    #   block? When can the block you hold leave for the next rank without this rank waiting
+    #   for the wire, and when must the next block be here?
+    # Hint 3: The block held at step s started on the rank s places behind this one in the
+    #   ring (modulo cp); its chunks are chunk_ids of that rank, and it is cut into that many
+    #   pieces along the sequence (dimension 2), as q is cut into this rank's chunks.
+    # Hint 4: Each pair that block_kind does not skip goes through block_attention, with the
+    #   causal mask only on a DIAGONAL block, and is merged into its query chunk's running
+    #   (out, lse); a chunk's first result is taken as it is.
+    # Hint 5: The block held now is passed on (start_ring_pass of its k and v) before this rank
+    #   computes on it, except on the last step; the pass is waited for after the step's
+    #   blocks, and what it brings is the next step's block.
+    # Hint 6: For each step from 0 to cp − 1: post the pass of the block held (not on the last
+    #   step); find the block's home rank and chunk ids and cut its k and v into chunks;
+    #   compute and merge every needed pair; wait for the pass and hold what arrived. Then
+    #   concatenate the query chunks' outs along dimension 2, cast to q's dtype, and their
+    #   lses, left in the accumulation dtype.
     # See guidelines.md#27-context-parallelism
     # >>> solution
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -167,29 +177,38 @@ def ring_attention_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dq, dL/dk, dL/dv of this rank's local q, k, v (in their dtypes), given dL/d``out`` and
-    the forward's ``out`` and ``lse``: K/V blocks go around the ring again, and each block's
-    dK/dV sum travels with it and comes home."""
-    # TODO 2.7: the backward ring loop: dQ stays, dK/dV travel with their block and come home
-    # Invariant: every block is computed with the K/V of the step it belongs to and the saved
-    #   final out and lse of the queries; dq sums every block's share; the dK/dV of a block
-    #   sum the shares of every rank and end on the block's home rank. K/V travel as in the
-    #   forward (cp - 1 passes) and so do the dK/dV sums (cp - 1 passes): the home rank's own
-    #   share never travels, it waits at home for the sum of the others.
-    # Hint 1: at step s the block from the rank s behind visits. Its home rank added its own
-    #   share at step 0 and kept it; the others' shares start as zeros on the next rank (step
-    #   1) and are passed on after each computation, so the pass after the last step lands on
-    #   the block's home rank.
-    # Hint 2: cut q, out, grad_out and lse into query chunks; zeros for dq and for this rank's
-    #   own dk/dv. Each step: post the K/V pass (not at the last step); pick the dK/dV buffers
-    #   the visiting block's shares go into (home's own at step 0, fresh zeros at step 1,
-    #   what arrived from the previous rank after that); compute block_attention_backward for
-    #   every pair block_kind allows and add each result into its chunk of dq, dk, dv; from
-    #   step 1 on, pass those dK/dV buffers on; wait for the K/V pass. After the loop, wait
-    #   for the last dK/dV pass and add what came home to this rank's own dk/dv.
-    # Hint 3: chunk gives views, so an in-place add_ into the a-th chunk of dq adds into dq
-    #   itself (the same for a block's dK/dV sums). Allocate dq and the dK/dV sums (kept and
-    #   travelling) with zeros in lse's dtype; cast each returned gradient to its input's
-    #   dtype.
+    the forward's ``out`` and ``lse``, by a second ring over ``group``."""
+    # TODO 2.7: the backward ring loop: every share of dQ, dK and dV reaches its owner
+    # Invariant: dq sums the shares of every block this rank's queries met; dk and dv sum the
+    #   shares of every rank's queries in this rank's K/V; all three are accumulated in lse's
+    #   dtype and returned in the dtypes of q, k and v; every block is computed with the K/V of
+    #   its own step and the saved final out and lse; this rank sends 2(cp − 1) times the bytes
+    #   of its K and V in all, no more.
+    # Hint 1: the K/V blocks visit every rank again, as in the forward. A block's dQ share
+    #   belongs to the queries here; its dK/dV share belongs to the block's home rank.
+    # Hint 2: The K/V passes alone cost cp − 1 times this rank's K and V: what is left of the
+    #   byte budget for the dK/dV shares? Can each rank send every share home on its own
+    #   within it? What could travel with the block instead, collecting the shares on its way?
+    #   At which step does such a sum start, on which rank is it after the last step, and what
+    #   does the home rank hold of its own meanwhile?
+    # Hint 3: dQ stays: every block's dq share is added into this rank's dq. The dK/dV shares
+    #   of a block travel one step behind the block, as a running sum passed from rank to
+    #   rank, each rank adding its share.
+    # Hint 4: The home rank's own share (step 0) never travels. The sum of the others starts
+    #   as zeros on the next rank (step 1); from step 2 on, a rank adds its share to the sum
+    #   that just arrived; every step but step 0 passes its sum on, so the pass after the last
+    #   step lands on the home rank, which adds it to the share it kept.
+    # Hint 5: chunk gives views, so an in-place add into the a-th chunk of dq adds into dq
+    #   itself (the same for a block's dK/dV sums); allocate dq and the sums with zeros in
+    #   lse's dtype; never write into a tensor whose pass is in flight; cast each returned
+    #   gradient to its input's dtype.
+    # Hint 6: Cut q, out, grad_out and lse into query chunks. For each step: post the K/V pass
+    #   (not on the last step); take the dK/dV sum of the block held (home's own at step 0,
+    #   fresh zeros at step 1, the one that arrived after that); for every pair block_kind
+    #   allows, block_attention_backward of the query chunk's q, out, lse and incoming
+    #   gradient against the key chunk's k and v, its three results added into the chunks of
+    #   dq and of the sum; from step 1 on, pass the sum on; wait for the K/V pass. After the
+    #   loop, wait for the last dK/dV pass and add what came home to this rank's own dk, dv.
     # See guidelines.md#27-context-parallelism
     # >>> solution
     rank, cp = dist.get_rank(group), dist.get_world_size(group)

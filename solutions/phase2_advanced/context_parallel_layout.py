@@ -44,10 +44,15 @@ def zigzag_chunk_ids(rank: int, cp: int) -> tuple[int, int]:
     #   key chunks at or before it); the earlier chunk comes first.
     # Hint 1: work the cp = 2 and cp = 4 pictures of the guide into a table (rank, first
     #   chunk, second chunk), then read the rule off it. An early chunk has little to attend
-    #   to, a late one a lot: pair them so the sums come out equal.
-    # Hint 2: the first chunk is counted from the start of the sequence, the second counted
-    #   back from its end, both by the rank's index.
-    # Hint 3: the last chunk's number is 2·cp - 1; subtract the rank from it for the second.
+    #   to, a late one a lot.
+    # Hint 2: How many blocks of causal work does chunk c need? If a rank holds chunks a and b,
+    #   what must be the same on every rank for the work to be equal? Which two chunks does
+    #   rank 0 hold in both pictures, and which does rank 1?
+    # Hint 3: Chunk c needs c whole blocks and one diagonal (half a block), so two chunks are
+    #   worth as much as two others exactly when their numbers add up to the same sum: every
+    #   rank's pair must add up to that of the first and the last chunk, 2·cp − 1.
+    # Hint 4: Rank r holds chunk r, counted from the start of the sequence, and chunk
+    #   2·cp − 1 − r, counted back from its end, in that order.
     # See guidelines.md#27-context-parallelism
     # >>> solution
     # rank r: chunk r from the front, chunk 2cp-1-r from the back. Causal work of chunk c is
@@ -111,9 +116,11 @@ def block_kind(q_chunk: int, k_chunk: int, *, causal: bool) -> BlockKind:
     # Hint 2: Without a causal mask, is any key of any block ever left out? With one: when does
     #   every key of the block come before every query, when after every query, and when do the two
     #   chunks share positions? Which comparison of the chunk numbers tells them apart?
-    # Hint 3: Without the mask the whole block is needed (FULL). With it, compare the chunk numbers:
-    #   a key chunk before the query chunk is used whole (FULL), the same chunk needs the mask
-    #   inside it (DIAGONAL), a key chunk after it is never used (SKIP).
+    # Hint 3: Without the mask every query sees every key: the whole block is needed (FULL),
+    #   whatever the chunk numbers.
+    # Hint 4: With the mask, compare the chunk numbers: a key chunk before the query chunk is
+    #   used whole (FULL), the same chunk needs the mask inside it (DIAGONAL), a key chunk after
+    #   it is never used (SKIP).
     # See guidelines.md#27-context-parallelism
     # >>> solution
     if not causal or k_chunk < q_chunk:

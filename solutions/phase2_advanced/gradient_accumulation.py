@@ -2,16 +2,14 @@
 
 Memory for activations grows with the batch. To train with an effective batch B when only
 B/k fits, run k micro-batches forward and backward, let their gradients add up in ``.grad``, and
-step once. Gradients are linear, so with each micro-batch's mean loss weighted by its share of
-the samples, (b_1/B)·grad(mean_1) + ... + (b_k/B)·grad(mean_k) = grad(mean over all B): the step
-equals one step on the whole batch, even when the last micro-batch is short. Dividing every
-micro-batch loss by k instead over-weights a short last micro-batch.
+step once. Gradients are linear, so a weighted sum of the micro-batches' mean losses has the
+same weighted sum of their gradients as its gradient: the step can equal one step on the whole
+batch, even when the last micro-batch is short.
 
-Data-parallel, the k backward passes must not each all-reduce: only the sum matters, so the
-gradients are averaged once, after the last micro-batch, over the data-parallel ``group`` (the
-whole world by default). Phase 1's ``average_gradients`` is simply called once;
-``DistributedDataParallel`` needs ``no_sync()`` around all but the last micro-batch
-(torch/nn/parallel/distributed.py), otherwise its hooks fire every backward.
+Data-parallel, only the accumulated sum needs averaging over the data-parallel ``group`` (the
+whole world by default): one all-reduce per optimizer step, through phase 1's
+``average_gradients``, or through ``DistributedDataParallel``, whose ``no_sync()`` context turns
+its all-reduces off (torch/nn/parallel/distributed.py).
 
 The demo (DDP, counting bucket all-reduces) is demos/accumulation.py:
 
@@ -48,25 +46,30 @@ def split_micro_batches(
 def accumulate_gradients(
     model: nn.Module, loss_fn: LossFn, micro_batches: Sequence[MicroBatch]
 ) -> float:
-    """Backward through every micro-batch so ``.grad`` ends as the whole batch's gradient.
+    """Backward through every micro-batch so that ``.grad`` gains the whole batch's gradient.
 
     ``loss_fn`` must average over its batch (reduction="mean"). Returns the whole batch's mean
-    loss. Gradients add to whatever ``.grad`` holds: zero them before the first micro-batch.
+    loss. Gradients add to whatever ``.grad`` holds.
     """
     total = sum(len(targets) for _, targets in micro_batches)
-    # TODO 2.1: accumulate gradients over the micro-batches, weighting each by its samples.
-    # Invariant: afterwards p.grad equals the gradient of the mean loss over ALL samples,
-    #   also when the last micro-batch is shorter; the return value is that mean loss; the
-    #   model runs once per micro-batch, on that micro-batch only.
-    # Hint 1: backward() adds into .grad. Weight each micro-batch's mean loss so that it
-    #   counts for its share of the samples; dividing by the number of micro-batches is only
-    #   right when all micro-batches have the same size.
-    # Hint 2: one loop over the micro-batches; each pass is forward, weighted loss, backward,
-    #   and adds its weighted loss (as a Python float) to a running sum that is returned.
-    #   Nothing is kept from one pass to the next, so only one micro-batch's graph is alive.
-    # Hint 3: a micro-batch's weight is its number of targets over the total; its weighted
-    #   loss is the loss of the model's output times that weight; backward on the weighted
-    #   loss, and its .item() goes into the running sum.
+    # TODO 2.1: add the whole batch's gradient into .grad, one micro-batch at a time.
+    # Invariant: afterwards p.grad has gained the gradient of the mean loss over ALL samples, also
+    #   when the last micro-batch is shorter; the return value is that mean loss; the model runs
+    #   once per micro-batch, on that micro-batch only.
+    # Hint 1: backward() adds into .grad, and loss_fn returns each micro-batch's MEAN loss. How much
+    #   should one sample of a short micro-batch count, compared with one of a full micro-batch?
+    # Hint 2: Write the batch's mean loss as a weighted sum of the micro-batches' means: which
+    #   weight does micro-batch i get? For 10 samples in 4 + 4 + 2, what does 1/k give one sample of
+    #   the last micro-batch? What is kept from one micro-batch to the next, and what must not be
+    #   (the graph)? What is returned, and is it the mean of the means?
+    # Hint 3: Micro-batch i's weight is its number of samples over the total: 0.4, 0.4 and 0.2 for 4
+    #   + 4 + 2, so that every sample weighs 1/10; with 1/k the last two samples would weigh 1/6
+    #   each and the others 1/12.
+    # Hint 4: One forward and one backward per micro-batch, on the weighted mean loss; the weighted
+    #   losses, as Python floats, add up to the batch's mean loss, which is returned.
+    # Hint 5: For each micro-batch, loss_fn of the model's output and its targets, times its
+    #   targets' count over the total; backward of that; its item added to a running sum that is
+    #   returned after the loop.
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     mean_loss = 0.0
@@ -93,22 +96,26 @@ def accumulation_step(
 
     With ``data_parallel=True`` (a process group is running and ``model`` is a plain module
     replicated on every rank of ``group``, the whole world when None) gradients are averaged
-    across the group with phase 1's ``average_gradients``: once per optimizer step, not once
-    per micro-batch.
+    across the group with phase 1's ``average_gradients``, with one all-reduce per optimizer
+    step.
     """
-    # TODO 2.1: zero, accumulate, (average across the group once), step.
-    # Invariant: exactly one gradient all-reduce per optimizer step when data_parallel, on
-    #   `group` only; the update equals one step on the whole batch (on one rank, or on the
-    #   concatenation of every group member's batch).
-    # Hint 1: the accumulation is local work; communication belongs after the last
-    #   micro-batch, when .grad holds the full local gradient.
-    # Hint 2: What must .grad hold before the first micro-batch, and after the last? Which function
+    # TODO 2.1: one optimizer step on the whole batch, taken in micro-batches.
+    # Invariant: the update equals one step on the whole batch (on one rank, or on the concatenation
+    #   of every group member's batch); exactly one gradient all-reduce per optimizer step when
+    #   data_parallel, on `group` only; returns the batch's mean loss.
+    # Hint 1: the functions above cut the batch and accumulate its gradient. What must .grad hold
+    #   before the first micro-batch, and when does the group have something worth averaging?
+    # Hint 2: What does .grad hold when the step starts (think of the previous step)? Which function
     #   above cuts the batch into micro-batches, and which one runs forward and backward over them?
-    #   When has the group something worth averaging, and how many times per optimizer step may it
-    #   communicate? What does the caller expect back?
-    # Hint 3: Four steps in order: clear the gradients; accumulate over the micro-batches that
-    #   split_micro_batches makes (the function above); when data_parallel, phase 1's
-    #   average_gradients once, passing the group on; step. Return the accumulated loss.
+    #   After which micro-batch is the rank's gradient complete, and how many times per optimizer
+    #   step may the group communicate? On which group? What does the caller expect back?
+    # Hint 3: Clear the gradients once, before the first micro-batch: the previous step's are still
+    #   there, and backward only adds.
+    # Hint 4: When data_parallel, phase 1's average_gradients once, after the accumulation, with
+    #   group passed on: one all-reduce for the step, on the group.
+    # Hint 5: zero_grad; accumulate_gradients over split_micro_batches of the inputs and targets;
+    #   average_gradients with the group when data_parallel; the optimizer's step; return the
+    #   accumulated loss.
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     optimizer.zero_grad(set_to_none=True)
@@ -130,26 +137,32 @@ def ddp_accumulation_step(
     targets: torch.Tensor,
     micro_batch_size: int,
 ) -> float:
-    """The same step with ``DistributedDataParallel``; it all-reduces in the last backward only.
+    """The same step with ``DistributedDataParallel``, one all-reduce per bucket per step.
 
     The data-parallel group is the one ``ddp_model`` was built with (``process_group=``).
     """
     micro_batches = split_micro_batches(inputs, targets, micro_batch_size)
     total = len(targets)
     optimizer.zero_grad(set_to_none=True)
-    # TODO 2.1: accumulate under ddp_model.no_sync() for every micro-batch but the last.
-    # Invariant: DDP all-reduces each gradient bucket once per optimizer step (during the
-    #   last micro-batch's backward), and the update equals one step on the whole batch,
-    #   also when the last micro-batch is shorter.
-    # Hint 1: DDP all-reduces from hooks that run during backward(); inside no_sync() it only
-    #   accumulates locally, and it decides in forward whether the next backward syncs. The
-    #   loss weighting is the same as accumulate_gradients'.
-    # Hint 2: the loop of accumulate_gradients, with each micro-batch's forward AND backward
-    #   inside a context that turns syncing off for all but the last micro-batch and does
-    #   nothing for the last; one optimizer step after the loop.
-    # Hint 3: enumerate the micro-batches; the context is the DDP model's no_sync() for
-    #   every index below the last one and contextlib.nullcontext() for the last; the
-    #   forward (through the DDP model) and the backward both inside the `with`.
+    # TODO 2.1: the same step under DDP, with one all-reduce per bucket per optimizer step.
+    # Invariant: DDP all-reduces each gradient bucket exactly once per optimizer step, and the
+    #   update equals one step on the concatenation of every rank's batch, also when the last
+    #   micro-batch is shorter.
+    # Hint 1: DDP all-reduces from hooks that run during backward(), in every backward it is allowed
+    #   to. Which backward of the step has the whole sum of the micro-batches' gradients?
+    # Hint 2: Which micro-batches must not synchronise, and which one must? DDP decides in forward
+    #   whether the next backward synchronises: which part of a micro-batch, forward, backward or
+    #   both, must sit inside no_sync()? What context does the last micro-batch run in? Is the
+    #   weighting any different from accumulate_gradients'?
+    # Hint 3: Every micro-batch but the last runs inside no_sync(); the last runs outside it, and
+    #   its backward all-reduces each bucket on the accumulated sum.
+    # Hint 4: The forward AND the backward of a micro-batch both go inside the context: a forward
+    #   outside no_sync() with its backward inside still synchronises. The weights are b_i over B
+    #   again.
+    # Hint 5: Enumerate the micro-batches; the context is ddp_model.no_sync() below the last index
+    #   and a context that does nothing (contextlib.nullcontext) for the last; inside it the forward
+    #   through the DDP model, the weighted loss and its backward; the weighted losses summed; one
+    #   optimizer step after the loop.
     # See guidelines.md#21-gradient-accumulation
     # >>> solution
     mean_loss = 0.0

@@ -15,9 +15,9 @@ small gradients underflow to zero. The recipe of Micikevicius et al., "Mixed Pre
 
 bf16 has fp32's exponent range, so it needs no loss scaling; fp16 does. Every rank must make
 the same skip decision: with data parallelism averaging spreads an inf to every rank anyway, but
-with model-parallel shards (or ZeRO) each rank sees different gradients, so the overflow flag is
-all-reduced (MAX) over the scaler's ``group`` (the ranks that step together; the whole world by
-default) before deciding.
+with model-parallel shards (or ZeRO) each rank sees different gradients, so the ranks of the
+scaler's ``group`` (the ranks that step together; the whole world by default) must agree on the
+overflow before deciding.
 
 The demo (data-parallel training in fp32, bf16 or fp16) is demos/mixed_precision.py:
 
@@ -98,27 +98,34 @@ class DynamicLossScaler:
         return loss * self._scale.to(loss.device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale, in place; detect inf/NaN on any rank."""
+        """Turn the optimizer's gradients into the true ones, in place, as GradScaler does; find
+        whether any gradient on any rank of the group holds an inf or NaN."""
         if not self.enabled or self._unscaled:
             return
         grads = _grads(_optimizer_params(optimizer))
-        # TODO 2.2: unscale every gradient in place and decide, with the group, if any overflowed.
-        # Invariant: afterwards grads equal GradScaler's unscaled grads bit for bit, and
-        #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient
-        #   on any of its ranks has an inf or NaN. Every rank calls the collective, every time.
-        # Hint 1: GradScaler multiplies every gradient by ONE float32 number computed once from
-        #   the scale (the guide's "arithmetic of S" says how it is rounded); dividing each
-        #   gradient by the scale rounds differently. The ranks of the group agree on "some
-        #   rank overflowed" through one collective on a 0/1 flag.
-        # Hint 2: three parts: the inverse scale, computed once; a loop that multiplies each
-        #   gradient in place and folds "this gradient has a non-finite value" into a 0/1 float
-        #   flag; one all-reduce of the flag that keeps the largest value, on the scaler's
-        #   group, even with no gradients (when a process group exists). Record the flag as a
-        #   bool in self._found_inf and set self._unscaled.
-        # Hint 3: the inverse is the scale in float64, its reciprocal, rounded to float32
-        #   once; each gradient is multiplied by it in place (mul_); "not torch.isfinite,
-        #   anywhere in the gradient" is the overflow test; the flag is all-reduced with
-        #   ReduceOp.MAX on the scaler's group whenever dist.is_initialized() says so.
+        # TODO 2.2: unscale every gradient in place; decide with the group whether any overflowed.
+        # Invariant: afterwards the gradients equal GradScaler's unscaled ones bit for bit, and
+        #   self._found_inf is the SAME bool on every rank of self.group: True if any gradient on
+        #   any of its ranks holds an inf or NaN; a step() after this in the same iteration leaves
+        #   the gradients alone. Every rank of the group takes part every iteration, gradients or
+        #   none.
+        # Hint 1: GradScaler does not divide each gradient by the scale. The flags of the group's
+        #   ranks must end up equal: what one call makes a value the same on every rank?
+        # Hint 2: Which single number multiplies every gradient, computed in which dtype and rounded
+        #   to float32 when? How do you fold "some element of some gradient is inf or NaN" into one
+        #   number per rank, and which reduction of those numbers over the group answers "on any
+        #   rank"? On which group? What does a rank with no gradients contribute? What tells step()
+        #   that the unscaling already ran?
+        # Hint 3: The multiplier is the reciprocal of the scale, taken in float64 and then rounded
+        #   to float32 once: at S = 1000 times 1.3 to the 7th power, that number and one over S in
+        #   float32 arithmetic differ, and so do a quarter of the unscaled gradients.
+        # Hint 4: The flag is a 0/1 float per rank (1 when torch.isfinite is false anywhere in a
+        #   gradient), all-reduced with ReduceOp.MAX on self.group, even when this rank has no
+        #   gradient, whenever dist.is_initialized.
+        # Hint 5: The inverse scale (float64 reciprocal of the scale, made float32); each gradient
+        #   multiplied in place by it (mul_), its non-finite test folded into the flag; the flag
+        #   all-reduced with MAX on the scaler's group; self._found_inf set to the flag as a bool
+        #   and self._unscaled to True.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         device = grads[0].device if grads else torch.device("cpu")
@@ -151,20 +158,25 @@ class DynamicLossScaler:
         if self._found_inf is None:
             raise RuntimeError("update() without unscale_()/step() this iteration")
         # TODO 2.2: the loss scale's state machine.
-        # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same
-        #   overflow pattern, for any growth and backoff factor (1.3 and 0.7 too).
-        # Hint 1: the guide's table "at update()" is the whole machine: an overflow backs off,
-        #   growth_interval clean steps in a row grow. The trap is the rounding: GradScaler's
-        #   kernel multiplies the float32 scale by the factor in float64 and rounds once.
-        # Hint 2: overflow: back off and restart the clean-step count. No overflow: count one
-        #   more clean step; at growth_interval grow (only if the grown scale is finite in
-        #   float32) and restart the count. Compute each product in float64 and store it in the
-        #   float32 scale tensor. Then clear the per-iteration state (found_inf back to None,
-        #   not unscaled).
-        # Hint 3: new scale = float(scale) × factor, a product of Python floats (float64),
-        #   written into the float32 scale tensor in place (fill_ or copy_: one rounding). For
-        #   growth, first make the product a float32 tensor and keep it only if torch.isfinite
-        #   says it is finite.
+        # Invariant: bitwise the same scale sequence as torch.amp.GradScaler on the same overflow
+        #   pattern, for any growth and backoff factor (1.3 and 0.7 too); the iteration's flag and
+        #   _unscaled are forgotten afterwards.
+        # Hint 1: the guide's table "at update()" is the transition; the question is the arithmetic.
+        #   S is a float32 tensor, and a factor is a Python float.
+        # Hint 2: After an overflow, what become the scale and the counter? After a clean step, when
+        #   does the scale grow, and what if the grown scale is not finite? When S is multiplied by
+        #   1.3, in which dtype is the product computed, and when is it rounded to float32? What
+        #   must be forgotten before the next iteration?
+        # Hint 3: GradScaler's kernel multiplies the float32 scale by the factor in float64 and
+        #   rounds the product to float32 once; multiplying the float32 tensor by 1.3 in place
+        #   rounds 1.3 first and gives another number after most growths from S = 1000.
+        # Hint 4: Overflow: the scale times backoff_factor, the counter back to 0. Clean: the
+        #   counter plus one; at growth_interval, the scale times growth_factor kept only if finite
+        #   in float32, and the counter back to 0. Then found_inf back to None and _unscaled to
+        #   False.
+        # Hint 5: The new scale is float of the scale times the factor, a product of Python floats,
+        #   written into the scale tensor in place (fill_ or copy_: one rounding); for a growth,
+        #   first made a float32 tensor and kept only if torch.isfinite says so.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         # aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp: float scale * double factor,
@@ -205,19 +217,25 @@ def mixed_precision_step(
 
     Returns (loss, whether the optimizer stepped). ``autocast_dtype=None`` runs in fp32.
     """
-    # TODO 2.2: put the pieces together in the right order.
-    # Invariant: clipping sees the true gradients (unscaled), an overflowing step changes
-    #   neither the weights nor the optimizer state, and the scaler updates once per step.
-    # Hint 1: the scaler is used as torch.amp.GradScaler is. Autocast covers the forward and
-    #   the loss only (backward runs outside it); clipping needs the true gradients.
-    # Hint 2: the order is: clear the gradients; forward and loss under autocast; backward of
-    #   the scaled loss; unscale; clip (only when max_grad_norm is given); the scaler's step;
-    #   the scaler's update, every iteration, also after a skipped step. Return the loss as a
-    #   float and what the scaler's step returned.
-    # Hint 3: torch.autocast takes the device type of the inputs, autocast_dtype, and
-    #   enabled set to whether autocast_dtype was given; clipping is nn.utils.clip_grad_norm_
-    #   over the model's parameters with max_grad_norm; the scaler's scale() wraps the loss
-    #   before backward.
+    # TODO 2.2: one training step with autocast, loss scaling and optional clipping.
+    # Invariant: with autocast_dtype the matrix products run in it and the loss in float32; the
+    #   clipping limits the true (unscaled) gradients; an overflowing step changes neither the
+    #   weights nor the optimizer state; the scaler updates once per step, a skipped step included.
+    # Hint 1: the scaler is used as torch.amp.GradScaler is. What does the clipping need to see, and
+    #   which of the scaler's methods gives it that?
+    # Hint 2: Which of the forward, the loss and the backward must sit under autocast? What must
+    #   .grad hold before the backward? In which order do the backward of the scaled loss, the
+    #   unscaling, the clipping, the scaler's step and the update run? Who decides whether the
+    #   optimizer steps? Is update called after a skipped step too? What do you return?
+    # Hint 3: Autocast around the forward and the loss only: the loss then comes out in float32, and
+    #   the backward runs in the dtypes the forward chose.
+    # Hint 4: Clipping between unscale_ and the scaler's step (which does not unscale again): at
+    #   scale 4096 clipped before unscaling, the true gradients would be cut 4096 times too much.
+    #   The scaler's step decides; update runs every iteration.
+    # Hint 5: Clear the gradients; under torch.autocast (the inputs' device type, autocast_dtype,
+    #   enabled when it is given) the forward and the loss; backward of the scaler's scale of the
+    #   loss; unscale_; nn.utils.clip_grad_norm_ when max_grad_norm is given; the scaler's step;
+    #   update; return the loss as a float and what step returned.
     # See guidelines.md#22-mixed-precision
     # >>> solution
     optimizer.zero_grad(set_to_none=True)
@@ -255,21 +273,28 @@ class MasterWeights:
             param.grad = None
 
     def step(self, scaler: DynamicLossScaler | None = None) -> bool:
-        """Move gradients to the masters, step them (through ``scaler`` if given), copy back."""
-        # TODO 2.2: gradients model -> fp32 masters, optimizer step on masters, weights back.
-        # Invariant: masters stay fp32 and accumulate updates too small for the model's dtype;
-        #   after a real step every model parameter equals its master cast to the model dtype;
-        #   after a skipped step nothing changes.
-        # Hint 1: the optimizer only knows the masters: their gradients come from the model's,
-        #   in fp32 (a missing gradient stays missing); a scaler decides whether the optimizer
-        #   steps at all.
-        # Hint 2: three pieces of work: each master's grad from its model parameter's grad;
-        #   one step of the masters' optimizer, through the scaler when there is one (its step
-        #   says whether it stepped); and only if it stepped, each model parameter overwritten
-        #   in place from its master, without recording autograd.
-        # Hint 3: a master's grad is its parameter's grad, detached and cast to float32 (or
-        #   None when that is None); the scaler's step takes the masters' optimizer; the copy
-        #   back is an in-place copy_ of each master into its parameter under torch.no_grad.
+        """One optimizer step on the masters (through ``scaler`` if given), after a backward on
+        the model; returns whether it stepped."""
+        # TODO 2.2: one optimizer step on the fp32 masters, and the model refreshed from them.
+        # Invariant: the masters stay fp32 and accumulate updates too small for the model's dtype; a
+        #   parameter without a gradient is left alone; after a real step every model parameter
+        #   equals its master cast to the model's dtype; after a skipped step nothing changes.
+        # Hint 1: the optimizer only knows the masters. Where do their gradients come from, and who
+        #   decides whether the optimizer steps at all?
+        # Hint 2: Which tensor holds each master's gradient after the model's backward, in which
+        #   dtype? What should a master get when its parameter got no gradient: nothing, or zeros
+        #   (think of weight decay and momentum)? Through what does the step go when a scaler is
+        #   given, and what does it tell you? When are the model's parameters overwritten, and how,
+        #   without autograd?
+        # Hint 3: Each master's gradient is its parameter's gradient cast to float32, or None when
+        #   that is None: a zero gradient would still let weight decay move the master.
+        # Hint 4: With a scaler, its step runs the masters' optimizer and says whether it stepped;
+        #   without one, the optimizer steps. Only after a real step are the model's parameters
+        #   overwritten from the masters.
+        # Hint 5: Master gradients set from the parameters' gradients (detached, float32, or None);
+        #   the scaler's step of the masters' optimizer, or the optimizer's step; if it stepped,
+        #   each parameter copied in place from its master under torch.no_grad; return whether it
+        #   stepped.
         # See guidelines.md#22-mixed-precision
         # >>> solution
         for param, master in zip(self.model_params, self.master_params, strict=True):

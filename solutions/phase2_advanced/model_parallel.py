@@ -1,13 +1,8 @@
 """Exercise 2.4: naive model parallelism, one model cut into consecutive stages, one per rank.
 
 When a model does not fit on one device, the simplest cut is by depth: rank 0 holds the first
-layers, rank 1 the next ones, and so on. A batch flows forward through the ranks (each sends its
-output activation to the next rank), the last rank computes the loss, and the gradient flows back
-(each rank sends the gradient of its input to the previous rank). Parameters never move; only
-activations and their gradients cross rank boundaries::
-
-    rank 0: layers 0-2 --activation--> rank 1: layers 3-5 --activation--> rank 2: ... -> loss
-            layers 0-2 <---gradient--- rank 1: layers 3-5 <---gradient--- rank 2: ... <- backward
+layers, rank 1 the next ones, and so on. Parameters never move; only activations cross rank
+boundaries forward, and their gradients backward.
 
 Because every rank runs exactly the single-device model's operations on the single-device
 model's values, the loss and every gradient equal the single-device model's (bitwise, on CPU).
@@ -63,16 +58,19 @@ def split_sizes(num_layers: int, world_size: int) -> list[int]:
     by measured cost instead.
     """
     check_split(num_layers, world_size)
-    # TODO 2.4: split num_layers into world_size consecutive counts that differ by at most one.
+    # TODO 2.4: split num_layers into world_size consecutive counts, as even as possible.
     # Invariant: len(result) == world_size, sum(result) == num_layers, every count >= 1 and
-    #   max(result) - min(result) <= 1; the EARLIER ranks take the extra layers (7 layers over
-    #   3 ranks is [3, 2, 2], not [2, 2, 3]).
-    # Hint 1: every rank gets the same base count; the layers left over go one each to the
-    #   first ranks.
-    # Hint 2: the base count and the number left over come from one integer division; then
-    #   one list over the ranks, adding one where the rank is among the first ones left over.
-    # Hint 3: divmod of num_layers by world_size gives (base, extra); rank r gets base + 1
-    #   layers when r < extra, base otherwise.
+    #   max(result) - min(result) <= 1; the EARLIER ranks take the extra layers (7 layers over 3
+    #   ranks is [3, 2, 2], not [2, 2, 3]).
+    # Hint 1: if the layers divided evenly, what would every rank get? What is left over otherwise?
+    # Hint 2: Which one integer operation gives both the common count and the number of layers left
+    #   over? How many ranks get one more layer, and which ones?
+    # Hint 3: The common count and the remainder come from one integer division: 7 layers over 3
+    #   ranks give 2 each, with 1 left over.
+    # Hint 4: The remainder's layers go one each to the first ranks: with 1 left over, rank 0 gets 3
+    #   and ranks 1 and 2 get 2.
+    # Hint 5: divmod of num_layers by world_size gives the base and the extra; rank r gets base + 1
+    #   layers when r is below extra, base otherwise, in a list over the ranks.
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     base, extra = divmod(num_layers, world_size)
@@ -102,23 +100,27 @@ def send_activation(
     """Send a tensor whose shape and dtype the receiver does not know yet, to rank ``dst`` of
     ``group`` (the default group when None).
 
-    Two messages: the fixed-size header (:func:`encode_header`), then the data. A receiver must
-    post a buffer of exactly the right size, and the activation's shape depends on the batch
-    (the last batch of an epoch is often smaller), so it cannot be hard-coded.
+    A receiver must post a buffer of exactly the right size, and the activation's shape depends
+    on the batch (the last batch of an epoch is often smaller), so it cannot be hard-coded.
     """
-    # TODO 2.4: send the header describing `tensor`, then the tensor itself, to rank dst.
-    # Invariant: the receiver learns dtype and shape from the first message and can allocate
-    #   the buffer for the second; the data is sent from contiguous memory and without its
-    #   autograd graph; `dst` is a rank within `group`, never mistaken for a global rank.
-    # Hint 1: two messages to the same peer: a fixed-size header (course/tensor_header.py
-    #   makes one from a tensor), then the data. torch's send takes the peer either as a global
-    #   rank or, with the group, as a rank within the group: here you have the latter.
-    # Hint 2: two blocking sends to the same peer, header first. The data message must be a
-    #   plain tensor: detach it from the graph and make it contiguous (a transposed or sliced
-    #   activation is not, and torch refuses to send it).
-    # Hint 3: dist.send with the group and the peer as group_dst (a rank within the group,
-    #   not dst=), first of encode_header of the tensor, then of the tensor detached and made
-    #   contiguous.
+    # TODO 2.4: send `tensor` to rank dst, so that a receiver who knows nothing of it can take it.
+    # Invariant: the receiver learns the dtype and the shape before the data arrives and can
+    #   allocate exactly the buffer for it; the data travels without its autograd graph; `dst` is a
+    #   rank within `group`, never mistaken for a global rank; nothing but the data and a header is
+    #   sent.
+    # Hint 1: dist.recv fills a buffer its caller allocated. What must the receiver know before it
+    #   can allocate one, and what in course/tensor_header.py can tell it?
+    # Hint 2: How many messages does the receiver need, and which must come first? Which message has
+    #   a size the receiver always knows? Which argument of dist.send names the peer as a rank
+    #   within the group? What does torch require of the memory of a tensor it sends, and what of
+    #   its autograd graph?
+    # Hint 3: Two messages to the same peer: first encode_header of the tensor (its size is fixed),
+    #   then the data.
+    # Hint 4: The peer goes in as group_dst together with the group (dst would be a global rank);
+    #   the data is the tensor detached and made contiguous (a transposed or sliced activation is
+    #   not, and torch refuses to send it).
+    # Hint 5: dist.send of encode_header of the tensor, then dist.send of the tensor detached and
+    #   contiguous, both with the group and group_dst set to dst.
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     dist.send(encode_header(tensor), group=group, group_dst=dst)
@@ -131,18 +133,22 @@ def recv_activation(
 ) -> torch.Tensor:
     """Receive a tensor sent by :func:`send_activation` from rank ``src`` of ``group``, onto
     ``device``."""
-    # TODO 2.4: receive the header from rank src, allocate the buffer it describes, receive.
-    # Invariant: returns a new tensor with the sender's dtype, shape and values, on `device`.
-    #   The buffer has exactly the message's size (dtype AND shape from the header): gloo aborts
-    #   the process when a message does not fit the buffer posted for it.
-    # Hint 1: the header's buffer has a fixed size, so it can always be received first; what it
-    #   says describes the second message (course/tensor_header.py).
-    # Hint 2: mirror send_activation: receive into a header buffer from the same peer (as a
-    #   rank within the group), decode it, allocate the data buffer it describes on `device`,
-    #   receive into that, return it.
-    # Hint 3: empty_header on `device` is the header's buffer; dist.recv into it with the
-    #   group and group_src (the rank within the group); decode_header gives a TensorMeta,
-    #   whose empty(device) is the data buffer; a second dist.recv the same way fills it.
+    # TODO 2.4: receive what send_activation sent from rank src, onto `device`.
+    # Invariant: returns a new tensor with the sender's dtype, shape and values, on `device`. The
+    #   buffer has exactly the message's size (dtype AND shape): gloo aborts the process when a
+    #   message does not fit the buffer posted for it.
+    # Hint 1: which of the sender's two messages can you post a buffer for without knowing anything,
+    #   and what does it tell you about the other?
+    # Hint 2: What do you receive first, into which buffer? How do you turn what it says into a
+    #   buffer of the right dtype and shape? Which argument of dist.recv names the peer as a rank
+    #   within the group? What does torch.empty allocate when no dtype is given?
+    # Hint 3: First the header, into empty_header on `device`; decode_header of it says the dtype
+    #   and the shape.
+    # Hint 4: The TensorMeta that decode_header returns allocates the data buffer itself (its empty,
+    #   on `device`): torch.empty of the shape alone would be float32 whatever the header said.
+    # Hint 5: dist.recv into empty_header of the device, with the group and group_src set to src;
+    #   decode_header of it, and its empty on the device; a second dist.recv the same way into that
+    #   buffer; return it.
     # See guidelines.md#24-naive-model-parallelism
     # >>> solution
     header = empty_header(device)
@@ -166,8 +172,8 @@ class ModelParallelStage(nn.Module):
 
     The stages are laid out over the ranks of ``group`` (the default group when None): ``rank``
     and ``world_size`` are this process's rank in it and its size, read from the group unless
-    given. One step is ``forward`` (first rank: given the batch; others: receive it) and
-    ``backward`` (last rank: given the loss; others: receive the gradient of their output).
+    given. One step is ``forward`` (the first rank is given the batch) and ``backward`` (the last
+    rank is given the loss).
     """
 
     def __init__(
@@ -187,9 +193,8 @@ class ModelParallelStage(nn.Module):
         children = list(model.named_children())[self.start : self.stop]
         self.layers = nn.Sequential(OrderedDict(children))
         self.device = device if device is not None else current_info().device
-        # Saved by forward for backward: the stage's input (a leaf that requires grad on every
-        # rank but the first, so its .grad is what goes back) and its output. Both are dropped
-        # (set to None) once backward has used them, so a step's activations do not outlive it.
+        # Saved by forward for backward: the stage's input and its output (the guide's contract
+        # says what they hold, and when).
         self.stage_input: torch.Tensor | None = None
         self.stage_output: torch.Tensor | None = None
 
@@ -208,28 +213,31 @@ class ModelParallelStage(nn.Module):
     def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run this rank's layers on one batch; the last rank returns the model's output.
 
-        The first rank computes on ``inputs``; every other rank receives its input from the rank
-        before (``inputs`` is ignored there). Every rank but the last sends its output to the
-        next rank and returns ``None``.
+        The first rank is given the batch as ``inputs`` (ignored on the other ranks). Only the
+        last rank returns a tensor; the others return ``None``.
         """
         if self.is_first and inputs is None:
             raise ValueError("rank 0 holds the first layers: call forward(inputs) with the batch")
-        # TODO 2.4: get this stage's input, run self.layers, pass the output on (or return it).
-        # Invariant: afterwards self.stage_input and self.stage_output hold what backward
-        #   needs; on every rank but the first, self.stage_input is a leaf that requires grad,
-        #   so backward fills its .grad; only the last rank returns a tensor. Peers are ranks
-        #   within self.group: self.rank - 1 and self.rank + 1.
-        # Hint 1: a received tensor is a fresh leaf that asks for no gradient: autograd would
-        #   not compute its .grad, and there would be nothing to send back. The messages are
-        #   the two functions above, on self.group.
-        # Hint 2: three cases by position. The first rank computes on the given batch (moved
-        #   to self.device); the others receive from the previous rank and mark what they
-        #   received as needing a gradient. Everyone runs its layers and saves input and
-        #   output on self; the last rank returns its output, the others send it to the next
-        #   rank and return None.
-        # Hint 3: recv_activation from rank − 1 onto self.device on self.group, then
-        #   requires_grad_() on what arrived; send_activation of the output to rank + 1 on
-        #   self.group.
+        # TODO 2.4: this rank's part of the forward: its input, its layers, its output.
+        # Invariant: afterwards self.stage_input and self.stage_output hold this rank's input and
+        #   output of the step; on every rank but the first, self.stage_input is a leaf that
+        #   requires grad; only the last rank returns a tensor. Peers are ranks within self.group.
+        # Hint 1: a received tensor is a fresh leaf that asks for no gradient. Where does each
+        #   rank's input come from, and where does its output go?
+        # Hint 2: Which rank computes on the batch it is given, and which receive their input, from
+        #   which rank? What must a received tensor be made into so that backward fills its .grad?
+        #   What does backward need saved on self? Which rank returns the output, and what do the
+        #   others do with theirs?
+        # Hint 3: The first rank computes on the given batch (moved to self.device); every other
+        #   rank receives from rank − 1 of the group (recv_activation on self.group) and marks what
+        #   arrived as requiring grad.
+        # Hint 4: Every rank runs self.layers on its input and saves input and output on self; the
+        #   last rank returns its output, the others send it to rank + 1 (send_activation on
+        #   self.group) and return None.
+        # Hint 5: Input: the batch on self.device on the first rank, else recv_activation from rank
+        #   − 1 onto self.device on self.group with requires_grad_ on it; output: self.layers of the
+        #   input; both saved; returned on the last rank, else send_activation to rank + 1 on
+        #   self.group and None.
         # See guidelines.md#24-naive-model-parallelism
         # >>> solution
         if self.is_first:
@@ -250,30 +258,34 @@ class ModelParallelStage(nn.Module):
     def backward(self, loss: torch.Tensor | None = None) -> None:
         """Backpropagate through this rank's layers after :meth:`forward`.
 
-        The last rank starts from ``loss``; every other rank first receives the gradient of its
-        output from the next rank. Every rank but the first then sends the gradient of its input
-        to the rank before. Gradients accumulate into this stage's parameters' ``.grad``.
+        The last rank is given the ``loss`` (``None`` on the others). Gradients accumulate into
+        this stage's parameters' ``.grad``, as in the single-device model.
         """
         if self.stage_output is None:
             raise RuntimeError("backward() without forward(): run forward first on every rank")
         if self.is_last and loss is None:
             raise ValueError(f"rank {self.rank} is the last stage: call backward(loss)")
-        # TODO 2.4: backpropagate through this stage and send the input's gradient back.
-        # Invariant: every rank receives exactly one gradient (except the last) and sends
-        #   exactly one (except the first), in the reverse order of forward, so no rank waits
-        #   for a message that never comes; afterwards self.stage_input and self.stage_output
-        #   are None, so the step's activations (and the graph they hold) are freed.
-        # Hint 1: the gradient of the output has the output's shape and dtype, which this rank
-        #   already knows: no header is needed on the way back. A first stage without
-        #   parameters (e.g. only Flatten) has an output that does not require grad: it still
-        #   receives the gradient (the next rank sends it) but has nothing to backpropagate.
-        # Hint 2: the last rank backpropagates the loss; the others receive into a buffer
-        #   shaped like their saved output, then backpropagate the output with that gradient
-        #   when the output requires grad. Then every rank but the first sends its saved
-        #   input's .grad to the previous rank. Finally forget both saved tensors.
-        # Hint 3: the buffer is empty_like the saved output; dist.recv into it on self.group
-        #   with group_src = rank + 1; backward of the saved output with the received gradient;
-        #   dist.send of the saved input's .grad on self.group with group_dst = rank − 1.
+        # TODO 2.4: backpropagate through this stage and pass the input's gradient back.
+        # Invariant: afterwards this stage's parameters hold their single-device gradients; each
+        #   boundary carries one gradient back, matched by one receive, so no rank waits for a
+        #   message that never comes; self.stage_input and self.stage_output are None, so the step's
+        #   activations (and the graph they hold) are freed.
+        # Hint 1: the gradient of this rank's output has the output's shape and dtype, which this
+        #   rank already knows. What starts this rank's backward, and what does the rank before need
+        #   from it?
+        # Hint 2: Which rank starts from the loss, and which from a message, sent by which rank?
+        #   Into what buffer does that message arrive, and does it need a header? Which rank sends
+        #   nothing back? What does a first stage without parameters (only Flatten) still have to
+        #   receive, and can it call backward? What is left on self afterwards?
+        # Hint 3: The last rank backpropagates the loss; the others receive their output's gradient
+        #   from rank + 1 into a buffer like their saved output (torch.empty_like), no header
+        #   needed.
+        # Hint 4: Backward of the saved output with that gradient, only when the output requires
+        #   grad (a lone Flatten's does not: it receives and stops there); then every rank but the
+        #   first sends its saved input's .grad to rank − 1.
+        # Hint 5: Receive with dist.recv on self.group with group_src rank + 1; backward of the
+        #   saved output with it; dist.send of the saved input's grad on self.group with group_dst
+        #   rank − 1; then both saved tensors set to None.
         # See guidelines.md#24-naive-model-parallelism
         # >>> solution
         if self.is_last:

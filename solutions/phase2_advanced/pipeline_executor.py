@@ -9,19 +9,18 @@ the result. What is left is the exercise, the work of one action:
 
 * a **forward** runs the chunk on its input and keeps what its backward will need in the step's
   *stash*, since autograd needs the graph; the last stage turns its output into the loss;
-* a **backward** takes its stash entry out and backpropagates from the loss or from the
-  gradient that came back, and hands on the gradient of its input;
+* a **backward** takes its stash entry out, backpropagates through what its forward kept, and
+  hands on the gradient of its input;
 * in a zero-bubble schedule the backward is split in two (Qi et al., "Zero Bubble Pipeline
   Parallelism", ICLR 2024): **B** computes only the gradient of the input, which the previous
   stage is waiting for, and keeps what the weights' gradients need in the *weight stash*;
   **W**, later, computes the weights' gradients, which no other stage waits for.
 
-Received activations are fresh leaf tensors, with no history: autograd computes a gradient
-only for tensors that ask for one, and that gradient is what the previous stage is waiting for.
+Received activations are fresh tensors, with no history.
 
-``loss_fn`` returns each micro-batch's mean loss; with m equal micro-batches, scaling each by 1/m
-makes the m losses sum to the mean over the whole batch, so the gradients that accumulate in
-``.grad`` are exactly those of one big batch.
+``loss_fn`` returns each micro-batch's mean loss; the losses the last stage records must sum to
+the mean over the whole batch, so that the gradients that accumulate in ``.grad`` over the m
+backwards are exactly those of one big batch.
 """
 
 from __future__ import annotations
@@ -77,24 +76,26 @@ class PipelineExecutor(PipelineRuntime):
         chunk, microbatch = action.chunk, action.microbatch
         stage = self.stage_of(chunk)
         # TODO 2.5: run the forward of one micro-batch through one chunk.
-        # Invariant: afterwards state.stash[(microbatch, chunk)] holds this chunk's input and
-        #   what its backward will start from; an input that arrived from another stage will
-        #   get a .grad in backward; the last stage records its micro-batch loss, scaled so the
-        #   m of them sum to the batch mean, in state.losses (detached) and returns None; the
-        #   other stages return plain data for the next stage (the graph stays here).
-        # Hint 1: a received tensor is a leaf with no history, and autograd fills .grad only
-        #   for leaves that ask for it. Run the chunk with self._run_chunk (it checkpoints when
-        #   asked). See "Why 1/m" in the guide for the scale.
-        # Hint 2: pick the input by stage (the micro-batch on stage 0, the received tensor,
-        #   marked as needing a gradient, elsewhere); run the chunk; on the last stage replace
-        #   the output by the scaled loss against this micro-batch's targets and record it;
-        #   stash the pair under (microbatch, chunk); hand back the detached output unless this
-        #   is the last stage.
-        # Hint 3: stage 0's input is state.inputs[microbatch]; elsewhere it is the received
-        #   tensor after requires_grad_(); self._run_chunk(chunk, input) gives the output; on
-        #   the last stage the output becomes loss_fn(output, that micro-batch's targets) / m
-        #   and its detached copy goes into state.losses; the stash maps (microbatch, chunk)
-        #   to the pair (input, output).
+        # Invariant: afterwards state.stash[(microbatch, chunk)] holds this chunk's input and what
+        #   its backward will start from; an input that arrived from another stage will get a .grad
+        #   in backward; the last stage records its micro-batch loss, scaled so the m of them sum to
+        #   the batch mean, in state.losses (detached) and returns None; the other stages return
+        #   plain data for the next stage (the graph stays here).
+        # Hint 1: self._run_chunk runs a chunk (through 2.3's checkpoint when asked); state holds
+        #   this step's micro-batches, targets and stash.
+        # Hint 2: Where does stage 0's input come from, and every other stage's? What does autograd
+        #   need of a leaf tensor before it fills its .grad? What does the last stage turn its
+        #   output into, and by what factor must it scale it so that the m backwards add up to one
+        #   big batch's gradients? What is sent on: the output with its graph, or its data alone?
+        # Hint 3: Stage 0's input is its micro-batch of state.inputs; every other stage's is the
+        #   received tensor, marked as requiring a gradient (requires_grad_) before the chunk runs,
+        #   or its .grad never exists.
+        # Hint 4: On the last stage the output becomes loss_fn of the output and the micro-batch's
+        #   targets, divided by m: m means of equal micro-batches, each over m, sum to the batch
+        #   mean. Its detached copy goes into state.losses.
+        # Hint 5: Run the chunk on the input; on the last stage make its output the scaled loss and
+        #   record it; store the pair (input, output or loss) in the stash under (microbatch,
+        #   chunk); return None on the last stage and the detached output elsewhere.
         # See guidelines.md#25-pipeline-parallelism
         # >>> solution
         if stage == 0:
@@ -113,27 +114,30 @@ class PipelineExecutor(PipelineRuntime):
     def _backward(
         self, state: StepState, action: Action, received: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """One backward: autograd through the stash from the scaled loss (last stage) or from
-        ``received``, the gradient of the output. Returns the gradient of the input, to send
-        to stage - 1, or ``None`` on stage 0."""
+        """One backward of one micro-batch through one chunk. ``received`` is the gradient of
+        the chunk's output from stage + 1 (``None`` on the last stage). Returns the gradient of
+        the input, to send to stage - 1, or ``None`` on stage 0."""
         chunk, microbatch = action.chunk, action.microbatch
         stage = self.stage_of(chunk)
         # TODO 2.5: run the backward of one micro-batch through one chunk and free its stash.
         # Invariant: afterwards the stash no longer holds (microbatch, chunk) and the chunk's
-        #   parameters' .grad have accumulated this micro-batch's share; every stage but 0
-        #   returns the gradient of its input (same shape as the input).
-        # Hint 1: the last stage starts backward from its scaled loss, the others from their
-        #   output and the gradient that came back for it. A stage whose output needs no grad
-        #   (no parameters, and an input that needs none) has nothing to backpropagate.
-        #   Removing the stash entry is what frees the micro-batch's activations.
-        # Hint 2: take the entry out of the stash (pop, not get: a step holds only what its
-        #   schedule says); backpropagate when the stashed output requires grad; stage 0 sends
-        #   nothing back, the others return their input's .grad (zeros shaped like the input
-        #   when autograd left it None: the output did not depend on it).
-        # Hint 3: pop the (input, output) pair under (microbatch, chunk); torch.autograd.backward
-        #   of the output with `received` as its gradient (None on the last stage: the loss is
-        #   a scalar); return the input's .grad, or torch.zeros_like of the input when it is
-        #   None.
+        #   parameters' .grad have accumulated this micro-batch's share; every stage but 0 returns
+        #   the gradient of its input (same shape as the input).
+        # Hint 1: torch.autograd.backward takes the tensors to start from and the gradients flowing
+        #   into them (None for a scalar), and accumulates into .grad.
+        # Hint 2: From which tensor, and with which incoming gradient, does the last stage start,
+        #   and every other stage? How does the stash entry leave the stash, so that nothing else
+        #   keeps the micro-batch's graph alive? What is there to backpropagate when the stashed
+        #   output needs no gradient (a stage without parameters whose input needs none)? What does
+        #   a stage return when autograd left its input's .grad empty?
+        # Hint 3: The last stage backpropagates from its scaled loss (a scalar: no incoming
+        #   gradient); every other stage from its output, with received as the output's gradient.
+        # Hint 4: The entry is popped, not read: the stash's reference to the graph goes with it. An
+        #   output that does not require grad has nothing to backpropagate; its input's gradient is
+        #   then zeros shaped like the input.
+        # Hint 5: Pop the (input, output) pair under (microbatch, chunk); when the output requires
+        #   grad, torch.autograd.backward of the output with received; return None on stage 0, else
+        #   the input's .grad, or zeros shaped like the input when it is None.
         # See guidelines.md#25-pipeline-parallelism
         # >>> solution
         x, output = state.stash.pop((microbatch, chunk))
@@ -155,23 +159,25 @@ class PipelineExecutor(PipelineRuntime):
         chunk, microbatch = action.chunk, action.microbatch
         stage = self.stage_of(chunk)
         # TODO 2.5: the input's gradient of one micro-batch through one chunk; keep the rest for W.
-        # Invariant: afterwards the stash no longer holds (microbatch, chunk) and the weight
-        #   stash does, with what W starts from; no parameter's .grad has changed yet; every
-        #   stage but 0 returns the gradient of its input (same shape as the input), as
-        #   _backward does.
-        # Hint 1: autograd can differentiate with respect to chosen tensors only, and frees the
-        #   graph it walked unless asked to keep it; W walks the same graph later. Stage 0's
-        #   input needs no gradient: its B has nothing to compute, its W does all the work.
-        # Hint 2: take the entry out of the stash; unless this is stage 0 (or the output needs
-        #   no grad), ask autograd for the gradient of the output with respect to the input
-        #   alone, starting from the gradient that came back (none on the last stage), keeping
-        #   the graph; put the output and that incoming gradient in the weight stash under the
-        #   same key; return the input's gradient (zeros shaped like the input when autograd
-        #   found none), or None on stage 0.
-        # Hint 3: torch.autograd.grad of the output with respect to the input alone, with
-        #   `received` as the output's gradient, keeping the graph (retain_graph) and allowing
-        #   an input the output does not use; it returns a one-element tuple. The weight
-        #   stash maps the same key to the pair (output, received).
+        # Invariant: afterwards the stash no longer holds (microbatch, chunk) and the weight stash
+        #   does, with what W starts from; no parameter's .grad has changed yet; every stage but 0
+        #   returns the gradient of its input (same shape as the input), as _backward does.
+        # Hint 1: the input's gradient goes to stage − 1 at once; the weights' gradients wait for
+        #   this micro-batch's W, which reads the weight stash (the API table says what an entry
+        #   holds).
+        # Hint 2: Which autograd call returns the gradient of chosen tensors and fills no .grad?
+        #   With respect to which tensor does B differentiate? Autograd frees the graph it walks:
+        #   what must B ask of it, given that W walks the same graph later? Stage 0's input needs no
+        #   gradient: what must its B still do so that its W can run?
+        # Hint 3: torch.autograd.grad of the output with respect to the input alone, from received
+        #   (None on the last stage): it returns the gradient and leaves every .grad as it was.
+        # Hint 4: retain_graph keeps the graph for W's walk; allow_unused covers a chunk whose
+        #   output does not use its input. Every B, stage 0's included, moves its entry: the pair
+        #   (output, received) goes into the weight stash under the same key.
+        # Hint 5: Pop the stash entry; put (output, received) in the weight stash; return None on
+        #   stage 0; elsewhere, when the output requires grad, the input's gradient from
+        #   torch.autograd.grad with the graph retained and unused inputs allowed (a one-element
+        #   tuple), returned, or zeros shaped like the input when it is None.
         # See guidelines.md#zero-bubble-split-the-backward-in-two
         # >>> solution
         x, output = state.stash.pop((microbatch, chunk))
@@ -191,19 +197,22 @@ class PipelineExecutor(PipelineRuntime):
         chunk, microbatch = action.chunk, action.microbatch
         # TODO 2.5: the weights' gradients of one micro-batch through one chunk, after its B.
         # Invariant: afterwards the weight stash no longer holds (microbatch, chunk) and every
-        #   parameter of the chunk has accumulated this micro-batch's share in .grad, exactly
-        #   what the full backward would have added; nothing is sent.
-        # Hint 1: the same graph and the same incoming gradient as B, now differentiated with
-        #   respect to the chunk's parameters; accumulating into .grad (not replacing) is what
-        #   sums the m micro-batches. A chunk without parameters, or an output that needs no
-        #   grad, has nothing to compute.
-        # Hint 2: take the entry out of the weight stash; collect the chunk's parameters that
-        #   require grad; if there are any and the output requires grad, backpropagate from the
-        #   output with the stashed gradient, restricted to those parameters (this last walk
-        #   may free the graph).
-        # Hint 3: torch.autograd.backward of the output with the stashed gradient, its
-        #   `inputs` argument set to the list of parameters: it accumulates into each of their
-        #   .grad and touches nothing else.
+        #   parameter of the chunk has accumulated this micro-batch's share in .grad, exactly what
+        #   the full backward would have added; nothing is sent.
+        # Hint 1: everything W needs is in the entry its B left in the weight stash.
+        # Hint 2: From which output and which incoming gradient does W start? With respect to which
+        #   tensors does it differentiate? How must its result reach .grad so that the m
+        #   micro-batches add up, and which autograd call does that while touching nothing else?
+        #   What is there to do for a chunk without trainable parameters?
+        # Hint 3: W starts from the same output and incoming gradient as B, both in its weight-stash
+        #   entry, and differentiates with respect to the chunk's parameters that require grad.
+        # Hint 4: torch.autograd.backward with its inputs argument set to those parameters adds into
+        #   their .grad (accumulating, as the m micro-batches need) and touches nothing else; this
+        #   last walk may free the graph. A chunk without such parameters, or an output that needs
+        #   no grad, has nothing to compute.
+        # Hint 5: Pop the weight-stash entry; collect the chunk's parameters that require grad; when
+        #   there are any and the output requires grad, torch.autograd.backward of the output with
+        #   the stashed gradient, restricted to them.
         # See guidelines.md#zero-bubble-split-the-backward-in-two
         # >>> solution
         output, grad_output = state.weight_stash.pop((microbatch, chunk))

@@ -45,17 +45,22 @@ def balanced_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     # TODO 2.5: split the cost list into num_stages contiguous pieces, minimising the largest.
     # Invariant: the ranges are non-empty, in order, and cover 0..n-1 exactly; no other split
     #   into num_stages contiguous pieces has a smaller maximum piece cost.
-    # Hint 1: dynamic programming over prefixes. However the first layers are cut, only two
-    #   things matter for the rest: where the last stage begins, and the best maximum the
-    #   layers before it can reach with one stage fewer.
-    # Hint 2: a table of the best maximum for "the first j layers in k stages", filled for one
-    #   stage (a prefix sum), then two, then more: each entry tries every start of its last
-    #   stage that leaves each earlier stage a layer, and keeps the start that wins. Prefix
-    #   sums give any piece's cost at once. Then rebuild the ranges from the end: the start
-    #   of the last stage is the end of the stage before it, and so on down to layer 0.
-    # Hint 3: with P the prefix sums (P_0 = 0), best(1, j) = P_j and, for k >= 2,
-    #   best(k, j) = min over i in [k − 1, j − 1] of max(best(k − 1, i), P_j − P_i); cut(k, j)
-    #   remembers the winning i; the ranges come from walking back from cut(num_stages, n).
+    # Hint 1: an exact answer must weigh every cut, and the cuts are many; but many of them
+    #   begin the same way.
+    # Hint 2: Take the best cut of the first j layers into k stages: where can its last stage
+    #   begin, and what does the whole cut cost, given the best cut of the layers before that
+    #   stage into k − 1 stages? What is the answer for one stage? Once every best cost is
+    #   known, how do you recover the ranges themselves?
+    # Hint 3: The best maximum for the first j layers in k stages is the smallest, over every
+    #   start i of the last stage that leaves each earlier stage a layer (i from k − 1 to
+    #   j − 1), of the larger of two numbers: the best for the first i layers in k − 1 stages,
+    #   and the cost of layers i to j − 1. For one stage it is the cost of the whole prefix.
+    # Hint 4: Prefix sums give any range's cost at once. Remember, for each (k, j), the start
+    #   that won: the ranges come back from the end, the last stage starting at the start
+    #   remembered for (num_stages, n), the stage before it ending there, and so on to layer 0.
+    # Hint 5: Fill a table of best costs for k from 1 to num_stages and j from k to n, with the
+    #   winning starts beside it; then walk back from (num_stages, n), putting each range in
+    #   front of those found so far, and return them.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     n = len(costs)

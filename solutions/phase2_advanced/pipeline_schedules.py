@@ -73,14 +73,15 @@ def gpipe_rank_actions(rank: int, num_stages: int, num_microbatches: int) -> lis
     # Invariant: each micro-batch's forward comes before its backward; this rank holds all m
     #   micro-batches' activations at the turn from forwards to backwards; forwards and
     #   backwards each go through the micro-batches in order 0, 1, ..., m-1.
-    # Hint 1: the order is the same on every rank: the rank only decides *when* it can start
-    #   (the executor and the simulator wait for the neighbours), not *what* comes next.
+    # Hint 1: the executor and the simulator make every action wait for the messages it needs: a
+    #   rank's list only says in which order that rank runs its own actions.
     # Hint 2: Does anything in the list depend on the rank or on the number of stages, or only on
-    #   the micro-batches? Under all-forward-all-backward, when does the first backward come, and in
-    #   which order do the backwards go?
-    # Hint 3: Two lists concatenated: the m forwards in micro-batch order 0 to m − 1 (forward(i)
-    #   builds one), then the m backwards in the same order (backward(i)); rank and num_stages
-    #   change nothing.
+    #   the micro-batches? Under all-forward-all-backward, when does the first backward come, and
+    #   in which order do the backwards go?
+    # Hint 3: Nothing depends on the rank or on num_stages: every rank's list is the same, and
+    #   waiting for the neighbours is the executor's business.
+    # Hint 4: The m forwards in micro-batch order 0 to m − 1 (the given forward builds one action),
+    #   then the m backwards in the same order (the given backward); one list, returned.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     forwards = [forward(mb) for mb in range(num_microbatches)]
@@ -102,15 +103,17 @@ def one_f_one_b_order(num_warmup: int, num_forwards: int) -> list[tuple[ActionKi
     # Invariant: the forwards appear as k = 0, 1, ..., and so do the backwards; exactly
     #   num_warmup forwards come before the first backward; from then on the number of
     #   forwards without their backward (the stash) never grows: one in, one out.
-    # Hint 1: three phases. Warm-up: forwards only, to fill the pipeline. Steady state: each
-    #   forward is followed at once by the oldest backward still owed. Drain: the backwards
-    #   left when no forward is left.
-    # Hint 2: the warm-up is a run of forwards; the steady state is a run of (forward,
-    #   backward) pairs, one pair per forward that the warm-up did not run; the drain is the
-    #   run of backwards the steady state did not reach. Check it on the guide's p = 4, m = 6
-    #   orders.
-    # Hint 3: w = num_warmup, f = num_forwards: forwards 0 to w − 1; then, for j from 0 to
-    #   f − w − 1, forward w + j followed by backward j; then backwards f − w to f − 1.
+    # Hint 1: once the warm-up is over, every forward that enters the stash is matched by a
+    #   backward that leaves it, until the forwards run out.
+    # Hint 2: How many (forward, backward) pairs fit between the warm-up and the drain? Which
+    #   backward is the oldest still owed when forward k runs? How many backwards are left when
+    #   the last forward has run? Check your counts on the guide's p = 4, m = 6 orders.
+    # Hint 3: The warm-up is forwards 0 to w − 1 (w the warm-up count, f the number of forwards);
+    #   then come f − w pairs, one per forward the warm-up did not run.
+    # Hint 4: In pair j (counted from 0), forward w + j is followed by backward j, the oldest
+    #   backward still owed; the drain is backwards f − w to f − 1.
+    # Hint 5: The (kind, k) pairs in order: forwards 0 to w − 1; then, for j from 0 to f − w − 1,
+    #   forward w + j and backward j; then backwards f − w to f − 1.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     order: list[tuple[ActionKind, int]] = [(FORWARD, k) for k in range(num_warmup)]
@@ -128,13 +131,18 @@ def one_f_one_b_rank_actions(rank: int, num_stages: int, num_microbatches: int) 
     # Invariant: no rank ever holds more than p micro-batches' activations, however large m
     #   is (the first rank holds the most); the k-th forward and the k-th backward are those
     #   of micro-batch k.
-    # Hint 1: a rank must keep running forwards until the first gradient can come back to it,
-    #   and it cannot run more forwards than there are micro-batches.
-    # Hint 2: read the warm-up counts off the guide's p = 4 picture (rank 0 runs 3, rank 3
-    #   none) and say them as a rule of p and the rank; cap it by m; then turn each (kind, k)
-    #   of one_f_one_b_order into an Action of micro-batch k.
-    # Hint 3: the warm-up is the number of stages after this rank, p − 1 − rank, capped by
-    #   m; one Action per (kind, k) pair of one_f_one_b_order of that warm-up and m, in order.
+    # Hint 1: the warm-up count is all this function decides; one_f_one_b_order does the rest.
+    # Hint 2: When rank r has run the forward of micro-batch 0, how many stages must that
+    #   micro-batch still cross, and come back through, before a gradient can reach r? How many
+    #   forwards can r run meanwhile? What if there are fewer micro-batches than that? Read the
+    #   counts off the guide's p = 4 picture first.
+    # Hint 3: Rank r's first backward can come only once micro-batch 0 has crossed the stages
+    #   after r and returned: p − 1 − r warm-up forwards (rank 0 of p = 4 runs 3, rank 3 none).
+    # Hint 4: Capped by m: with fewer micro-batches than that, every forward is warm-up, and the
+    #   list is GPipe's.
+    # Hint 5: The warm-up is the smaller of p − 1 − rank and m; each (kind, k) of
+    #   one_f_one_b_order for that warm-up and m forwards becomes the Action of that kind on
+    #   micro-batch k, in order.
     # See guidelines.md#25-pipeline-parallelism
     # >>> solution
     warmup = min(num_stages - rank - 1, num_microbatches)
@@ -156,13 +164,20 @@ def zero_bubble_h1_rank_actions(rank: int, num_stages: int, num_microbatches: in
     #   a later rank starts late, holds fewer, and idles at the end of the step. A W that
     #   waits keeps its micro-batch's activations alive, so memory (the invariant) bounds how
     #   many W's a rank may keep waiting. The guide's p = 4 picture shows the counts.
-    # Hint 2: walk this rank's 1F1B order (same warm-up as 1F1B) and copy it; after each
-    #   backward, once this rank already has its share of W's waiting, append the oldest
-    #   waiting W; when the order ends, append the W's still waiting, oldest first. Check
-    #   your lists against the guide's p = 4, m = 6 orders.
-    # Hint 3: the number of W's rank r keeps waiting is r (capped by m): after the backward of
-    #   micro-batch j, append weight(j - rank) when j >= rank; at the end append weight(k) for
-    #   k from max(m - rank, 0) to m - 1.
+    # Hint 2: Under 1F1B, how many micro-batches does rank r hold at its peak, and how many more
+    #   may it hold under the invariant? When rank r runs the B of micro-batch j, which W can
+    #   follow it without going past that? Where do the W's go that are still waiting when the
+    #   1F1B order ends, and in which order? Check your lists against the guide's p = 4, m = 6
+    #   orders.
+    # Hint 3: Rank r holds p − r micro-batches at its 1F1B peak, so it may keep r W's waiting and
+    #   still hold at most p.
+    # Hint 4: After the B of micro-batch j, the W of micro-batch j − r follows, once j is at
+    #   least r: the W's lag the B's by r. The W's left at the end (the last r micro-batches',
+    #   or all m when m is smaller) run after the last B, oldest first.
+    # Hint 5: Copy this rank's 1F1B order (same warm-up, one_f_one_b_order); after each backward
+    #   of a micro-batch j at least as large as the rank, append the W of micro-batch j minus the
+    #   rank; when the order ends, append the W's of the micro-batches still waiting, in
+    #   increasing order.
     # See guidelines.md#zero-bubble-split-the-backward-in-two
     # >>> solution
     # rank r defers its W's by r backwards: it holds p - r micro-batches under 1F1B, plus r

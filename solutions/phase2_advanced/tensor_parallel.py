@@ -1,18 +1,16 @@
 """Exercise 2.6, part 3: Megatron's parallel MLP and self-attention.
 
 A transformer layer is attention + MLP. Megatron-LM (Shoeybi et al., 2019, section 3, figure 3)
-parallelizes both with the same pattern: a column-parallel layer, an element-wise (or per-head)
-middle, a row-parallel layer. The middle needs no communication, so each block costs exactly one
-all-reduce in forward (g, after the row-parallel layer) and one in backward (f, before the
-column-parallel one): four per transformer layer per step, each of batch x sequence x hidden
-values. Every all-reduce runs on the tensor-parallel ``group`` (the whole world when None).
+parallelizes both so that each block costs exactly one all-reduce in forward and one in
+backward, each of batch x sequence x hidden values: four per transformer layer per step. Every
+all-reduce runs on the tensor-parallel ``group`` (the whole world when None).
 
-* ``ParallelMLP``: fc1 (hidden -> ffn) split by output features, GELU on the slice, fc2
-  (ffn -> hidden) split by input features.
-* ``ParallelSelfAttention``: heads split across ranks. The fused QKV projection is
-  column-parallel so each rank computes q, k and v of *its* heads; attention runs per head, on
-  this rank's heads only; the output projection is row-parallel. Its dense reference is PyTorch's
-  own ``nn.MultiheadAttention``.
+* ``ParallelMLP``: fc1 (hidden -> ffn) a ``ColumnParallelLinear``, GELU, fc2 (ffn -> hidden) a
+  ``RowParallelLinear``; its dense reference is ``DenseMLP``.
+* ``ParallelSelfAttention``: the heads split across ranks, each rank computing attention for its
+  own heads only. Its dense reference is PyTorch's own ``nn.MultiheadAttention``.
+
+Which options of the layers make that so is the exercise (guidelines.md#26-tensor-parallelism).
 
 The library way (``torch.distributed.tensor.parallel``) is library/tensor_parallel.py; the demo
 that compares all three with their dense references is demos/tensor_parallel.py:
@@ -46,11 +44,9 @@ class DenseMLP(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """Megatron's MLP: fc1 column-parallel (no gather), GELU on the slice, fc2 row-parallel.
+    """Megatron's MLP: fc1 (a ColumnParallelLinear), GELU, fc2 (a RowParallelLinear).
 
-    GELU is element-wise, so applying it to this rank's slice of fc1's output is the same as
-    applying it to the whole and slicing: the only communication is fc1's f (backward) and
-    fc2's g (forward).
+    Equal to the dense MLP on every rank, with one all-reduce in forward and one in backward.
     """
 
     def __init__(self, fc1: ColumnParallelLinear, fc2: RowParallelLinear) -> None:
@@ -64,17 +60,22 @@ class ParallelMLP(nn.Module):
         divide by the group's size."""
         _, tp_size = tp_rank_and_size(group)
         check_divisible(dense.fc1.out_features, "MLP hidden size", tp_size)
-        # TODO 2.6: build fc1 and fc2 so that the MLP needs one all-reduce each way.
-        # Invariant: fc1's output on this rank is exactly the slice of features fc2's weight
-        #   shard expects, so nothing is gathered between them; the output is replicated.
-        # Hint 1: fc1 keeps its output split (no gather); fc2 is told its input is already
-        #   split, so it does not slice it again.
-        # Hint 2: Which layer's output may stay split across the ranks, and which layer's input
-        #   arrives split? Which option of each layer's from_dense says so? Where does the one
-        #   all-reduce of the forward then happen?
-        # Hint 3: Two from_dense calls, one per layer, each given the group: fc1 column-parallel
-        #   with its output left split (gather_output off), fc2 row-parallel told that its input is
-        #   already split (input_is_parallel on); then the class built from the two.
+        # TODO 2.6: this rank's shard of the dense MLP, one all-reduce each way.
+        # Invariant: the output equals the dense MLP's on every rank; one forward calls one
+        #   all-reduce of the [batch, seq, hidden] activation and nothing else, and so does one
+        #   backward; every shard's gradient is the matching part of the dense one.
+        # Hint 1: GeLU works element by element: it can run on any slice of fc1's output features.
+        # Hint 2: What does fc1 hand to the GeLU, a slice of its features or the whole output, and
+        #   what does fc2 then expect as its input? Which option of each layer's from_dense says so?
+        #   Where do the forward's one all-reduce and the backward's one then happen?
+        # Hint 3: fc1's slice of output features is exactly the slice of input features fc2's shard
+        #   reads: it may stay sliced. Gathering it and cutting it again in fc2 costs two more
+        #   collectives per block.
+        # Hint 4: fc1 keeps its output sliced; fc2 is told that its input arrives sliced; both on
+        #   the group. The forward's all-reduce is then fc2's g, the backward's fc1's f.
+        # Hint 5: ColumnParallelLinear.from_dense of the dense fc1 on the group with gather_output
+        #   off; RowParallelLinear.from_dense of the dense fc2 on the group with input_is_parallel
+        #   on; the class built from the two.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         fc1 = ColumnParallelLinear.from_dense(dense.fc1, group, gather_output=False)
@@ -109,10 +110,10 @@ def check_attention(attention: nn.MultiheadAttention) -> None:
 class ParallelSelfAttention(nn.Module):
     """Multi-head self-attention with the heads split across ranks (batch-first input).
 
-    ``qkv`` is column-parallel over the fused [q; k; v] projection (``fused_parts=3``), so rank
-    r computes q, k and v for heads [r*h, (r+1)*h) where h = num_heads / tp_size. Heads are
-    independent until the output projection, which is row-parallel: its input features are the
-    concatenated heads, so this rank's heads are exactly its input slice.
+    Rank r of the group holds heads [r*h, (r+1)*h), where h = num_heads / tp_size: ``qkv`` (a
+    ColumnParallelLinear) holds their rows of the in-projection, q's, then k's, then v's, and
+    ``out_proj`` (a RowParallelLinear) their part of the output projection. Equal to
+    ``nn.MultiheadAttention`` on every rank, with one all-reduce in forward and one in backward.
     """
 
     def __init__(
@@ -140,19 +141,25 @@ class ParallelSelfAttention(nn.Module):
         check_attention(attention)
         _, tp_size = tp_rank_and_size(group)
         check_divisible(attention.num_heads, "number of attention heads", tp_size)
-        # TODO 2.6: shard the fused QKV projection by heads and the output projection by rows.
-        # Invariant: this rank's qkv output holds [q; k; v] of its own heads only; out_proj
-        #   takes those heads' outputs (input_is_parallel) and reduces once.
-        # Hint 1: nn.MultiheadAttention keeps q, k, v stacked in one [3E, E] in-projection (and
-        #   its bias): a contiguous slice of its rows would give rank 0 only q's. The layers of
-        #   tensor_parallel_layers.py can be built from raw weights, with fused parts.
-        # Hint 2: qkv column-parallel from the fused in-projection's weight and bias (three
-        #   fused parts); out_proj row-parallel from the dense out_proj, its input already
-        #   split; both on the group; then the class built from them, the number of heads and
-        #   causal.
-        # Hint 3: ColumnParallelLinear.from_weights takes the attention's in_proj_weight and
-        #   in_proj_bias, the group, and fused_parts (q, k and v: 3); RowParallelLinear's
-        #   from_dense takes the attention's out_proj with input_is_parallel set.
+        # TODO 2.6: this rank's heads of the dense attention.
+        # Invariant: qkv holds the in-projection's rows (weight and bias) of this rank's heads, q's,
+        #   then k's, then v's; out_proj holds the out-projection's entries for those heads and its
+        #   whole bias; the block communicates once each way.
+        # Hint 1: nn.MultiheadAttention keeps q, k and v stacked in one [3E, E] in_proj_weight (and
+        #   one [3E] in_proj_bias); the layers of tensor_parallel_layers.py can be built from raw
+        #   weights.
+        # Hint 2: If the rows of in_proj_weight were cut as one block, which of q, k and v would
+        #   rank 0 hold? Which option of the column layer says that the rows are several stacked
+        #   matrices, and how many? What does out_proj's input hold on this rank, and which option
+        #   says so? Which constructor takes raw weights, and which a dense Linear?
+        # Hint 3: Three fused parts: with E = 8, 4 heads of 2 and 2 ranks, rank 0 takes q rows 0-3,
+        #   k rows 8-11 and v rows 16-19, its heads 0 and 1.
+        # Hint 4: out_proj's input is this rank's heads side by side, already its slice of the input
+        #   features: input_is_parallel, so nothing is cut again and the block's only forward
+        #   all-reduce is out_proj's g.
+        # Hint 5: ColumnParallelLinear.from_weights of in_proj_weight and in_proj_bias on the group
+        #   with three fused parts; RowParallelLinear.from_dense of the attention's out_proj on the
+        #   group with input_is_parallel; the class built from them, the number of heads and causal.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         qkv = ColumnParallelLinear.from_weights(
@@ -164,20 +171,26 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, seq, embed] -> [batch, seq, embed], replicated on every rank."""
-        # TODO 2.6: attention over this rank's heads, then the row-parallel output projection.
-        # Invariant: the result equals the dense attention's output on every rank; the only
-        #   communication is qkv's f (backward) and out_proj's g (forward).
-        # Hint 1: qkv(x) holds, for each position, q, k and v of this rank's heads, one after
-        #   the other, each head-major; torch's scaled_dot_product_attention works per head
-        #   on [batch, heads, seq, head_dim]; out_proj wants this rank's heads side by side.
-        # Hint 2: one view of qkv(x) into five dimensions (batch, seq, the three of q/k/v, local
-        #   heads, head_dim) and one permute gives q, k and v, each [batch, local heads, seq,
-        #   head_dim]; one attention call (causal when self.causal); then the inverse: heads
-        #   back after seq, flattened into the last dimension, into out_proj.
-        # Hint 3: view as (batch, seq, 3, local heads, head_dim), then permute the dimensions
-        #   into the order (3, batch, heads, seq, head_dim), and unpack q, k, v along the first;
-        #   F.scaled_dot_product_attention with is_causal from self.causal; swap dims 1 and 2
-        #   back and reshape to (batch, seq, everything else) before out_proj.
+        # TODO 2.6: attention over this rank's heads, then the out-projection.
+        # Invariant: the result equals the dense attention's output on every rank; the block
+        #   communicates once each way, in qkv and out_proj and nowhere else.
+        # Hint 1: qkv's output holds, at each position, this rank's q features, then its k features,
+        #   then its v features, head after head in each; torch's scaled_dot_product_attention works
+        #   per head on [batch, heads, seq, head_dim].
+        # Hint 2: Into how many dimensions must qkv's output be viewed so that q/k/v and the heads
+        #   each get their own, and in which order do they lie in memory? Which permutation puts
+        #   them in the order attention wants, with q, k and v first so that they unpack? When is
+        #   attention causal? Afterwards, in which order must positions and heads lie for out_proj,
+        #   which reads this rank's heads side by side?
+        # Hint 3: The view is batch, seq, 3 (q, k, v), local heads, head_dim, in that order: the
+        #   order in which the output features are laid out.
+        # Hint 4: The permutation puts the 3 first, then batch, heads, seq, head_dim; attention is
+        #   causal when self.causal; on the way back the heads go after seq again and merge with
+        #   head_dim into the last dimension.
+        # Hint 5: qkv of x viewed as (batch, seq, 3, local heads, head_dim), permuted to (3, batch,
+        #   heads, seq, head_dim) and unpacked into q, k and v; F.scaled_dot_product_attention with
+        #   is_causal from self.causal; its dimensions 1 and 2 swapped back and reshaped to (batch,
+        #   seq, everything else) for out_proj.
         # See guidelines.md#26-tensor-parallelism
         # >>> solution
         batch, seq, _ = x.shape

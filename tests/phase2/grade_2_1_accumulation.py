@@ -67,14 +67,23 @@ def expected_sizes(samples: int, micro: int) -> list[int]:
 
 
 def full_batch_reference(samples: int, steps: int, seed_offset: int = 0) -> dict[str, torch.Tensor]:
+    return full_batch_steps(samples, steps, seed_offset)[-1]
+
+
+def full_batch_steps(
+    samples: int, steps: int, seed_offset: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """The parameters of one process stepping on the whole batch, after each step."""
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    after = []
     for step in range(steps):
         x, y = batch(samples, seed=step + seed_offset)
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-    return params_of(model)
+        after.append(params_of(model))
+    return after
 
 
 def check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -85,7 +94,9 @@ def check_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
                 f"{what}: {name} differs from one process stepping on the whole batch by "
                 f"{diff:.3e}. The micro-batches (and, data-parallel, the all-reduces) were "
                 "checked before this and are right, so the usual cause is the weighting: weight "
-                "each micro-batch's mean loss by its share of the samples, not equally"
+                "each micro-batch's mean loss by its share of the samples, not equally (or "
+                ".grad cleared between the micro-batches of one step, so that only the last "
+                "one counts)"
             )
 
 
@@ -157,6 +168,7 @@ def accumulation_dp_worker(
     sizes = record_batch_sizes(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     per_rank = global_batch // size
+    after: list[dict[str, torch.Tensor]] = []
     with CommCounter() as comm:
         for step in range(steps):
             x, y = batch(global_batch, seed=step + seed_offset)
@@ -172,8 +184,10 @@ def accumulation_dp_worker(
                 data_parallel=True,
                 **kwargs,
             )
+            after.append(params_of(model))
     return {
         "params": params_of(model),
+        "after": after,
         "all_reduces": comm.count("all_reduce"),
         "sizes": sizes,
         "crossing": crossing_message(comm, info) if info else None,
@@ -199,8 +213,24 @@ def check_data_parallel(results: list[dict[str, Any]], steps: int, label: str) -
                 f"{result['all_reduces']} all-reduces on rank {rank}; expected {steps}: "
                 + all_reduce_advice(result["all_reduces"], steps, 2)
             )
-        want = full_batch_reference(12, steps, 100 * result["index"])
-        check_params(result["params"], want, f"{label}, rank {rank}, 2 ranks x (4 + 2 samples)")
+        wants = full_batch_steps(12, steps, 100 * result["index"])
+        where = f"{label}, rank {rank}, 2 ranks x (4 + 2 samples)"
+        first_wrong = next(
+            (
+                step
+                for step, (got, want) in enumerate(zip(result["after"], wants, strict=True))
+                if any((got[n] - want[n]).abs().max().item() > TOLERANCE for n in want)
+            ),
+            None,
+        )
+        if first_wrong is not None and first_wrong > 0:
+            fail(
+                f"{where}: after step {first_wrong - 1} the weights equal one process stepping "
+                f"on the whole batch, after step {first_wrong} they differ: the gradients that "
+                f"step {first_wrong} applied are not that step's alone (backward adds into "
+                ".grad, and the previous step's gradients are still there when a step starts)"
+            )
+        check_params(result["params"], wants[-1], where)
 
 
 @exercise("2.1")
@@ -283,7 +313,9 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch() -> None:
                     "and backward, inside no_sync()"
                 )
             else:
-                advice = "run every micro-batch but the last, forward and backward, inside no_sync()"
+                advice = (
+                    "run every micro-batch but the last, forward and backward, inside no_sync()"
+                )
             fail(
                 f"{label}: DDP launched {calls} bucket all-reduces per optimizer step on rank "
                 f"{rank}; expected {buckets} (one per bucket): {advice}"

@@ -82,25 +82,26 @@ def compare_streams(
     theirs = run_scaler_stream(torch.amp.GradScaler(device, **kwargs), steps, overflows, device)
     for step, (got, want) in enumerate(zip(ours[0], theirs[0], strict=True)):
         if got != want:
-            event = "an overflow" if step in overflows else "a clean step"
+            event = "an overflow" if step in overflows else "a clean iteration"
             fail(
-                f"2.2 {label}: after step {step} ({event}) the scale is {got!r}; GradScaler's "
-                f"is {want!r} (scales before: {theirs[0][max(0, step - 3) : step]}). "
+                f"2.2 {label}, update: after iteration {step} ({event}) the scale is {got!r}; "
+                f"GradScaler's is {want!r} (scales before: "
+                f"{theirs[0][max(0, step - 3) : step]}). "
                 + (
                     "GradScaler multiplies the float32 scale by the factor in float64 and rounds "
                     "the product to float32 once"
                     if abs(got - want) <= 1e-6 * abs(want)
                     else "Check the state machine: back off on an overflow, grow after "
-                    "growth_interval clean steps in a row, restart the count after either"
+                    "growth_interval clean iterations in a row, restart the count after either"
                 )
             )
     skipped_ours = [i for i, s in enumerate(ours[1]) if not s]
     skipped_theirs = [i for i, s in enumerate(theirs[1]) if not s]
     if skipped_ours != skipped_theirs:
-        fail(f"2.2 {label}: skipped steps {skipped_ours}, GradScaler skipped {skipped_theirs}")
+        fail(f"2.2 {label}: skipped iterations {skipped_ours}, GradScaler skipped {skipped_theirs}")
     if not torch.equal(ours[2], theirs[2]):
         fail(
-            f"2.2 {label}: the weights after the stream differ from GradScaler's by "
+            f"2.2 {label}, unscale_: the weights after the stream differ from GradScaler's by "
             f"{(ours[2] - theirs[2]).abs().max():.2e} on {device}: multiply each gradient by one float32 "
             "inverse scale (1/scale computed in float64), as GradScaler does"
         )
@@ -165,8 +166,9 @@ def test_unscaled_gradients_equal_grad_scalers_bitwise() -> None:
         )
     if not torch.equal(grads["ours after step"], theirs):
         fail(
-            "2.2: unscale_ then step: the gradients changed again in step() (unscaled twice?): "
-            "unscale_ must remember that it ran (self._unscaled) until update()"
+            "2.2 unscale_: the gradients changed again when the optimizer was stepped through "
+            "the scaler (unscaled twice?): unscale_ must remember that it ran (self._unscaled) "
+            "until the scaler's transition at the end of the iteration"
         )
 
 
@@ -277,7 +279,7 @@ def check_skips(results: list[dict[str, Any]], label: str) -> None:
         stepped, unchanged, scale = result["history"][1]
         if overflowed and (stepped or not unchanged):
             fail(
-                f"{label}: rank 1 overflowed at step 1; rank {rank} "
+                f"{label}, unscale_: rank 1 overflowed at iteration 1; rank {rank} "
                 f"{'stepped' if stepped else 'skipped'} and its weights/optimizer state "
                 f"{'stayed' if unchanged else 'changed'}: every rank of the group must agree "
                 "(all-reduce the overflow flag with MAX on the scaler's group) and leave "
@@ -285,12 +287,15 @@ def check_skips(results: list[dict[str, Any]], label: str) -> None:
             )
         if not overflowed and not stepped:
             fail(
-                f"{label}: rank {rank} skipped step 1, but only rank 1, in the OTHER group, "
+                f"{label}, unscale_: rank {rank} skipped iteration 1, but only rank 1, in the "
+                "OTHER group, "
                 "overflowed: all-reduce the flag on the scaler's group, not on the world"
             )
         want_scale = 128.0 if overflowed else 512.0
         if scale != want_scale:
-            fail(f"{label}: rank {rank}'s scale after step 1 is {scale}, expected {want_scale}")
+            fail(
+                f"{label}: rank {rank}'s scale after iteration 1 is {scale}, expected {want_scale}"
+            )
         want = [True, False, True, True] if overflowed else [True, True, True, True]
         got = [h[0] for h in result["history"]]
         if got != want:
@@ -310,6 +315,35 @@ def test_the_overflow_flag_stays_inside_the_scalers_group() -> None:
     check_skips(results, label)
 
 
+def no_gradient_worker() -> list[int]:
+    """Two iterations in which this rank's optimizer holds a parameter without a gradient."""
+    precision = precision_module()
+    param = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = precision.DynamicLossScaler(init_scale=256.0)
+    collectives = []
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        with CommCounter() as comm:
+            scaler.step(optimizer)
+        scaler.update()
+        collectives.append(len(comm.records))
+    return collectives
+
+
+@exercise("2.2")
+def test_a_rank_without_gradients_still_takes_part_in_the_flag() -> None:
+    for rank, counts in enumerate(small_world(no_gradient_worker, 2)):
+        if counts != [1, 1]:
+            fail(
+                f"2.2 DynamicLossScaler on 2 ranks whose optimizers hold no gradient this "
+                f"iteration: rank {rank} called {counts} collectives in its 2 iterations' "
+                "unscale_ (which the scaler runs every iteration); expected one each. A rank of "
+                "the group with no gradient, a pipeline stage or a frozen part, must still take "
+                "part, or the ranks that hold gradients wait for it in theirs until the timeout"
+            )
+
+
 # ----------------------------------------------------------------------------- the step
 
 
@@ -325,13 +359,14 @@ def clipping_advice(moved: list[tuple[float, float]]) -> str:
         if ref > 0 and ours < ref / 100:
             return (
                 f". Step {step} moved the weights {ref / max(ours, 1e-30):.3g}x less than the "
-                "recipe: the clipping saw gradients still multiplied by the scale (unscale_ "
-                "before clip_grad_norm_)"
+                "recipe: the clipping saw gradients still multiplied by the scale (the "
+                "scaler's unscaling comes before clip_grad_norm_)"
             )
         if ref > 0 and ours > 1.5 * ref:
             return (
                 f". Step {step} moved the weights {ours / ref:.3g}x more than the recipe: the "
-                "clipping did not limit the unscaled gradients (clip between unscale_ and step)"
+                "clipping did not limit the unscaled gradients (clip between the unscaling and the "
+                "scaler's stepping)"
             )
     return ""
 
@@ -366,20 +401,150 @@ def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
             )
         )
         if not stepped:
-            fail(f"2.2 mixed_precision_step: step {step} has no overflow but reported a skip")
+            fail(f"2.2 mixed_precision_step: iteration {step} has no overflow but reported a skip")
         if loss != pytest.approx(ref_loss.item(), rel=1e-6):
             fail(
-                f"2.2 mixed_precision_step (init scale 2^12, clipping at 0.05): step {step} loss "
+                f"2.2 mixed_precision_step (init scale 2^12, clipping at 0.05): iteration {step} "
+                "loss "
                 f"{loss}, expected {ref_loss.item()}" + clipping_advice(moved[:step])
             )
     for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
         diff = (p - q).abs().max().item()
         if diff > 1e-6:
             fail(
-                f"2.2 mixed_precision_step: after 3 clipped steps {name} differs from "
-                f"GradScaler's recipe (unscale_, clip, step, update) by {diff:.2e}: clip after "
+                f"2.2 mixed_precision_step: after 3 clipped iterations {name} differs from "
+                f"GradScaler's recipe by {diff:.2e}: clip after "
                 "unscaling, and unscale once"
             )
+
+
+@exercise("2.2")
+def test_mixed_precision_step_runs_the_forward_and_the_loss_under_autocast() -> None:
+    precision = precision_module()
+    x, y = batch(16)
+    model, ref_model = small_mlp(), small_mlp()
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = precision.DynamicLossScaler(enabled=False)
+    loss, _ = precision.mixed_precision_step(
+        model, optimizer, nn.functional.cross_entropy, x, y, scaler, torch.bfloat16
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = nn.functional.cross_entropy(ref_model(x), y)
+    if seen != [torch.bfloat16]:
+        fail(
+            f"2.2 mixed_precision_step(autocast_dtype=torch.bfloat16): the model's first Linear "
+            f"returned {seen} in its forwards; expected [torch.bfloat16], one forward under "
+            "autocast"
+        )
+    if loss != pytest.approx(ref_loss.item(), rel=1e-6):
+        fail(
+            f"2.2 mixed_precision_step(autocast_dtype=torch.bfloat16): the loss is {loss}; the "
+            f"forward and the loss under the same autocast give {ref_loss.item()} (a float32 "
+            "loss: autocast computes cross-entropy in float32; outside it, on bf16 logits, it is "
+            "computed and rounded in bf16)"
+        )
+
+
+@exercise("2.2")
+def test_an_overflowing_step_changes_nothing_and_backs_off_once() -> None:
+    precision = precision_module()
+    x, y = batch(16)
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = precision.DynamicLossScaler(init_scale=2.0**10)
+    loss_fn = nn.functional.cross_entropy
+    precision.mixed_precision_step(model, optimizer, loss_fn, x, y, scaler, None)
+    weights = [p.detach().clone() for p in model.parameters()]
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    scale = scaler.get_scale()
+    bad = x.clone()
+    bad[3, 2] = float("nan")  # one sample: the loss, and every gradient, turn NaN
+    _, stepped = precision.mixed_precision_step(model, optimizer, loss_fn, bad, y, scaler, None)
+    changed = [
+        name
+        for (name, p), before, buffer in zip(
+            model.named_parameters(), weights, momentum, strict=True
+        )
+        if not torch.equal(p.detach(), before)
+        or not torch.equal(optimizer.state[p]["momentum_buffer"], buffer)
+    ]
+    if stepped or changed:
+        fail(
+            "2.2 mixed_precision_step on inputs holding a NaN (every gradient NaN): it returned "
+            f"stepped={stepped}, and the weights or momentum of {changed or 'no parameter'} "
+            "changed; an overflowing iteration must be skipped by the scaler and leave everything "
+            "as it was"
+        )
+    if scaler.get_scale() != scale * 0.5:
+        fail(
+            f"2.2 mixed_precision_step: after the overflowing iteration the scale is "
+            f"{scaler.get_scale()}; it was {scale}, and one back-off (factor 0.5) gives "
+            f"{scale * 0.5}: the scaler's transition runs once per iteration, a skipped one "
+            "included"
+        )
+
+
+class OneUsedOneUnused(nn.Module):
+    """A bf16 weight the forward uses and one it never touches (its gradient stays None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        self.unused = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.used * x).sum()
+
+
+@exercise("2.2")
+def test_master_weights_skip_overflows_and_leave_unused_parameters_alone() -> None:
+    precision = precision_module()
+    model = OneUsedOneUnused()
+    master = precision.MasterWeights(
+        model, lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1)
+    )
+    scaler = precision.DynamicLossScaler(init_scale=2.0**4)
+    master.zero_grad()
+    scaler.scale(model(torch.ones(4, dtype=torch.bfloat16))).backward()
+    stepped = master.step(scaler)
+    if scaler._found_inf is None:
+        fail(
+            "2.2 MasterWeights.step(scaler): the scaler never unscaled nor checked the masters' "
+            "gradients (its step did not run): with a scaler, the scaler's step decides whether "
+            "the masters' optimizer steps"
+        )
+    scaler.update()
+    masters = dict(zip(("used", "unused"), master.master_params, strict=True))
+    if not stepped or torch.equal(masters["used"].detach(), torch.ones(4)):
+        fail("2.2 MasterWeights.step(scaler): a clean step did not move the used weight's master")
+    if masters["unused"].grad is not None or not torch.equal(
+        masters["unused"].detach(), torch.ones(4)
+    ):
+        fail(
+            "2.2 MasterWeights.step: a parameter the forward never used (no gradient) had its "
+            f"master moved to {masters['unused'].detach().tolist()} (gradient "
+            f"{masters['unused'].grad}); with weight decay a zero gradient still moves it: "
+            "its master must get no gradient either"
+        )
+    before = [m.detach().clone() for m in master.master_params]
+    model_before = [p.detach().clone() for p in model.parameters()]
+    master.zero_grad()
+    scaler.scale(model(torch.full((4,), float("inf"), dtype=torch.bfloat16))).backward()
+    stepped = master.step(scaler)
+    scaler.update()
+    moved = not all(
+        torch.equal(m.detach(), b) for m, b in zip(master.master_params, before, strict=True)
+    ) or not all(
+        torch.equal(p.detach(), b) for p, b in zip(model.parameters(), model_before, strict=True)
+    )
+    if stepped or moved:
+        fail(
+            "2.2 MasterWeights.step(scaler) with an inf gradient: it returned "
+            f"{stepped} and the masters or the model {'changed' if moved else 'stayed'}; the "
+            "scaler decides: an overflow skips the step and changes nothing"
+        )
 
 
 @exercise("2.2")

@@ -97,16 +97,41 @@ def test_checkpointed_gradients_equal_the_plain_model_bitwise_with_dropout(segme
         if not torch.equal(want, got):
             fail(
                 f"{where}: the gradient of {name} is not bitwise equal to the plain model's "
-                f"(max difference {(want - got).abs().max():.2e}). The output matched, so the "
-                "recomputation in backward differs from the first forward: restore the RNG "
-                "state saved before the first forward (dropout must draw the same masks) and "
-                "the autocast state"
+                f"(max difference {(want - got).abs().max():.2e}). "
+                + _why_gradients_differ(checkpointing, segments, x)
             )
     if after != ck_after:
         fail(
             f"{where}: the RNG stream after backward differs from the plain run's: restore the "
             "saved state inside torch.random.fork_rng, so the caller's stream is left as it was"
         )
+
+
+def _why_gradients_differ(checkpointing: Any, segments: int, x: torch.Tensor) -> str:
+    """The cause of gradients that differ while the output matched: the same run without
+    dropout tells a recomputation that draws other masks from a backward that starts wrong."""
+    model = deep_dropout_mlp()
+    model.apply(lambda m: setattr(m, "p", 0.0) if isinstance(m, nn.Dropout) else None)
+    _, grads, _ = grads_after(model, lambda: model(x))
+    _, ck_grads, _ = grads_after(
+        model, lambda: checkpointing.checkpoint_sequential(model, segments, x)
+    )
+    if all(
+        want is not None and got is not None and torch.equal(want, got)
+        for want, got in zip(grads, ck_grads, strict=True)
+    ):
+        return (
+            "The output matched, and with dropout off the gradients match too: the "
+            "recomputation in backward draws other random numbers than the first forward did "
+            "(dropout masks): the RNG state the first forward started from must be restored "
+            "before recomputing"
+        )
+    return (
+        "The output matched, and the gradients differ even with dropout off, so the random "
+        "state is not the cause: the backward through the recomputed segment does not start "
+        "from what autograd handed it (each recomputed output that requires grad, with its "
+        "incoming gradient), or what it returns is not the gradient of each input"
+    )
 
 
 def describe(got: torch.Tensor, want: torch.Tensor) -> str:

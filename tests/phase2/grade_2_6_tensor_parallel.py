@@ -226,15 +226,19 @@ def test_megatron_f_and_g_operators(world_size: int) -> None:
 IN, OUT, BATCH, SEQ = 8, 12, 2, 3
 
 
-def column_worker() -> dict[bool, dict[str, torch.Tensor | None]]:
+def column_worker() -> dict[bool, dict[str, Any]]:
     layers = tp_layers_module()
     rank, n = dist.get_rank(), dist.get_world_size()
     dense = make_linear(IN, OUT)
-    results = {}
+    results: dict[bool, dict[str, Any]] = {}
     for gather_output in (False, True):
         layer = layers.ColumnParallelLinear.from_dense(dense, gather_output=gather_output)
         x = seeded(1, BATCH, SEQ, IN).requires_grad_()
         out = layer(x)
+        want_shape = (BATCH, SEQ, OUT if gather_output else OUT // n)
+        if tuple(out.shape) != want_shape:
+            results[gather_output] = {"shape": tuple(out.shape), "want_shape": want_shape}
+            continue
         weights = loss_weights((BATCH, SEQ, OUT))
         (out * (weights if gather_output else cols(weights, rank, n))).sum().backward()
         results[gather_output] = {
@@ -257,6 +261,12 @@ def test_column_parallel_linear_equals_the_dense_layer(world_size: int) -> None:
         for gather_output, got in results.items():
             where = f"2.6 ColumnParallelLinear(gather_output={gather_output}), rank {rank} of "
             where += f"{world_size}"
+            if "shape" in got:
+                whole = "the whole output" if gather_output else "this rank's slice of the output"
+                fail(
+                    f"{where}: the output should be {whole}, of shape {list(got['want_shape'])}; "
+                    f"it has shape {list(got['shape'])}"
+                )
             checks = [
                 ("its weight shard (rows of the dense weight)", got["weight"],
                  rows(dense.weight.detach(), rank, world_size)),
@@ -309,7 +319,13 @@ def test_column_shard_takes_this_ranks_rows_of_each_fused_part() -> None:
                 continue
             held = [int(v) for v in got.flatten().tolist()] if got.numel() <= 24 else "..."
             advice = ""
-            if torch.equal(got, rows(weight, rank, n)):
+            if got.dim() != 2 or got.shape[1] != weight.shape[1]:
+                advice = (
+                    f": its shape is {list(got.shape)} where the weight's is [24, 1]; it cut the "
+                    "second dimension, the input features, but a column-parallel layer splits its "
+                    "output features"
+                )
+            elif torch.equal(got, rows(weight, rank, n)):
                 advice = (
                     ": that is a contiguous block of rows, which gives rank 0 only queries; with "
                     "fused_parts=3 each rank takes its own slice of each of the 3 stacked parts"
@@ -318,6 +334,30 @@ def test_column_shard_takes_this_ranks_rows_of_each_fused_part() -> None:
                 f"2.6 column_shard(weight of 24 rows, rank={rank}, world_size={n}, fused_parts=3) "
                 f"should hold rows {[int(v) for v in want.flatten().tolist()]} (this rank's "
                 f"rows of q, then of k, then of v); it holds rows {held}{advice}"
+            )
+
+
+@exercise("2.6")
+def test_row_shard_takes_this_ranks_input_features() -> None:
+    """In process, no world: the part of a [4, 8] weight each rank of a row-parallel layer holds."""
+    row_shard = tp_layers_module().row_shard
+    weight = torch.arange(32, dtype=F64).view(4, 8)  # entry (i, j) holds 8 i + j
+    for n in (2, 4):
+        for rank in range(n):
+            want = cols(weight, rank, n)
+            got = row_shard(weight, rank, n)
+            if got.shape == want.shape and torch.equal(got, want):
+                continue
+            advice = ""
+            if got.shape == rows(weight, rank, n).shape and torch.equal(got, rows(weight, rank, n)):
+                advice = (
+                    ": it cut the first dimension, the output features, but a row-parallel "
+                    "layer splits its input features"
+                )
+            fail(
+                f"2.6 row_shard(weight [4, 8], rank={rank}, world_size={n}) should hold the "
+                f"entries of shape {list(want.shape)} that read this rank's input features; it "
+                f"holds shape {list(got.shape)}{advice}"
             )
 
 
@@ -332,6 +372,19 @@ def test_row_parallel_linear_equals_the_dense_layer(world_size: int) -> None:
             where = f"2.6 RowParallelLinear(input_is_parallel={input_is_parallel}), rank {rank} "
             where += f"of {world_size}"
             want_x_grad = cols(x_grad, rank, world_size) if input_is_parallel else x_grad
+            got_x_grad = got["x_grad"]
+            if not input_is_parallel and got_x_grad is not None and not close(got_x_grad, x_grad):
+                outside = got_x_grad.clone()
+                cols(outside, rank, world_size).zero_()
+                if close(cols(got_x_grad, rank, world_size), cols(x_grad, rank, world_size)) and (
+                    not outside.any()
+                ):
+                    fail(
+                        f"{where}: the whole input's gradient is zero outside this rank's slice "
+                        "of its features: x was cut with no operator whose backward brings the "
+                        "other ranks' parts of dL/dx back; it should equal the dense layer's "
+                        f"dL/dx ({describe(got_x_grad, x_grad)})"
+                    )
             if close(got["out"], out + (world_size - 1) * dense.bias.detach()):
                 fail(
                     f"{where}: the output holds the bias {world_size} times: each rank added it "
@@ -510,8 +563,55 @@ def attention_worker() -> dict[bool, dict[str, Any]]:
     results = {}
     for causal in (False, True):
         attention = tp.ParallelSelfAttention.from_dense(make_attention(), causal=causal)
-        results[causal] = run_counted(attention, seeded(4, BATCH, 5, EMBED))
+        shards = {n: p.detach().clone() for n, p in attention.named_parameters()}
+        results[causal] = {**run_counted(attention, seeded(4, BATCH, 5, EMBED)), "shards": shards}
     return results
+
+
+def check_attention_shards(label: str, world_size: int, results: list[dict[str, Any]]) -> None:
+    """This rank's heads' parameters, before any value: a wrong shard names itself."""
+    dense = make_attention()
+    for rank, got in enumerate(results):
+        where = f"2.6 {label}, rank {rank} of {world_size}"
+        in_proj = dense.in_proj_weight.detach()
+        shard = got["shards"].get("qkv.weight")
+        want = qkv_rows(in_proj, rank, world_size)
+        if shard is None or shard.shape != want.shape or not torch.equal(shard, want):
+            advice = ""
+            contiguous = rows(in_proj, rank, world_size)
+            if shard is not None and shard.shape == want.shape and torch.equal(shard, contiguous):
+                advice = (
+                    ": it holds a contiguous block of in_proj_weight's rows, which gives rank 0 "
+                    "only queries; in_proj_weight is q's, k's and v's projections stacked, and "
+                    "each rank needs its own heads' rows of each"
+                )
+            fail(
+                f"{where}: qkv.weight should hold this rank's heads' rows of in_proj_weight "
+                f"(q's, then k's, then v's){advice}"
+            )
+        shard = got["shards"].get("out_proj.weight")
+        want = cols(dense.out_proj.weight.detach(), rank, world_size)
+        if shard is None or shard.shape != want.shape or not torch.equal(shard, want):
+            fail(
+                f"{where}: out_proj.weight should hold the out-projection's columns that read "
+                "this rank's heads"
+            )
+
+
+def check_attention_output(
+    label: str, world_size: int, results: list[dict[str, Any]], out: torch.Tensor
+) -> None:
+    """With the shards right, a wrong output can only come from forward's layout of the heads."""
+    for rank, got in enumerate(results):
+        if got["out"].shape == out.shape and close(got["out"], out):
+            continue
+        fail(
+            f"2.6 {label}, rank {rank} of {world_size}: the output should equal "
+            f"nn.MultiheadAttention's: {describe(got['out'], out)}. This rank's qkv and out_proj "
+            "shards are right, so the difference is in forward: how qkv's output becomes q, k "
+            "and v of shape [batch, local heads, seq, head_dim], or how the heads' results go "
+            "back into the layout out_proj reads (this rank's heads side by side, per position)"
+        )
 
 
 def dense_attention_forward(
@@ -547,6 +647,8 @@ def test_parallel_attention_splits_heads_and_equals_dense(world_size: int) -> No
         expected = functools.partial(attention_grad_slices, attention, n=world_size)
         label = f"ParallelSelfAttention(causal={causal}), {HEADS // world_size} of {HEADS} heads"
         per_rank = [result[causal] for result in results]
+        check_attention_shards(label, world_size, per_rank)
+        check_attention_output(label, world_size, per_rank, out)
         check_block(label, world_size, per_rank, out, x_grad, expected)
 
 

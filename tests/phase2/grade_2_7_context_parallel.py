@@ -486,9 +486,7 @@ def test_ring_attention_output_equals_sdpa_on_the_whole_sequence(cp: int) -> Non
         "key sets, or the next merge weighs the blocks wrongly (a query chunk that meets more "
         "blocks goes wrong first)"
         if bad_lse
-        else "\n  Every non-causal case is right, so the ring and the merge work: look at which "
-        "blocks are skipped or masked (block_kind, and the chunk ids of the visiting block: those "
-        "of the rank it started on)"
+        else _only_causal_advice()
         if only_causal
         else "\n  This rank sent nothing in the forward: every K/V block must travel around the "
         "ring (start_ring_pass), or the queries only ever meet their own keys"
@@ -501,6 +499,37 @@ def test_ring_attention_output_equals_sdpa_on_the_whole_sequence(cp: int) -> Non
         f"{len(wrong)} of {len(CASES) * cp} (case, rank) outputs differ"
         + advice
         + _chunk_advice(results, cp, zigzag)
+    )
+
+
+def _block_kind_right() -> bool:
+    """Whether the learner's block_kind gives the causal rule for every pair of 6 chunks."""
+    layout = layout_module()
+    try:
+        return all(
+            layout.block_kind(q, k, causal=causal).name
+            == ("FULL" if not causal or k < q else "DIAGONAL" if k == q else "SKIP")
+            for causal in (False, True)
+            for q in range(6)
+            for k in range(6)
+        )
+    except Exception:
+        return False
+
+
+def _only_causal_advice() -> str:
+    """Advice when every non-causal output is right and some causal one is not."""
+    if _block_kind_right():
+        return (
+            "\n  Every non-causal case is right, so the ring and the merge work, and your "
+            "block_kind gives the causal rule: the chunk ids the forward gives a visiting block "
+            "are wrong. A block holds the chunks of the rank it started on, and which rank that "
+            "is changes with the step"
+        )
+    return (
+        "\n  Every non-causal case is right, so the ring and the merge work: look at which "
+        "blocks are skipped or masked (block_kind, and the chunk ids of the visiting block: those "
+        "of the rank it started on)"
     )
 
 
