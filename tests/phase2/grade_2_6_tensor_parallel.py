@@ -137,8 +137,23 @@ def operator_problems(group: dist.ProcessGroup | None, offset: int) -> list[str]
     with CommCounter() as forward:
         y = ops.copy_to_tensor_parallel_region(x, group=group)
     upstream = per_rank(2, rank)
+    handed = upstream.clone()
     with CommCounter() as backward:
-        y.backward(upstream)
+        y.backward(upstream)  # autograd hands f's backward this very tensor as grad_output
+    if not torch.equal(upstream, handed):
+        summed = torch.stack([per_rank(2, r) for r in range(n)]).sum(dim=0)
+        how = (
+            "it now holds the sum over the ranks: an all-reduce wrote into grad_output itself"
+            if close(upstream, summed)
+            else "its values changed"
+        )
+        problems.append(
+            f"f backward changed the gradient autograd handed it ({how}). Autograd may hand that "
+            "tensor to other functions too, and after loss.sum().backward() it is an expanded "
+            "view of one element (stride 0), which an in-place all-reduce corrupts or crashes the "
+            "rank on (SIGSEGV seen). The invariant asks that grad_output be left as it was: "
+            "which tensor may the all-reduce write into?"
+        )
     if not torch.equal(y.detach(), x.detach()):
         problems.append("f (copy_to_tensor_parallel_region) forward must return its input")
     if forward.records:
