@@ -22,9 +22,12 @@ from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule, peak_in_flight
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta
+from solutions.phase4_production.lm import calibration as lm_calibration
 from solutions.phase4_production.lm import config as lm_config
 from solutions.phase4_production.lm import memory as lm_memory
 from solutions.phase4_production.lm import planner as lm_planner
+from solutions.phase4_production.lm import shared_cores as lm_shared_cores
+from solutions.phase4_production.lm.layout_work import describe
 from solutions.phase4_production.lm.planner_check import spearman, spread
 from solutions.phase4_production.lm.rates import Line, Rates
 
@@ -118,7 +121,7 @@ def _held(layouts: list[dict[str, Any]]) -> list[tuple[tuple[int, ...], tuple[in
         model = ParallelLanguageModel(build_language_model(config, 0), topology, settings)
         model.train_step(*uneven_batch(0, config))
         held = held_bytes(model.model, model.optimizer)
-        units = lm_memory.rank_units(config, settings, topology.pp_rank)
+        units = describe(config, settings, 8, 8).ranks[topology.pp_rank].units  # any batch
         want = lm_memory.state_bytes(units, settings.zero, settings.dp * settings.cp, 8)
         out.append(((held.params, held.grads, held.optimizer), want))
     return out
@@ -136,7 +139,8 @@ def test_the_planners_state_bytes_equal_what_every_rank_holds() -> None:
 def test_in_flight_is_the_schedules_own_peak() -> None:
     settings = ParallelSettings(pp=4, microbatches=8)
     schedule = make_schedule("1f1b", 4, 8)
-    assert lm_memory.in_flight(settings) == max(peak_in_flight(a) for a in schedule) == 4
+    in_flight = describe(LMConfig(), settings, 8, 4).in_flight
+    assert in_flight == max(peak_in_flight(a) for a in schedule) == 4
 
 
 # ----------------------------------------------------------------------------- the planner
@@ -198,7 +202,7 @@ def test_ranks_that_share_cores_are_planned_by_every_ranks_cpu_over_the_cores() 
     machine = lm_planner.Machine(4, 4, 2**40)
 
     def calls(**options: Any) -> int:
-        return lm_planner.collective_cost(config, ParallelSettings(**options), 16, 0, 4)[1]
+        return describe(config, ParallelSettings(**options), 16, 4).ranks[0].calls
 
     assert calls(dp=4) == 3  # the count, the report, the gradients
     assert calls(dp=4, zero=2) == 2 + 7 * 2  # 7 units: a reduce-scatter and an all-gather each
@@ -212,9 +216,8 @@ def test_ranks_that_share_cores_are_planned_by_every_ranks_cpu_over_the_cores() 
     ]
     for options in layouts:
         settings = ParallelSettings(**options)
-        work = sum(
-            lm_planner.rank_cpu(config, settings, shared, 16, r, 4) for r in range(settings.pp)
-        )
+        described = describe(config, settings, 16, 4)
+        work = sum(lm_calibration.rank_cpu(described, shared, r) for r in range(settings.pp))
         busy = work * (4 // settings.pp) / 2
         predicted = lm_planner.predict(config, settings, shared, machine, 16)
         assert predicted.seconds == pytest.approx(busy), (options, predicted.seconds, busy)
@@ -248,23 +251,24 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
     anchors = []
     for index, (kind, (settings, sequences)) in enumerate(anchor_layouts(config, 4, 16).items()):
         blank = Anchor(kind, settings, config, sequences, 0.0, 1.0)
-        parts, amounts = lm_planner._world_parts(blank, rates)
+        parts, amounts = lm_calibration.world_parts(blank, rates)
         cpu = (parts["actions"] if settings.pp == 1 else 0.0) + 1.2 * sum(parts[p] for p in scaled)
         cpu += sum(truth[k] * amounts[k] for k in truth)
         anchors.append(dataclasses.replace(blank, cpu=cpu, idle=1.0 + 0.1 * index))
     kinds = [(a.kind, a.sequences) for a in anchors]
     assert kinds == [(k, 16) for k in ANCHOR_KINDS], kinds
     calibrated = dataclasses.replace(rates, anchors=tuple(anchors))
-    fitted = lm_planner.calibration(calibrated)
+    fitted = lm_calibration.calibration(calibrated)
     assert fitted.common == pytest.approx(1.2), fitted
     assert {k: fitted.extra[k] for k in truth} == pytest.approx(truth), fitted
     machine = lm_planner.Machine(4, 4, 2**40)
     for options in ({"dp": 2, "tp": 2, "zero": 2}, {"cp": 2, "pp": 2, "microbatches": 2}):
         settings = ParallelSettings(**options)  # type: ignore[arg-type]
         work = 0.0
+        described = describe(config, settings, 16, 4)
         for pp_rank in range(settings.pp):
-            parts = lm_planner.rank_cpu_parts(config, settings, calibrated, 16, pp_rank, 4, False)
-            costs = lm_planner.collective_costs(config, settings, 16, pp_rank, 4)
+            parts = lm_shared_cores.rank_cpu_parts(described, calibrated, pp_rank, False)
+            costs = described.ranks[pp_rank].kinds
             by_hand = parts["actions"] if settings.pp == 1 else 0.0
             by_hand += 1.2 * sum(parts[p] for p in scaled)
             by_hand += truth["tp"] * costs["tp"][1] + truth["tp_round"] * costs["tp"][0].rounds
@@ -275,7 +279,7 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
             passes = costs["cp"][1]  # at cp2 one pass per ring-attention call
             by_hand += (truth["cp_call"] + truth["cp"]) * passes
             by_hand += truth["cp_byte"] * costs["cp"][0].bytes_sent
-            got = lm_planner.rank_cpu(config, settings, calibrated, 16, pp_rank, 4)
+            got = lm_calibration.rank_cpu(described, calibrated, pp_rank)
             assert got == pytest.approx(by_hand), (options, pp_rank)
             work += got * (4 // settings.pp)
         predicted = lm_planner.predict(config, settings, calibrated, machine, 16)
@@ -291,18 +295,18 @@ def test_the_anchor_steps_calibrate_the_shared_core_model() -> None:
         assert timed.seconds == pytest.approx(anchor.cpu / 2 * anchor.idle), anchor.kind
         assert "measured by the anchor step" in " ".join(timed.notes), anchor.kind
     clipped = dataclasses.replace(anchors[0].settings, max_norm=1.0)
-    assert lm_planner.anchor_of(calibrated, config, clipped, 16) is None
-    assert lm_planner.anchor_of(calibrated, config, anchors[0].settings, 8) is None
+    assert lm_calibration.anchor_of(calibrated, config, clipped, 16) is None
+    assert lm_calibration.anchor_of(calibrated, config, anchors[0].settings, 8) is None
     # an anchor that says nothing (its CPU below what it must cost) leaves the model as it was
     silent = dataclasses.replace(rates, anchors=(dataclasses.replace(anchors[0], cpu=-1.0),))
-    assert lm_planner.calibration(silent) == lm_planner.Calibration(1.0, {})
+    assert lm_calibration.calibration(silent) == lm_calibration.Calibration(1.0, {})
     # with fewer anchors of a kind than unknowns, the earlier unknowns take it: tp2 and tp4
     # alone split the tensor-parallel extra into per call and per round, nothing per byte
     two = dataclasses.replace(calibrated, anchors=tuple(a for a in anchors if a.kind != "tp_micro"))
-    split = lm_planner.calibration(two).extra
+    split = lm_calibration.calibration(two).extra
     assert split["tp_byte"] == 0.0 and split["tp"] > 0 and split["tp_round"] > 0, split
     # an exact split with a part below 0 gives way to the better fit with the part at 0
-    fit = lm_planner.non_negative_fit
+    fit = lm_calibration.non_negative_fit
     assert fit([([1.0, 1.0], 2.0), ([1.0, 2.0], 1.0)]) == pytest.approx([1.5, 0.0])
     assert fit([([1.0, 0.0], 1.0), ([0.0, 1e9], 2.0)]) == pytest.approx([1.0, 2e-9])
     assert fit([([1.0], -1.0)]) == [0.0]
@@ -320,14 +324,15 @@ def test_a_zero_bubble_rank_pays_its_measured_split_backward_and_w_is_no_messagi
     one_f_one_b = ParallelSettings(pp=2, microbatches=4)
     zero_bubble = dataclasses.replace(one_f_one_b, schedule="zb-h1")
     for pp_rank in (0, 1):
-        plain = lm_planner.rank_cpu_parts(config, one_f_one_b, rates, 16, pp_rank, 4, False)
-        split = lm_planner.rank_cpu_parts(config, zero_bubble, rates, 16, pp_rank, 4, False)
+        plain_work, split_work = (describe(config, s, 16, 4) for s in (one_f_one_b, zero_bubble))
+        plain = lm_shared_cores.rank_cpu_parts(plain_work, rates, pp_rank, False)
+        split = lm_shared_cores.rank_cpu_parts(split_work, rates, pp_rank, False)
         layers = config.layers // 2
         tokens = 16 // 4 * config.seq_len
         backward = rates.layer_backward.seconds(tokens) * rates.contention
         extra = 0.75 * 4 * layers * backward if pp_rank == 1 else 0.0  # stage 0: no B walk
         assert split["compute"] - plain["compute"] == pytest.approx(extra), pp_rank
-        amounts = lm_planner._kind_amounts(config, zero_bubble, 16, pp_rank, 4)
+        amounts = lm_shared_cores.kind_amounts(split_work, pp_rank)
         assert amounts["pp_action"] == 2 * 4, amounts  # F and B per micro-batch
     from solutions.phase4_production.lm.rates import measure_compute
 

@@ -4,6 +4,7 @@ library comparison and records.
 
 * ``benchmark``: Benchmark of exercise 4.7: tokens/s, held bytes and each axis's traffic, layout
   by layout.
+* ``calibration``: The anchors' calibration of the shared-core model: the model's own steps.
 * ``checkpoint``: The language-model framework's checkpoints: saved at one layout, resumed at
   any other, and never resumed from damage.
 * ``config``: The language-model framework's configuration: one YAML file that picks every
@@ -12,6 +13,7 @@ library comparison and records.
 * ``framework``: The language-model framework: one YAML config picks every strategy, or the
   planner does (its command line, read before torch loads).
 * ``framework_run``: The framework's run behind that command line: validate, plan, train.
+* ``layout_work``: What every rank holds and does in one step under a layout, described once.
 * ``layouts_notebook``: What notebooks/lm_layouts.ipynb draws and says, read from the recorded
   results files.
 * ``library``: The library way beside exercise 4.7: the same language model and layout with
@@ -33,6 +35,7 @@ library comparison and records.
   curve.
 * ``shard_compute``: The compute one tensor-parallel rank runs for one dense layer, without its
   collectives.
+* ``shared_cores``: Ranks that share cores: one rank's step in CPU seconds, in parts.
 * ``throughput``: The language model at one rank: tokens/s and model FLOPs utilisation (MFU),
   beside PyTorch.
 * ``traffic``: What each axis of exercise 4.7's composition sends in a step: formulas, and

@@ -3,7 +3,7 @@ for one layout per kind of collective, so that the planner's shared-core model i
 this machine does with this model rather than to its parts alone.
 
 The planner prices ranks that share cores by every rank's CPU over the cores
-(``lm.planner.rank_cpu``), a sum of parts: the layers' compute, the pipeline's actions, and the
+(``lm.calibration.rank_cpu``), a sum of parts: the layers' compute, the pipeline's actions, and the
 collectives of each kind (tensor-parallel regions, ring-attention passes, pipeline messages,
 data-parallel gradients). Each part comes from rates measured apart (a layer alone, collectives
 after a layer's work, a tiny model's framework overhead); on a machine whose ranks share two
@@ -30,7 +30,7 @@ rank), played in turn round after round (a load that comes and goes lands on all
 For each: every rank's CPU seconds per step, summed (for ``dp`` the median over rounds; for the
 others dp's median times the median of each round's ratio to its own dp step), and how much longer
 the slowest rank's step took than that sum over the cores (the cores left idle while ranks wait
-to be woken). ``lm.planner.calibration`` turns them into a common scale and each kind's extra
+to be woken). ``lm.calibration.calibration`` turns them into a common scale and each kind's extra
 CPU; this module only measures. The idea is the calibration step of analytical performance
 models (Hockney's and LogP's parameters are measured, not derived): the planner
 keeps its counts and its shape, the machine supplies the constants.

@@ -2,15 +2,14 @@
 
 For each world size (4 and 8 ranks on this machine), one world does what ``sharding: auto`` does
 under torchrun: it measures the rates (``lm.framework.rates_in_world``), and the planner
-(``lm/planner.py``) ranks every legal layout of the language model from them; the same world
-then runs a spread of those layouts (the planner's first choices, and layouts from the whole
-length of its ranking), their steps interleaved round after round (``lm.benchmark``). It prints
-for each the predicted and measured step time (a layout marked "(anchor)" is one an anchor step
-ran, predicted by that step's measurement), the measured step over every rank's measured CPU
-time divided by the cores (how much a shared machine leaves idle: the planner's model for ranks
-that share cores takes it from the anchor steps that ran the layout's kinds, ``lm.anchors``), and
-bytes held per rank (model states, and the activations autograd saved during a step), then three
-verdicts:
+(``lm/planner.py``) ranks every legal layout of the language model from them; the same world then
+runs a spread of those layouts (the planner's first choices, and layouts from the whole length of
+its ranking), their steps interleaved round after round (``lm.benchmark``). It prints for each the
+predicted and measured step time (a layout marked "(anchor)" is one an anchor step ran, predicted by
+that step's measurement: ``Prediction.anchor``), the measured step over every rank's measured CPU
+time divided by the cores (how much a shared machine leaves idle: the planner's model for ranks that
+share cores takes it from the anchor steps that ran the layout's kinds, ``lm.anchors``), and bytes
+held per rank (model states, and the activations autograd saved during a step), then three verdicts:
 
 * the rank correlation (Spearman) between the predicted and the measured order of the layouts;
 * whether the planner's first choice is the fastest layout measured or within 5% of it, judged
@@ -44,16 +43,9 @@ from course.verdicts import Goal, Load, LoadMeter, pair_ratios
 from course.world import run_world
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase4_production.lm.benchmark import BenchConfig, measure_layouts
+from solutions.phase4_production.lm.calibration import anchor_idle, calibration
 from solutions.phase4_production.lm.framework_run import rates_in_world
-from solutions.phase4_production.lm.planner import (
-    GIB,
-    Machine,
-    Prediction,
-    anchor_idle,
-    anchor_of,
-    calibration,
-    plan,
-)
+from solutions.phase4_production.lm.planner import GIB, Machine, Prediction, plan
 from solutions.phase4_production.lm.rates import Rates
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
@@ -247,7 +239,6 @@ def _mib(nbytes: float) -> str:
 
 def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
     rates, checks = result
-    model = config.model(False)
     text = []
     for check_ in checks:
         table = Table(["planner's rank", "layout", "predicted ms", "measured ms", "measured / "
@@ -264,8 +255,7 @@ def report(result: tuple[Rates, list[WorldCheck]], config: CheckConfig) -> str:
             measured.append(seconds)
             states = sum(row["held"])
             wasted.append(seconds / (cpu / cores))
-            timed = anchor_of(check_.rates, model, p.settings, config.batch) is not None
-            name = p.settings.label() + (" (anchor)" if timed else "")
+            name = p.settings.label() + (" (anchor)" if p.anchor is not None else "")
             table.add(rank, name, f"{p.seconds * 1e3:.1f}", f"{seconds * 1e3:.1f}",
                       f"{seconds / p.seconds:.2f}x", f"{wasted[-1]:.2f}x",
                       f"{_mib(p.held.states)} / {_mib(states)}",

@@ -164,6 +164,18 @@ class Rates:
             self.layer_backward.seconds(tokens) * share,
         )
 
+    def rank_layer_seconds(
+        self, tokens: float, tp: int, sequence_parallel: bool
+    ) -> tuple[float, float]:
+        """One tp rank's forward and backward seconds for one layer: its measured share
+        (:meth:`layer_seconds`), less the norms' work that sequence parallelism divides."""
+        forward, backward = self.layer_seconds(tokens, tp)
+        if sequence_parallel and tp > 1:
+            norms = self.norm_share * (1 - 1 / tp)
+            forward -= norms * self.layer_forward.seconds(tokens)
+            backward -= norms * self.layer_backward.seconds(tokens)
+        return forward, backward
+
 
 def _median_seconds(work: Callable[[], object], repeats: int) -> float:
     work()  # warm-up

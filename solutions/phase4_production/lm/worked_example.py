@@ -12,15 +12,16 @@ The course's block uses full multi-head attention, so its q, k, v are 3 h^2 wher
 grouped-query attention has h^2 + 2 h^2/8: the model counted here has 79.9B parameters against
 Llama 3 70B's 70.6B.
 
-* **Bytes per GPU.** Mixed-precision Adam as ZeRO counts it (Rajbhandari et al., 2020, section
-  3): bf16 parameters (2 bytes) and gradients (2), fp32 master weights and two moments (12 = K);
-  ZeRO-1 shards the 12, ZeRO-2 the gradients too, ZeRO-3 everything, over the data-parallel
-  ranks. A rank's parameters are its tp shard of its pipeline stage's layers (``lm.memory``'s
-  units: the same shapes the composition builds). Activations per layer and token: Korthikanti
-  et al. (2022, "Reducing Activation Recomputation", section 4) count ``34 h`` bytes in 16-bit for
-  a GPT layer without the attention scores (flash attention never stores them), divided by t
-  under tensor + sequence parallelism; with full recompute a layer keeps only its input, 2 h / t.
-  The pipeline's first stage holds p micro-batches in flight under 1F1B (2.5's peak).
+* **Bytes per GPU.** Mixed-precision Adam as ZeRO counts it (Rajbhandari et al., 2020, section 3):
+  bf16 parameters (2 bytes) and gradients (2), fp32 master weights and two moments (12 = K); ZeRO-1
+  shards the 12, ZeRO-2 the gradients too, ZeRO-3 everything, over the data-parallel ranks. A rank's
+  parameters are its tp shard of its pipeline stage's layers (the units of the planner's
+  description, ``lm.layout_work``: the same shapes the composition builds). Activations per layer
+  and token: Korthikanti et al. (2022, "Reducing Activation Recomputation", section 4) count
+  ``34 h`` bytes in 16-bit for a GPT layer without the attention scores (flash attention never
+  stores them), divided by t under tensor + sequence parallelism; with full recompute a layer
+  keeps only its input, 2 h / t. The pipeline's first stage holds p micro-batches in flight under
+  1F1B (2.5's peak).
 * **Step time.** Compute: PaLM's FLOPs per token (6 N + 12 L h T, forward and backward), one
   more forward (2 N + 4 L h T) when recomputing, spread over the GPUs and run at a sustained
   fraction of the bf16 peak. Tensor parallelism: per layer and micro-batch, 2 all-gathers and 2
@@ -59,12 +60,8 @@ from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.pipeline_schedules import make_schedule
 from solutions.phase2_advanced.pipeline_study.simulation import simulate
 from solutions.phase3_multi_node.alpha_beta import AlphaBeta, Cost, ring_cost
-from solutions.phase4_production.lm.memory import (
-    MIXED_ADAMW,
-    in_flight,
-    layer_units,
-    rank_units,
-)
+from solutions.phase4_production.lm.layout_work import describe, layer_units
+from solutions.phase4_production.lm.memory import MIXED_ADAMW
 from solutions.phase4_production.lm.memory import state_bytes as unit_state_bytes
 from solutions.phase4_production.lm.planner import Machine, Prediction, plan, predict
 from solutions.phase4_production.lm.rates import Line, Rates
@@ -137,7 +134,7 @@ class Estimate:
 
 def parameters(config: LMConfig) -> int:
     """Every parameter of the one-process model (embedding and head untied)."""
-    return sum(rank_units(config, ParallelSettings(), 0))
+    return sum(describe(config, ParallelSettings(), 1, 2).ranks[0].units)
 
 
 def state_bytes(elements: int, zero: int | str, shards: int) -> float:
@@ -157,13 +154,14 @@ def estimate(config: LMConfig, s: ParallelSettings) -> Estimate:
     """The busiest GPU's bytes and the step's time, term by term (see the module docstring)."""
     h, t, p, m = config.width, s.tp, s.pp, s.microbatches
     shards = s.dp * s.cp
-    units = max((rank_units(config, s, r) for r in range(p)), key=sum)
+    work = describe(config, s, SEQUENCES, 2)  # what each GPU holds: the planner's description
+    units = work.busiest.units
     states = state_bytes(sum(units), s.zero, shards)
     tokens = SEQUENCES // (s.dp * m) * config.seq_len  # one micro-batch on one replica
     layers = math.ceil(config.layers / p)
     per_layer = (2.0 if s.activation_checkpointing else ACTIVATION_BYTES) * h / t * tokens
     live = ACTIVATION_BYTES * h / t * tokens if s.activation_checkpointing else 0.0
-    activations = per_layer * layers * in_flight(s) + live
+    activations = per_layer * layers * work.in_flight + live
     # compute: the whole step's FLOPs over every GPU at the sustained rate
     total = flops_per_token(config, s.activation_checkpointing) * SEQUENCES * config.seq_len
     compute = total / (GPUS * PEAK * SUSTAINED)
@@ -258,7 +256,8 @@ def plan_rows(predictions: list[Prediction], limit: int = 8) -> tuple[Table, dic
     hand = next(x for x in LAYOUTS if x.name == "tp8 x dp128, ZeRO-1")
     same = predict(MODEL, hand.settings, published_rates(MODEL), PLANNED_MACHINE, SEQUENCES)
     by_hand = estimate(MODEL, hand.settings)
-    units = len(rank_units(MODEL, hand.settings, 0))
+    assert same.work is not None
+    units = len(same.work.ranks[0].units)
     # each unit reduce-scattered and all-gathered on a ring of dp - 1 steps across nodes
     latency = 2 * units * (hand.settings.dp - 1) * INFINIBAND[0]
     values = {
