@@ -40,7 +40,7 @@ The groups a composition of every axis needs (:data:`GROUP_NAMES`):
 
 * ``dp``, ``cp``, ``tp``, ``pp``: one axis each, the other three coordinates fixed;
 * ``dp_cp``: the ranks that hold the same weights and different tokens (data x context): the
-  data-parallel gradient reduction and the loss's token count run over it;
+  data-parallel gradient reduction runs over it;
 * ``ep`` and ``edp``: the experts' all-to-all, and their gradients' reduction;
 * ``embedding``: the first and the last pipeline stage of one (dp, cp, tp) position: a tied
   embedding's two copies add their gradients there (Megatron-LM's embedding group);

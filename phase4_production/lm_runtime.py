@@ -476,11 +476,10 @@ def _same_replica(name: str, a: torch.Tensor, b: torch.Tensor, rank_a: int, rank
     scale = max(float(a.double().abs().max()), 1e-300) if a.numel() else 1.0
     if gap <= 1e3 * torch.finfo(a.dtype).eps * scale:
         why = (
-            "they differ in their last bits only: the same sums were added in a different order "
-            "on each copy (for a tied weight, a hand-made all-reduce rounds each element by "
+            "they differ in their last bits only: the copies' gradients were rounded "
+            "differently (for a tied weight, a hand-made all-reduce rounds each element by "
             "where it falls in the buffer, which differs between the stages), so the copies "
-            "drift apart as training goes on; let the last reduction of the copies be one "
-            "collective they share"
+            "drift apart as training goes on"
         )
     else:
         why = (

@@ -8,8 +8,8 @@ complete. Three ideas give that:
 
 * **atomic files**: a reader must only ever see a file's complete old version or its complete new
   one, whatever moment the writer dies at, power loss included. POSIX gives exactly one
-  operation with that property (a rename within one filesystem); the rest is making sure the
-  bytes are really on the disk before anyone can see them under the final name.
+  operation with that property (a rename within one filesystem); the rest is making sure that
+  what a reader finds under the final name survives a power loss.
   ``torch.distributed.checkpoint`` relies on the same property in its file system writer
   (torch/distributed/checkpoint/filesystem.py).
 * **a manifest written last**: ``manifest.json`` lists every file with its size and sha256. A
@@ -76,11 +76,11 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """
     path = Path(path)
     # TODO 4.1: write ``path`` atomically: the old file or the new one, never a part of either.
-    # Invariant: at every instant `path` is absent, the complete old file or the complete new
-    #   file; a crash leaves at most a stray temporary file, never a partial `path`; a write
-    #   that fails leaves nothing behind.
+    # Invariant: at every instant, a power loss included, `path` is absent, the complete old file or
+    #   the complete new file; a crash leaves at most a stray temporary file, never a partial
+    #   `path`; a write that raises leaves the old file and nothing else, and the error goes on.
     # Hint 1: only a rename is atomic, and only within one filesystem; and bytes a program has
-    #   written may still sit in a buffer or the page cache when the power goes.
+    #   written are not on the disk when its write returns.
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(
@@ -122,12 +122,12 @@ def verify_checkpoint(directory: Path) -> str | None:
     """
     directory = Path(directory)
     # TODO 4.1: decide whether the folder is exactly what its manifest says, and if not, why.
-    # Invariant: only a folder whose manifest reads and whose every listed file has the listed
-    #   size and sha256 is valid; a folder without a manifest is a save that never finished; a
-    #   damaged manifest makes the folder invalid, it never raises out of here.
-    # Hint 1: the cheapest question first: a manifest that is absent, then one that does not
-    #   read (read_manifest says why, as a ManifestError), then per file the size, which names a
-    #   truncation, and only then the hash, which reads the whole file.
+    # Invariant: None only for a folder whose manifest reads and whose every listed file has the
+    #   listed size and sha256; otherwise the reason in the docstring's words (a file of another
+    #   size is truncated, a file of the listed size with other contents corrupted); never raises,
+    #   whatever the folder holds.
+    # Hint 1: four things can be wrong: no manifest, a manifest that cannot be trusted, a listed
+    #   file absent, a listed file that differs. Which of them can be seen without reading a file?
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(
@@ -213,11 +213,12 @@ class CheckpointManager:
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that verifies; each newer one that does not is logged, skipped."""
         # TODO 4.1: find the newest checkpoint that is safe to resume from.
-        # Invariant: a corrupted, truncated, unfinished or malformed newest checkpoint is never
-        #   returned, and each one passed over is named in one log line with its reason; with
-        #   nothing valid left the answer is None.
-        # Hint 1: self.checkpoints() lists the folders oldest first; verify_checkpoint says why
-        #   one cannot be used; self.log writes one line.
+        # Invariant: the newest checkpoint that verifies is returned, never a corrupted, truncated,
+        #   unfinished or malformed one; each newer one passed over is named in one log line with
+        #   its reason ("checkpoint <name> skipped: <reason>"); with nothing valid the answer is
+        #   None.
+        # Hint 1: self.checkpoints() lists the folders oldest first; verify_checkpoint says why one
+        #   cannot be used; self.log writes one line.
         # More hints: uv run python -m tests.hint 4.1
         # See guidelines.md#41-atomic-complete-checkpoints
         raise NotImplementedError(
@@ -244,17 +245,17 @@ def rank_key(rank: int, name: str) -> str:
 
 
 def capture_rng(rank: int) -> dict[str, Any]:
-    """This process's RNG states (torch CPU and CUDA, NumPy, Python) under ``rank<r>/`` keys.
+    """This process's generator states, every key made with :func:`rank_key` for ``rank``.
 
     Every value is a tensor, a number, a string, None or a list of tensors, so that
     ``torch.load(..., weights_only=True)`` reads it back.
     """
     # TODO 4.1: capture every generator a training step can draw from, under this rank's keys.
-    # Invariant: restore_rng(capture_rng(r), r) puts every generator back exactly; the keys of
-    #   two ranks never collide (one file holds every rank's states), and the values are only
-    #   tensors, numbers, strings, None and lists of tensors (weights_only=True reads them).
-    # Hint 1: a training step can draw from four kinds of generator (one of them per GPU);
-    #   rng_state.py turns the two that torch.load would refuse into tensors and ints.
+    # Invariant: restore_rng(capture_rng(r), r) puts every generator back exactly; the keys of two
+    #   ranks never collide (one file holds every rank's states), and the values are only tensors,
+    #   numbers, strings, None and lists of tensors (weights_only=True reads them).
+    # Hint 1: a dropout mask, a random crop, a shuffle in NumPy or in plain Python: which generator
+    #   does each draw from, on a CPU rank and on a GPU rank?
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(
@@ -269,11 +270,11 @@ def restore_rng(states: Mapping[str, Any], rank: int) -> None:
     Raises KeyError naming the rank when ``states`` holds nothing for it.
     """
     # TODO 4.1: restore this rank's generators from its own keys (never another rank's).
-    # Invariant: after restore_rng, torch, NumPy and Python draw exactly what the saved
-    #   process would have drawn next; in a file of 12 ranks' states rank 1 takes rank 1's,
-    #   not rank 10's or 11's; a rank with no states of its own is a KeyError, never a fallback.
-    # Hint 1: this is capture_rng backwards: select this rank's entries, undo the renaming, and
-    #   give each generator its state (rng_state.py has the setters for the converted ones).
+    # Invariant: after restore_rng, torch, NumPy and Python draw exactly what the saved process of
+    #   this rank would have drawn next, whatever other ranks' states the dictionary holds; a rank
+    #   with no states of its own is a KeyError naming it, never a fallback.
+    # Hint 1: this is capture_rng backwards: select this rank's entries, undo the renaming, and give
+    #   each generator its state (rng_state.py has the setters for the converted ones).
     # More hints: uv run python -m tests.hint 4.1
     # See guidelines.md#41-atomic-complete-checkpoints
     raise NotImplementedError(

@@ -13,8 +13,8 @@ world: a hook divides); ``bucket.gradients()`` are views into it, one per parame
 ``bucket.index()`` and ``bucket.is_last()`` say which bucket it is. The tensor the future
 returns becomes the bucket's averaged gradient on every rank. Three ways to send less:
 
-* **fp16 / bf16** (this module): cast to 16 bits, divide, all-reduce, cast back: half the bytes,
-  the same algorithm; equal bit for bit to torch's ``default_hooks.fp16_compress_hook`` /
+* **fp16 / bf16** (this module): the bucket travels in 16 bits: half the bytes, the same
+  algorithm; equal bit for bit to torch's ``default_hooks.fp16_compress_hook`` /
   ``bf16_compress_hook``.
 * **top-k with error feedback** (``compression_topk.py``): send the k largest entries and
   remember the rest.
@@ -57,17 +57,18 @@ def cast_compress_hook(
 
     The future's value is ``bucket.buffer()`` itself, holding the average in the bucket's dtype.
     """
-    # TODO 4.4: cast the bucket to dtype, divide by the world, all-reduce, cast back in place.
-    # Invariant: the result is bit for bit torch's default_hooks.fp16_compress_hook (for
-    #   float16) and bf16_compress_hook (for bfloat16): the cast first, then the division in
-    #   16 bits, then the sum; the bucket's own buffer holds the result, in its own dtype.
-    # Hint 1: dividing before the sum keeps fp16 from overflowing (65504 is its largest
-    #   value); the order cast -> divide matters for the last bit when the world is not a
-    #   power of two.
+    # TODO 4.4: average the bucket over group in 16 bits, as torch's fp16/bf16 hooks do, in place.
+    # Invariant: the bucket's buffer ends with, bit for bit, what torch's
+    #   default_hooks.fp16_compress_hook (float16) or bf16_compress_hook (bfloat16) gives, in the
+    #   buffer's own dtype, entries of 40000 on 3 ranks included; one all-reduce of 2 bytes per
+    #   element; the future's value is the buffer; what runs when the sum arrives starts no
+    #   collective.
+    # Hint 1: fp16's largest value is 65504, and a division by 3 is not exact in 16 bits.
     # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
-        "TODO 4.4: cast the bucket to dtype, divide by the world, all-reduce, cast back in place "
+        "TODO 4.4: average the bucket over group in 16 bits, as torch's fp16/bf16 hooks do, in "
+        "place "
         "(see phase4_production/guidelines.md#44-gradient-compression)"
     )
 

@@ -7,19 +7,13 @@ Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compressio
 Distributed Optimization" (NeurIPS 2019), Algorithm 1; the same steps as torch's
 ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``. Each gradient matrix M (n x m:
 a layer's weight, viewed as ``shape[0] x rest``) is replaced by the group's average of a rank-r
-approximation, found by one step of power iteration that every rank takes together::
-
-    P = M Q            (n x r)   all-reduce P (sum)     then orthogonalize P's columns
-    Q = Mᵀ P           (m x r)   all-reduce Q, / world
-    M ≈ P Qᵀ
-
-Because the products are linear in M, all-reducing P and Q gives the factors of the *average*
-gradient's approximation: a rank sends (n + m)·r numbers instead of n·m. Q is kept for the next
-step (warm start: one power-iteration step per training step, converging over the steps), and
-what the approximation missed is kept locally and added to the next gradient (error feedback,
-as in top-k). A matrix is compressed only if (n + m)·r·min_compression_rate < n·m; the others
-(biases, small layers) are all-reduced as they are. The first ``start_iter`` steps use a plain
-all-reduce, as torch's hook does.
+approximation, found by one step of power iteration that every rank takes together, from the
+products P = M Q (n x r) and Q = Mᵀ P (m x r), with M ≈ P Qᵀ at the end. A rank sends the
+factors instead of the matrix. Q is kept for the next step (warm start: one power-iteration step
+per training step, converging over the steps), and what the approximation missed is kept
+locally and added to the next gradient (error feedback, as in top-k). Only the matrices
+``should_compress`` accepts are compressed; the others (biases, small layers) are all-reduced as
+they are. The first ``start_iter`` steps use a plain all-reduce, as torch's hook does.
 
 Unlike torch's hook, which issues the Q all-reduce from the P all-reduce's future callback, this
 one issues every collective from the hook call itself, in a fixed order: under gloo a future's
@@ -110,10 +104,10 @@ class PowerSGDState:
 def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
     """Whether a rows x cols matrix is worth sending as rank-``rank`` factors (torch's rule)."""
     # TODO 4.4: decide whether the factors are small enough to be worth it.
-    # Invariant: the same answer as torch's _should_compress for every rows, cols, rank and
-    #   rate, ties included (compress only when strictly cheaper).
-    # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum
-    #   rate says how much cheaper they must be to be worth the approximation.
+    # Invariant: the same answer as torch's _should_compress (powerSGD_hook.py) for every rows,
+    #   cols, rank and rate, the equal cases included.
+    # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum rate
+    #   says how much cheaper they must be to be worth the approximation.
     # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
@@ -125,14 +119,16 @@ def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
     """Make the columns of ``matrix`` (n x r, r <= n) orthonormal, in place, by Gram-Schmidt.
 
-    Column i is divided by its norm (+ ``epsilon``), then its projection is removed from every
-    later column: the columns span the same space as before, as ``torch.linalg.qr``'s Q does.
+    As torch's ``_orthogonalize`` (powerSGD_hook.py) does for r <= 2, and ``torch.linalg.qr``'s
+    Q up to column signs; ``epsilon`` (torch's ``orthogonalization_epsilon``) keeps a zero
+    column finite.
     """
     # TODO 4.4: Gram-Schmidt on the columns, in place.
-    # Invariant: afterwards matrixᵀ·matrix is the identity (to rounding) and the first j
-    #   columns span what the first j columns spanned before.
-    # Hint 1: one column at a time, left to right: normalize it, then subtract its component
-    #   from the columns to its right (they are orthogonalized later).
+    # Invariant: afterwards matrixᵀ·matrix is the identity (to rounding); torch.linalg.qr's Q up to
+    #   column signs; torch's _orthogonalize for r <= 2; with epsilon, a zero column stays finite;
+    #   the matrix itself changed (the hook works on views of its memories).
+    # Hint 1: Gram-Schmidt, one column at a time; torch's _orthogonalize_gram_schmidt
+    #   (powerSGD_hook.py) is the reference for r <= 2.
     # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
@@ -158,8 +154,8 @@ def low_rank_average(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Overwrite each of ``matrices`` (views into bucket ``index``) with P Qᵀ, the group's
-    average of its rank-``ranks[i]`` approximations, by one step of power iteration.
+    """Overwrite each of ``matrices`` (views into bucket ``index``) with P Qᵀ, the rank-
+    ``ranks[i]`` approximation of the group's average, by one step of power iteration.
 
     ``state.p_memory[index]`` and ``state.q_memory[index]`` hold every matrix's P and Q, flat, in
     the order of ``matrices`` (see :func:`factor_views`); Q survives to the next step.
@@ -167,18 +163,17 @@ def low_rank_average(
     world = dist.get_world_size(group)
     p_shapes = [(m.shape[0], r) for m, r in zip(matrices, ranks, strict=True)]
     q_shapes = [(m.shape[1], r) for m, r in zip(matrices, ranks, strict=True)]
-    # TODO 4.4: warm-start Q, then P = MQ, all-reduce P, orthogonalize, Q = MᵀP, all-reduce Q.
-    # Invariant: every matrix ends as P·Qᵀ with P the orthogonalized sum over ranks of M·Q and
-    #   Q the average over ranks of Mᵀ·P; Q is reused from the previous step when
-    #   state.warm_start (fresh random Q, state.fill_random, only the first time); P's
-    #   all-reduce before Q's, on group (one flat tensor each: one latency, not one per matrix).
-    # Hint 1: keep P and Q in state.p_memory[index] / state.q_memory[index] (flat, allocated
-    #   when missing or when not warm-starting) and work on factor_views of them, so that one
-    #   all-reduce sends every matrix's P (then every Q).
+    # TODO 4.4: replace each matrix by the group's rank-r approximation (one power step).
+    # Invariant: every matrix ends as its P·Qᵀ, the same bits on every rank, equal to torch's
+    #   powerSGD_hook (1e-9) step after step with the same seed, and the kept Q equal to torch's (up
+    #   to column signs); p_memory and q_memory hold the factors flat, in factor_views' layout; a
+    #   bucket's first Q comes from state.fill_random, later ones continue from the kept Q when
+    #   state.warm_start; every collective runs on group.
+    # Hint 1: P = M·Q and Q = Mᵀ·P are linear in M: think of what a sum over the ranks of either is.
     # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
-        "TODO 4.4: warm-start Q, then P = MQ, all-reduce P, orthogonalize, Q = MᵀP, all-reduce Q "
+        "TODO 4.4: replace each matrix by the group's rank-r approximation (one power step) "
         "(see phase4_production/guidelines.md#44-gradient-compression)"
     )
 

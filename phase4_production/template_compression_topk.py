@@ -3,23 +3,15 @@
 # one say what to build. Grade yourself: uv run pytest tests/test_phase4.py
 """Exercise 4.4, part 2: top-k sparsification with error feedback, as a DDP communication hook.
 
-Each rank sends only the k entries of largest magnitude of its gradient bucket (k = ratio x the
-bucket's size, per bucket) and keeps the rest in a local memory that is added to the next step's
-gradient. Nothing is thrown away, only delayed: Stich, Cordonnier and Jaggi, "Sparsified SGD
-with Memory" (NeurIPS 2018) prove that top-k with this error feedback converges at the rate of
-plain SGD; Lin et al., "Deep Gradient Compression" (ICLR 2018) train ImageNet models sending
-0.1% of the gradient this way (with momentum correction and a warm-up, left out here).
-
-Why all-gather and not all-reduce: the sum of the ranks' sparse vectors is not sparse (each rank
-picks other indices), and an all-reduce of dense buffers would send everything. So every rank
-all-gathers the (values, indices) pairs of every other rank, k of each per rank, and adds them
-into a dense buffer itself. The cost grows with the world: a rank receives (N-1)·k pairs, where a
-ring all-reduce of the dense bucket costs 2(N-1)/N of it; top-k wins while k·N stays small
-against the bucket.
+Each rank sends only k entries of its gradient bucket (k = ratio x the bucket's size, per
+bucket) and keeps what it did not send in a local memory. Nothing is thrown away, only
+delayed: Stich, Cordonnier and Jaggi, "Sparsified SGD with Memory" (NeurIPS 2018) prove that
+top-k with this error feedback converges at the rate of plain SGD; Lin et al., "Deep Gradient
+Compression" (ICLR 2018) train ImageNet models sending 0.1% of the gradient this way (with
+momentum correction and a warm-up, left out here).
 
 The hook issues every collective from the hook call itself, waits for them, and returns a
-completed future: two collectives per bucket, in bucket order on every rank (see the gloo note in
-compression.py).
+completed future, in bucket order on every rank (see the gloo note in compression.py).
 """
 
 import math
@@ -85,20 +77,20 @@ class TopKState:
 def sparsify(state: TopKState, bucket: dist.GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
     """Error feedback and selection for one bucket: the (values, indices) this rank sends.
 
-    ``bucket.buffer()`` holds this rank's raw gradients (not divided by the world). The entries
-    sent are the k = ``topk_count(bucket size, state.ratio)`` of largest magnitude of gradient +
-    remembered error; the new remembered error is that sum minus what is sent.
+    ``bucket.buffer()`` holds this rank's raw gradients (not divided by the world). It sends
+    k = ``topk_count(bucket size, state.ratio)`` entries and remembers, in ``state.errors``
+    under the bucket's index, everything it did not send.
     """
-    # TODO 4.4: add the remembered error, keep the k largest magnitudes, remember the rest.
-    # Invariant: new error = gradient + old error - sent, exactly (zeros where sent, the sum
-    #   elsewhere); values are the sum's entries at the k indices of largest |sum|; k counts
-    #   this bucket's elements, not the model's.
-    # Hint 1: state.error_of(bucket) gives the old error; torch.topk on the absolute values
-    #   gives the indices; values must keep their sign.
+    # TODO 4.4: choose the k entries this rank sends, and remember what it holds back.
+    # Invariant: nothing is lost, only delayed: the values sent plus the new error equal this step's
+    #   gradient plus the old error, exactly (zeros where sent); the new error is stored in
+    #   state.errors under the bucket's index; k is topk_count of the bucket's size and the ratio.
+    # Hint 1: state.error_of(bucket) is what this bucket held back last time; torch.topk finds the k
+    #   largest entries of a tensor.
     # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
-        "TODO 4.4: add the remembered error, keep the k largest magnitudes, remember the rest "
+        "TODO 4.4: choose the k entries this rank sends, and remember what it holds back "
         "(see phase4_production/guidelines.md#44-gradient-compression)"
     )
 
@@ -112,15 +104,15 @@ def average_sparse(
 ) -> torch.Tensor:
     """Write into ``out`` (dense, flat) the average over ``group`` of every rank's sparse vector
     (``values`` at ``indices``), and return ``out``. Every rank ends with the same bits."""
-    # TODO 4.4: all-gather every rank's values and indices, add them into out, divide.
-    # Invariant: out = (sum over ranks r of the vector holding values_r at indices_r) / world,
-    #   with the same bits on every rank; a rank sends its k values and k indices once.
-    # Hint 1: an all-reduce cannot sum sparse vectors: gather the pairs (dist.all_gather or
-    #   dist.all_gather_into_tensor, on group) and build the dense sum on every rank.
+    # TODO 4.4: give every rank the group's average of every rank's sparse vector.
+    # Invariant: out = (sum over the ranks r of the vector holding values_r at indices_r) / world,
+    #   with the same bits on every rank; a rank hands k float32 values and k int64 indices to the
+    #   network once per bucket, and no dense tensor.
+    # Hint 1: the ranks chose different indices: what does the sum of two sparse vectors look like?
     # More hints: uv run python -m tests.hint 4.4
     # See guidelines.md#44-gradient-compression
     raise NotImplementedError(
-        "TODO 4.4: all-gather every rank's values and indices, add them into out, divide "
+        "TODO 4.4: give every rank the group's average of every rank's sparse vector "
         "(see phase4_production/guidelines.md#44-gradient-compression)"
     )
     return out

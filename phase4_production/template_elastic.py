@@ -18,11 +18,11 @@ is a restart, and the program resumes from its newest checkpoint with a differen
   seen twice or skipped within the epoch, whatever the world sizes along the way.
 * **the batch**: with W ranks and a per-rank micro-batch m, one step sees W·m·A samples for A
   accumulation steps. :func:`plan_batches` applies one of two documented policies:
-  ``keep-global`` keeps the global batch B fixed and recomputes A for the new world (the
-  optimisation is the same, only slower or faster; the default), ``scale-lr`` keeps A = 1, so
-  the global batch follows the world, and scales the learning rate with it (Goyal et al.,
-  "Accurate, Large Minibatch SGD", 2017, the linear scaling rule), which changes the
-  optimisation.
+  ``keep-global`` keeps the global batch B and the learning rate whatever the world (the
+  optimisation is the same, only slower or faster; the default), ``scale-lr`` trains one
+  micro-batch per rank per step, so the global batch follows the world, and scales the learning
+  rate with it (Goyal et al., "Accurate, Large Minibatch SGD", 2017, the linear scaling rule),
+  which changes the optimisation.
 """
 
 from __future__ import annotations
@@ -72,16 +72,16 @@ def plan_batches(
             f"global_batch={global_batch}, micro_batch={micro_batch}, world_size={world_size}: "
             "all must be at least 1"
         )
-    # TODO 4.3: recompute the accumulation steps (keep-global) or the learning rate (scale-lr).
-    # Invariant: keep-global: world_size x micro_batch x accumulation_steps == global_batch and
-    #   the lr is base_lr; scale-lr: one micro-batch per rank per step, lr proportional to the
-    #   samples per step (base_lr when they equal global_batch).
-    # Hint 1: under keep-global a global batch that world_size x micro_batch does not divide
-    #   cannot be kept: refuse it with a ValueError that names all three numbers.
+    # TODO 4.3: the batch plan of this world under the policy.
+    # Invariant: keep-global: world_size x micro_batch x accumulation_steps == global_batch and the
+    #   lr is base_lr, or a ValueError naming global_batch, world_size and micro_batch; scale-lr:
+    #   one micro-batch per rank per step, lr proportional to the samples per step (base_lr when
+    #   they equal global_batch).
+    # Hint 1: one micro-step of the whole world takes world_size x micro_batch samples.
     # More hints: uv run python -m tests.hint 4.3
     # See guidelines.md#43-elastic-training
     raise NotImplementedError(
-        "TODO 4.3: recompute the accumulation steps (keep-global) or the learning rate (scale-lr) "
+        "TODO 4.3: the batch plan of this world under the policy "
         "(see phase4_production/guidelines.md#43-elastic-training)"
     )
 
@@ -147,10 +147,10 @@ class ElasticSampler(Sampler[int]):
         # TODO 4.3: split what is left of the epoch's order over this world, step by step.
         # Invariant: over all ranks the shards are disjoint and together are exactly
         #   epoch_order()[position:]; the first global_batch / world_size indices of every rank
-        #   together are the next global_batch samples of that order (and so on, step by step),
-        #   also when world_size does not divide position.
-        # Hint 1: two things happen to the order: what the earlier worlds trained goes away, and
-        #   the rest is dealt out to the ranks like cards. Which comes first matters.
+        #   together are the next global_batch samples of that order (and so on, step by step), also
+        #   when world_size does not divide position.
+        # Hint 1: two things happen to the order: what the earlier worlds trained goes away, and the
+        #   rest is dealt out to the ranks like cards. Which comes first matters.
         # More hints: uv run python -m tests.hint 4.3
         # See guidelines.md#43-elastic-training
         raise NotImplementedError(

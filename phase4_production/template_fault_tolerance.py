@@ -10,10 +10,9 @@ where the previous attempt got to. That is this exercise:
 
 * :func:`advance`: after each optimizer step, where a run resumed *after* that step would start
   (epoch, global sample position within the epoch, optimizer steps). The checkpoint stores it.
-* :func:`resume`: every rank loads the *same* newest valid checkpoint (rank 0 picks it and tells
-  the others: if each rank looked on its own, a checkpoint completed between two looks would
-  split the group across two steps), restores model, optimizer, scheduler, loss scaler and this
-  rank's RNG states, and returns the progress to continue from.
+* :func:`resume`: every rank loads the *same* newest valid checkpoint, restores model,
+  optimizer, scheduler, loss scaler and this rank's RNG states, and returns the progress to
+  continue from.
 
 Saving is given (:func:`save_training_state`): every rank hands its RNG states to rank 0, which
 writes one ``train_state.pt`` and the manifest; the others wait at a barrier, so no rank runs
@@ -71,9 +70,9 @@ def advance(
     ``progress`` is the value after the previous step (or the one training resumed from).
     """
     # TODO 4.2: count this step's samples into the epoch's position; roll over to the next epoch.
-    # Invariant: resuming from the result replays exactly the samples not yet trained on: a
-    #   finished epoch resumes at (epoch + 1, position 0), never at the end of the old one.
-    # Hint 1: the step's epoch comes from event.epoch; a new epoch starts its count at 0.
+    # Invariant: resuming from the result replays exactly the samples not yet trained on, and never
+    #   an epoch with none left; position counts the samples of every rank together.
+    # Hint 1: the step's epoch comes from event.epoch; progress may still be counting an older one.
     # More hints: uv run python -m tests.hint 4.2
     # See guidelines.md#42-automatic-recovery
     raise NotImplementedError(
@@ -165,20 +164,20 @@ def resume(
     group: dist.ProcessGroup | None = None,
     strict_rng: bool = True,
 ) -> Resumed:
-    """Collective: load the newest valid checkpoint into ``state`` on every rank.
+    """Collective: load the newest valid checkpoint into ``state`` on every rank of ``group``.
 
-    Rank 0 of ``group`` chooses with ``manager.latest_valid()`` and broadcasts its step (-1: none,
-    start fresh), so all ranks load the same one. This rank's RNG states are restored from its
-    own keys; ``strict_rng=False`` (elastic runs, where the world grew) leaves the generators of
-    a rank the checkpoint has no state for as they are, instead of raising KeyError.
+    Every rank resumes from the same checkpoint: the newest valid one when the group's rank 0
+    looked, whatever the other ranks would find themselves. Nothing to resume: ``Resumed(
+    Progress(), None, {})``. This rank's RNG states are restored from its own keys;
+    ``strict_rng=False`` (elastic runs, where the world grew) leaves the generators of a rank the
+    checkpoint has no state for as they are, instead of raising KeyError.
     """
     # TODO 4.2: agree on one checkpoint, load it with weights_only=True, restore everything.
-    # Invariant: every rank resumes from the same step; after resume the model, optimizer,
-    #   scheduler, scaler and this rank's generators are exactly as they were when it was saved.
-    # Hint 1: between ranks a number travels only inside a tensor (where the group's backend
-    #   wants it: collective_device); one value can also mean "nothing to resume". The manager
-    #   knows each step's folder and loads a file of it; the checkpoint module names a folder's
-    #   step.
+    # Invariant: every rank of group resumes from the same step, the one the group's rank 0 saw as
+    #   newest; after resume the model, optimizer, scheduler, scaler and this rank's generators are
+    #   exactly as they were when it was saved.
+    # Hint 1: a rank's view of the folder can be a moment older than another's; between ranks a
+    #   number travels only inside a tensor (where the group's backend wants it: collective_device).
     # More hints: uv run python -m tests.hint 4.2
     # See guidelines.md#42-automatic-recovery
     raise NotImplementedError(

@@ -23,9 +23,6 @@ Get a group wrong and nothing crashes: the loss still falls, a little off. torch
 reduced on the wrong mesh with tp and cp: shown 2x off) and Megatron-LM (cp = 2 halving the
 gradient under uneven valid-token counts; MoE counts under cp) fixed exactly these in 2026. The
 grader compares every loss and parameter with one process, in float64, so nothing slips by.
-
-The data-parallel reductions of the course *average* (phase 1's average_gradients, 3.5's ZeRO
-reduce-scatter): keep it in mind for every share you return.
 """
 
 from __future__ import annotations
@@ -63,9 +60,9 @@ def token_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     (2.7's zig-zag layout over ``cp`` ranks): int64, ``seq_len / cp`` of them."""
     # TODO 4.7: the true positions of this rank's tokens, for the rotary angles.
     # Invariant: result[i] is the place in the whole sequence of the i-th token this rank holds;
-    #   over the cp ranks every position 0..seq_len-1 appears once; with cp = 1 it is
-    #   0, 1, ..., seq_len-1. A rotary angle at a local index instead would make q·k depend on
-    #   distances that are not the tokens' distances.
+    #   over the cp ranks every position 0..seq_len-1 appears once; with cp = 1 it is 0, 1, ...,
+    #   seq_len-1. A rotary angle at a local index instead would make q·k depend on distances that
+    #   are not the tokens' distances.
     # Hint 1: the positions are data laid out exactly like the tokens they belong to.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
@@ -80,9 +77,9 @@ def count_valid_tokens(targets: torch.Tensor, topology: Topology) -> int:
     this rank's own: its replica's sequences, its cp shard of their positions (the same on every
     tp rank: before any sequence-parallel split). A collective."""
     # TODO 4.7: the global count of valid targets, from every rank's own.
-    # Invariant: every rank returns the same number: the valid targets of the whole global
-    #   batch, each counted once (tp ranks and pipeline stages hold the same targets as their
-    #   neighbours in the group that differs only in dp and cp).
+    # Invariant: every rank returns the same number: the valid targets of the whole global batch,
+    #   each counted once (tp ranks and pipeline stages hold the same targets as their neighbours in
+    #   the group that differs only in dp and cp).
     # Hint 1: which ranks hold OTHER targets than this one? The module docstring's first rule.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
@@ -96,13 +93,13 @@ def loss_share(
     logits: torch.Tensor, targets: torch.Tensor, global_valid: int, topology: Topology
 ) -> torch.Tensor:
     """This rank's share of the global batch's mean cross-entropy, for its logits
-    [batch, tokens, vocab] and targets [batch, tokens] (IGNORE_INDEX masked), scaled for the
-    AVERAGE over dp x cp that its gradients go through afterwards."""
+    [batch, tokens, vocab] and targets [batch, tokens] (IGNORE_INDEX masked): the scalar it
+    backpropagates, such that the gradients are one process's once the data-parallel reductions
+    after backward have run."""
     # TODO 4.7: the loss this rank backpropagates.
-    # Invariant: summed over the ranks that hold other tokens (dp x cp, and tp under sequence
-    #   parallelism), the shares divided by the dp x cp size give the mean cross-entropy over
-    #   every valid target of the global batch, whatever the number of valid targets on each
-    #   rank; averaging the shares' gradients over dp x cp then gives that mean's gradient.
+    # Invariant: whatever the number of valid targets on each rank, once every rank's share has been
+    #   backpropagated and the data-parallel reductions that follow have run, the gradients are
+    #   those of one process's mean cross-entropy over every valid target of the global batch.
     # Hint 1: a mean of per-rank means weighs a rank with few valid targets as much as one with
     #   many; a sum over tokens divided by the global count does not.
     # More hints: uv run python -m tests.hint 4.7
@@ -127,14 +124,13 @@ def balance_loss_share(
     [b, t, k]: the router's probabilities and choices for this rank's t tokens of each of its b
     sequences (its cp shard; under sequence parallelism its tp share of that)."""
     # TODO 4.7: the balance loss of sequences whose tokens are spread over several ranks.
-    # Invariant: for each sequence, the shares of the ranks holding its tokens add up to
-    #   E · sum_e f[e] · P[e] of the whole sequence (f: the share of its k·seq_len choices that
-    #   named e; P: e's probability averaged over its seq_len tokens); over the global batch,
-    #   divided by the dp x cp size, the mean over its sequences. A rank never holds, nor adds,
-    #   a whole sequence's loss that other ranks add too.
-    # Hint 1: f needs every token of the sequence (a count: no gradient); P is a sum over tokens
-    #   divided by seq_len, and the loss is linear in P once f is known: each rank can add its
-    #   own tokens' part of P.
+    # Invariant: for each sequence, the shares of the ranks holding its tokens add up to E · sum_e
+    #   f[e] · P[e] of the whole sequence (f: the share of its k·seq_len choices that named e; P:
+    #   e's probability averaged over its seq_len tokens); over the global batch, in loss_share's
+    #   scale, the mean over its sequences once the data-parallel reductions have run. A rank never
+    #   holds, nor adds, a whole sequence's loss that other ranks add too.
+    # Hint 1: f is a share of the whole sequence's choices, P a mean over its tokens: ask of each
+    #   what it needs from the other ranks holding tokens of the sequence.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -155,14 +151,13 @@ def finish_gradients(
     data-parallel reductions, the config's ``communication`` (3.1's ring, 3.2's halving-doubling),
     as a DDP communication hook would be (3.4): the other reductions keep torch's."""
     # TODO 4.7: the reductions after backward, each on its own group.
-    # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
-    #   gradient of the global loss of one process (every token that used the weight counted
-    #   once, none twice), and every rank holding a copy of that piece holds the same bits.
-    #   The data-parallel sums go through all_reduce_fn, and no other reduction does.
-    # Hint 1: the HeldGradient flags say what each tensor is; for each kind, the guide's two
-    #   rules ask which ranks hold its other copies and whether those saw other tokens.
-    #   all_reduce_flat reduces a list in one collective per dtype, with the all-reduce you
-    #   hand it.
+    # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the gradient
+    #   of the global loss of one process (every token that used the weight counted once, none
+    #   twice), and every rank holding a copy of that piece holds the same bits. The data-parallel
+    #   sums go through all_reduce_fn, and no other reduction does.
+    # Hint 1: the HeldGradient flags say what each tensor is; for each kind, the guide's two rules
+    #   ask which ranks hold its other copies and whether those saw other tokens. all_reduce_flat
+    #   reduces a list in one collective per dtype, with the all-reduce you hand it.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -176,11 +171,11 @@ def gradient_placements(held: list[HeldGradient], topology: Topology) -> list[Gr
     which groups of the topology hold identical copies of it, so that the global norm counts
     every distinct gradient once."""
     # TODO 4.7: where the copies of each complete gradient live.
-    # Invariant: for every gradient, replicated_on names exactly the groups of the topology
-    #   along which every rank holds the same tensor as this one once finish_gradients is done;
-    #   the global norm then counts every distinct piece once.
-    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; groups missing here
-    #   count a copy several times, groups too many drop pieces that are not copies.
+    # Invariant: for every gradient, replicated_on names exactly the groups of the topology along
+    #   which every rank holds the same tensor as this one once finish_gradients is done; the global
+    #   norm then counts every distinct piece once.
+    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; groups missing here count a
+    #   copy several times, groups too many drop pieces that are not copies.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(

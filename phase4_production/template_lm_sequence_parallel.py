@@ -49,8 +49,8 @@ def all_gather_sequence(local: torch.Tensor, group: Group) -> torch.Tensor:
     # TODO 4.7: the whole sequence from every rank's contiguous share of it.
     # Invariant: every rank returns the same tensor: the group's shares side by side along the
     #   sequence (dimension 1), group rank 0's first; its other dimensions are the input's.
-    # Hint 1: torch's all-gather fills one equally shaped buffer per rank (the group's size);
-    #   the sequence is not the first dimension.
+    # Hint 1: torch's all-gather fills one equally shaped buffer per rank (the group's size); the
+    #   sequence is not the first dimension.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -64,10 +64,10 @@ def reduce_scatter_sequence(whole: torch.Tensor, group: Group) -> torch.Tensor:
     ``whole`` (no autograd: the Functions below call it)."""
     check_sequence_share(whole.shape[SEQUENCE_DIM], dist.get_world_size(group))
     # TODO 4.7: this rank's contiguous share of the sequence, summed over the group.
-    # Invariant: rank r of a group of n returns tokens [r·L/n, (r+1)·L/n) of the sum of every
-    #   rank's input (L the sequence length); the input is left unchanged.
-    # Hint 1: torch's reduce-scatter (dist.reduce_scatter_tensor) cuts its input along the
-    #   FIRST dimension, and wants contiguous memory; the sequence is dimension 1.
+    # Invariant: rank r of a group of n returns tokens [r·L/n, (r+1)·L/n) of the sum of every rank's
+    #   input (L the sequence length); the input is left unchanged.
+    # Hint 1: torch's reduce-scatter (dist.reduce_scatter_tensor) cuts its input along the FIRST
+    #   dimension, and wants contiguous memory; the sequence is dimension 1.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -110,12 +110,11 @@ def enter_tensor_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool
     with it), turned into the whole sequence that every rank's slice of the layer needs."""
     # TODO 4.7: the entrance of a tensor-parallel region, with and without sequence parallelism.
     # Invariant: the result holds every token of the sequence on every rank of the group; in
-    #   backward, the gradient that reaches x is the SUM over the group of every rank's
-    #   contribution (each rank's weight slice used all of x), in the form x came in (whole,
-    #   or this rank's share of the tokens).
-    # Hint 1: without sequence parallelism this is 2.6's f; with it, x holds only 1/tp of the
-    #   tokens, and one of the two Functions above fits the forward you need. What does its
-    #   backward do to the gradient?
+    #   backward, the gradient that reaches x is the SUM over the group of every rank's contribution
+    #   (each rank's weight slice used all of x), in the form x came in (whole, or this rank's share
+    #   of the tokens).
+    # Hint 1: ask what x holds when it arrives (every token, or 1/tp of them) and what the gradient
+    #   on the way back must be: a sum over the group, in the form x came in.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(
@@ -129,12 +128,12 @@ def leave_tensor_parallel(y: torch.Tensor, group: Group, sequence_parallel: bool
     the group, whole on every rank without sequence parallelism, this rank's share of the
     tokens with it."""
     # TODO 4.7: the exit of a tensor-parallel region, with and without sequence parallelism.
-    # Invariant: the result is the sum over the group of every rank's partial y (all tokens, or
-    #   this rank's contiguous share of them with sequence parallelism: the same share the
-    #   region's entrance started from); in backward every rank's partial receives the gradient
-    #   of the whole sequence.
-    # Hint 1: the transpose of the entrance: 2.6's g without sequence parallelism; with it,
-    #   the other Function above.
+    # Invariant: the result is the sum over the group of every rank's partial y (all tokens, or this
+    #   rank's contiguous share of them with sequence parallelism: the same share the region's
+    #   entrance started from); in backward every rank's partial receives the gradient of the whole
+    #   sequence.
+    # Hint 1: the exit undoes the entrance: ask what each rank must hold after it (the whole sum, or
+    #   its share of the summed tokens) and what gradient each rank's partial sum receives.
     # More hints: uv run python -m tests.hint 4.7
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     raise NotImplementedError(

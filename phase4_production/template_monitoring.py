@@ -9,20 +9,18 @@ Three measurements answer the questions asked of every slow training run:
   training loop announces (course/training.py: ``data``, ``forward``, ``backward``,
   ``sync``, ``optimizer``, ``other``). The sections tile the step: each timing point closes the
   section that ran since the previous one, so they never overlap and always add up to the step.
-  On a GPU, kernels run asynchronously: the clock is read after ``torch.cuda.synchronize``, or the
-  time of a kernel lands in whichever later section happens to wait for it (CUDA events would
-  avoid the host stall, at the price of reading them a step later; this course syncs).
+  On a GPU, kernels run asynchronously, and each section must still be credited with the
+  kernels it queued.
 * **How much of the machine does it use?** Model FLOPs utilization (MFU, Chowdhery et al., PaLM,
-  2022, appendix B): the FLOPs the model needs per step, counted once by
-  ``torch.utils.flop_counter.FlopCounterMode`` on one forward and backward (training FLOPs =
-  forward + backward, about 3x forward), divided by the step time and the device's peak FLOP/s
-  (phase4_production/device_peaks.py).
+  2022, appendix B): the FLOPs the model needs per step, counted by
+  ``torch.utils.flop_counter.FlopCounterMode``, divided by the step time and the device's peak
+  FLOP/s (phase4_production/device_peaks.py).
   Recomputation (activation checkpointing) is not counted: that would be hardware FLOPs (HFU).
 * **Who is slow?** A synchronous job runs at the speed of its slowest rank, and the others wait
   for it inside the next collective, so every rank's *total* step time is the same. What differs
-  is the time a rank spends *not* waiting on the others. Every N steps each rank takes the median
-  of that over its last N steps, the medians are all-gathered over the group, and a rank slower
-  than ``threshold`` x the median across ranks is named on every rank. NVIDIA's detector
+  is the time a rank spends *not* waiting on the others. Every N steps each rank's median of that
+  over its last N steps is compared with the median across ranks, and a rank slower than
+  ``threshold`` x that is named, the same list on every rank. NVIDIA's detector
   (nvidia-resiliency-ext, ``nvidia_resiliency_ext.straggler``) times marked sections per rank
   the same way and scores each rank against the *fastest* rank and against its own best;
   Megatron-LM's ``StragglerDetector`` (megatron/core/utils.py) gathers per-rank CUDA-event
@@ -81,11 +79,10 @@ class StepTimer:
     def mark(self, section: str) -> None:
         """``section`` has just ended: add the time since the previous timing point to it."""
         # TODO 4.5: close the section that ran since the previous timing point.
-        # Invariant: the sections tile the step: no gap, no overlap, so their sum is the time
-        #   from start() to the latest mark; a section marked twice in a step adds up; on CUDA,
-        #   the time includes the kernels the section queued.
-        # Hint 1: kernels run asynchronously: on a CUDA device, wait for them before reading
-        #   the clock (start() shows how), or their time lands in a later section.
+        # Invariant: the sections tile the step: no gap, no overlap, so their sum is the time from
+        #   start() to the latest mark; a section marked twice in a step adds up; on CUDA, the time
+        #   includes the kernels the section queued.
+        # Hint 1: the host queues kernels and goes on; the clock is the host's.
         # More hints: uv run python -m tests.hint 4.5
         # See guidelines.md#45-monitoring-and-profiling
         raise NotImplementedError(
@@ -125,11 +122,10 @@ def count_training_flops(
     gpus = sorted({p.device.index or 0 for p in scratch.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=gpus):  # dropout in the copy draws from forked generators
         # TODO 4.5: count the FLOPs of one forward and one backward, once each.
-        # Invariant: the total is what FlopCounterMode reports for forward + backward of this
-        #   batch (about 3x forward: the backward computes gradients of inputs and of weights),
-        #   not forward alone, and nothing multiplied on top.
-        # Hint 1: torch.utils.flop_counter.FlopCounterMode counts the FLOPs of whatever runs
-        #   while it is active (backward included) and can tell its total afterwards.
+        # Invariant: the total is what FlopCounterMode reports for forward and backward of this
+        #   batch on the scratch copy, nothing more and nothing less; the caller's model untouched.
+        # Hint 1: torch.utils.flop_counter.FlopCounterMode counts the FLOPs of whatever runs while
+        #   it is active and tells its total afterwards.
         # More hints: uv run python -m tests.hint 4.5
         # See guidelines.md#45-monitoring-and-profiling
         raise NotImplementedError(
@@ -150,8 +146,8 @@ def model_flops_utilization(flops_per_step: float, step_seconds: float, peak_flo
             f"step_seconds={step_seconds}, peak_flops={peak_flops}: both must be positive"
         )
     # TODO 4.5: the model FLOPs achieved per second, as a fraction of the device's peak.
-    # Invariant: a fraction without unit: a step whose FLOPs ran at the peak for its whole
-    #   duration is 1.0, one that took twice as long is 0.5.
+    # Invariant: a fraction without unit: a step whose FLOPs ran at the peak for its whole duration
+    #   is 1.0, one that took twice as long is 0.5.
     # Hint 1: the arguments are plain FLOPs, seconds and FLOP/s (no tera, no milli).
     # More hints: uv run python -m tests.hint 4.5
     # See guidelines.md#45-monitoring-and-profiling
@@ -211,11 +207,10 @@ def find_stragglers(
     if threshold <= 1.0:
         raise ValueError(f"threshold={threshold}: must be > 1 (x the median rank's step)")
     # TODO 4.5: name the ranks whose median step is above threshold x the median across ranks.
-    # Invariant: every rank of the group returns the same list, sorted by global rank; one slow
-    #   step (a hiccup) in a rank's window makes no straggler; ranks with normal noise are
-    #   not named; the fastest rank is never named for being fast.
-    # Hint 1: a rank knows only its own times: its median goes to every rank with one
-    #   all-gather over `group`; then each rank applies the same rule to the same numbers.
+    # Invariant: every rank of the group returns the same list, sorted by global rank; one slow step
+    #   (a hiccup) in a rank's window makes no straggler; ranks with normal noise are not named; the
+    #   fastest rank is never named for being fast.
+    # Hint 1: a rank knows only its own times, and the rule compares every rank with the others.
     # More hints: uv run python -m tests.hint 4.5
     # See guidelines.md#45-monitoring-and-profiling
     raise NotImplementedError(

@@ -5,8 +5,8 @@ complete. Three ideas give that:
 
 * **atomic files**: a reader must only ever see a file's complete old version or its complete new
   one, whatever moment the writer dies at, power loss included. POSIX gives exactly one
-  operation with that property (a rename within one filesystem); the rest is making sure the
-  bytes are really on the disk before anyone can see them under the final name.
+  operation with that property (a rename within one filesystem); the rest is making sure that
+  what a reader finds under the final name survives a power loss.
   ``torch.distributed.checkpoint`` relies on the same property in its file system writer
   (torch/distributed/checkpoint/filesystem.py).
 * **a manifest written last**: ``manifest.json`` lists every file with its size and sha256. A
@@ -73,20 +73,29 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """
     path = Path(path)
     # TODO 4.1: write ``path`` atomically: the old file or the new one, never a part of either.
-    # Invariant: at every instant `path` is absent, the complete old file or the complete new
-    #   file; a crash leaves at most a stray temporary file, never a partial `path`; a write
-    #   that fails leaves nothing behind.
+    # Invariant: at every instant, a power loss included, `path` is absent, the complete old file or
+    #   the complete new file; a crash leaves at most a stray temporary file, never a partial
+    #   `path`; a write that raises leaves the old file and nothing else, and the error goes on.
     # Hint 1: only a rename is atomic, and only within one filesystem; and bytes a program has
-    #   written may still sit in a buffer or the page cache when the power goes.
-    # Hint 2: three moves: put the bytes in a uniquely named temporary file in the target's own
-    #   folder and make them durable (Python's buffer, then the operating system's); rename that
-    #   file onto the target and make the rename durable too (the folder is data as well); if any
-    #   step raises, remove the temporary file and let the error go on.
-    # Hint 3: tempfile.mkstemp in the target's folder gives a descriptor and a name; os.fdopen
-    #   opens the descriptor for binary writing; the file object's flush, then os.fsync of its
-    #   descriptor number (fileno), before os.replace moves the temporary name onto the
-    #   target; then fsync_directory on the target's folder. The except branch unlinks the
-    #   temporary file (missing_ok) and re-raises.
+    #   written are not on the disk when its write returns.
+    # Hint 2: Where must the new bytes wait so that no reader sees them, and on which filesystem?
+    #   When write returns, where can they still sit, inside this process and inside the operating
+    #   system, and which call moves them on from each place? Which step comes last, and what does
+    #   it change that must be made durable as well?
+    # Hint 3: the bytes wait in a uniquely named temporary file in the target's own folder:
+    #   tempfile.mkstemp there gives a descriptor and a name, and os.fdopen turns the descriptor
+    #   into a binary file object to hand to write. A temporary file in /tmp may sit on another
+    #   filesystem, where a rename is a copy.
+    # Hint 4: durable before visible: the file object's flush empties Python's buffer into the
+    #   operating system, then os.fsync of the file's descriptor number puts the page cache on the
+    #   disk; both come before any rename.
+    # Hint 5: the rename is os.replace of the temporary name onto the target; it changes the folder,
+    #   so fsync_directory of the target's folder follows it. On any exception the temporary file is
+    #   unlinked (it may be gone already) and the exception raised again.
+    # Hint 6: In words: make the temporary file in the target's folder, open its descriptor for
+    #   binary writing, let write fill it, flush, fsync its descriptor and close it; os.replace it
+    #   onto the target; then fsync_directory the target's folder. Everything up to the rename sits
+    #   in a try whose except branch unlinks the temporary file and re-raises.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".tmp-")
@@ -136,17 +145,26 @@ def verify_checkpoint(directory: Path) -> str | None:
     """
     directory = Path(directory)
     # TODO 4.1: decide whether the folder is exactly what its manifest says, and if not, why.
-    # Invariant: only a folder whose manifest reads and whose every listed file has the listed
-    #   size and sha256 is valid; a folder without a manifest is a save that never finished; a
-    #   damaged manifest makes the folder invalid, it never raises out of here.
-    # Hint 1: the cheapest question first: a manifest that is absent, then one that does not
-    #   read (read_manifest says why, as a ManifestError), then per file the size, which names a
-    #   truncation, and only then the hash, which reads the whole file.
-    # Hint 2: absent manifest -> the "did not finish" reason; read_manifest raising -> its message
-    #   is the reason; then for each listed file in sorted order: absent, a size that differs, a
-    #   hash that differs, each with its reason in the docstring's words; None when all match.
-    # Hint 3: read_manifest(directory).files maps a name to FileEntry(bytes, sha256); compare
-    #   path.stat().st_size with entry.bytes and sha256_file(path) with entry.sha256.
+    # Invariant: None only for a folder whose manifest reads and whose every listed file has the
+    #   listed size and sha256; otherwise the reason in the docstring's words (a file of another
+    #   size is truncated, a file of the listed size with other contents corrupted); never raises,
+    #   whatever the folder holds.
+    # Hint 1: four things can be wrong: no manifest, a manifest that cannot be trusted, a listed
+    #   file absent, a listed file that differs. Which of them can be seen without reading a file?
+    # Hint 2: Which checks need nothing but a name or a size, and which reads every byte of a file?
+    #   A truncated file has another size and another hash: which check must see it first to call it
+    #   truncated? What may you read from manifest.json before read_manifest has accepted it, and
+    #   what does its ManifestError carry?
+    # Hint 3: the manifest first: an absent manifest.json is the "did not finish" reason; a
+    #   ManifestError from read_manifest gives its own message as the reason. Nothing is read from
+    #   the manifest except through read_manifest's answer.
+    # Hint 4: then each listed file, in sorted order of names: absent, then its size (the stat's
+    #   st_size against the entry's bytes), and only for a file of the listed size its sha256_file
+    #   against the entry's sha256.
+    # Hint 5: In words: no manifest gives the "did not finish" reason; read_manifest raising gives
+    #   its message; then for each file of the manifest, sorted: missing, a size that differs
+    #   (truncated), a hash that differs (corrupted), each in the docstring's words; None once every
+    #   file matched.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     if not (directory / MANIFEST).exists():
@@ -245,17 +263,22 @@ class CheckpointManager:
     def latest_valid(self) -> Path | None:
         """The newest checkpoint that verifies; each newer one that does not is logged, skipped."""
         # TODO 4.1: find the newest checkpoint that is safe to resume from.
-        # Invariant: a corrupted, truncated, unfinished or malformed newest checkpoint is never
-        #   returned, and each one passed over is named in one log line with its reason; with
-        #   nothing valid left the answer is None.
-        # Hint 1: self.checkpoints() lists the folders oldest first; verify_checkpoint says why
-        #   one cannot be used; self.log writes one line.
-        # Hint 2: In which order should the folders be tried, and when may the search stop? What
-        #   happens to a folder that verify_checkpoint rejects: which line is written, and does the
-        #   search go on? What is left when no folder verifies?
-        # Hint 3: Go from the newest folder to the oldest; a folder with a reason gets its log line
-        #   (its name and the reason) and the search goes on; the first without one is the answer;
-        #   None after the loop.
+        # Invariant: the newest checkpoint that verifies is returned, never a corrupted, truncated,
+        #   unfinished or malformed one; each newer one passed over is named in one log line with
+        #   its reason ("checkpoint <name> skipped: <reason>"); with nothing valid the answer is
+        #   None.
+        # Hint 1: self.checkpoints() lists the folders oldest first; verify_checkpoint says why one
+        #   cannot be used; self.log writes one line.
+        # Hint 2: In which order should the folders be tried, and when may the search stop? Which
+        #   folders get a log line, and which are never looked at (each verification hashes whole
+        #   files)?
+        # Hint 3: the order: from the newest folder to the oldest, the reverse of self.checkpoints.
+        # Hint 4: the stop: the first folder verify_checkpoint has no reason against is the answer;
+        #   the folders older than it are not verified at all, and the newer ones each got their
+        #   line.
+        # Hint 5: In words: walk the folders newest first; a folder with a reason gets its line
+        #   (checkpoint, its name, skipped, the reason) and the walk goes on; the first folder
+        #   without one is returned; None after the walk.
         # See guidelines.md#41-atomic-complete-checkpoints
         # >>> solution
         for path in reversed(self.checkpoints()):
@@ -285,25 +308,29 @@ def rank_key(rank: int, name: str) -> str:
 
 
 def capture_rng(rank: int) -> dict[str, Any]:
-    """This process's RNG states (torch CPU and CUDA, NumPy, Python) under ``rank<r>/`` keys.
+    """This process's generator states, every key made with :func:`rank_key` for ``rank``.
 
     Every value is a tensor, a number, a string, None or a list of tensors, so that
     ``torch.load(..., weights_only=True)`` reads it back.
     """
     # TODO 4.1: capture every generator a training step can draw from, under this rank's keys.
-    # Invariant: restore_rng(capture_rng(r), r) puts every generator back exactly; the keys of
-    #   two ranks never collide (one file holds every rank's states), and the values are only
-    #   tensors, numbers, strings, None and lists of tensors (weights_only=True reads them).
-    # Hint 1: a training step can draw from four kinds of generator (one of them per GPU);
-    #   rng_state.py turns the two that torch.load would refuse into tensors and ints.
-    # Hint 2: Which four generators can a step draw from? Which two would torch.load with
-    #   weights_only=True refuse as they are, and which helpers of rng_state.py turn them into plain
-    #   values (in what shape)? What makes one rank's keys differ from another's in a file that
-    #   holds them all?
-    # Hint 3: One dictionary with torch's CPU state under torch_cpu, rng_state.cuda_states() under
-    #   torch_cuda, and the entries of the dictionaries rng_state.numpy_state() and
-    #   rng_state.python_state() return; then every key renamed with rank_key(rank, key), so that it
-    #   says which rank it belongs to.
+    # Invariant: restore_rng(capture_rng(r), r) puts every generator back exactly; the keys of two
+    #   ranks never collide (one file holds every rank's states), and the values are only tensors,
+    #   numbers, strings, None and lists of tensors (weights_only=True reads them).
+    # Hint 1: a dropout mask, a random crop, a shuffle in NumPy or in plain Python: which generator
+    #   does each draw from, on a CPU rank and on a GPU rank?
+    # Hint 2: Which generators can a step draw from? Which of their native states would torch.load
+    #   with weights_only refuse as they are, and what in rng_state.py turns them into tensors and
+    #   ints? What must every key carry so that one file can hold every rank's states?
+    # Hint 3: four kinds: torch's CPU generator (torch.get_rng_state), one CUDA generator per GPU
+    #   (rng_state.cuda_states, an empty list where CUDA is unused), NumPy's global generator and
+    #   Python's random module.
+    # Hint 4: NumPy's and Python's native states hold an ndarray or tuples, which weights_only
+    #   refuses; rng_state.numpy_state and rng_state.python_state return them as small dictionaries
+    #   of tensors and ints, whose entries go into the capture as they are.
+    # Hint 5: In words: one dictionary with torch's CPU state under torch_cpu, the CUDA states under
+    #   torch_cuda, and every entry of the NumPy and Python dictionaries; then every key renamed
+    #   with rank_key of this rank and that key.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     state: dict[str, Any] = {
@@ -322,18 +349,23 @@ def restore_rng(states: Mapping[str, Any], rank: int) -> None:
     Raises KeyError naming the rank when ``states`` holds nothing for it.
     """
     # TODO 4.1: restore this rank's generators from its own keys (never another rank's).
-    # Invariant: after restore_rng, torch, NumPy and Python draw exactly what the saved
-    #   process would have drawn next; in a file of 12 ranks' states rank 1 takes rank 1's,
-    #   not rank 10's or 11's; a rank with no states of its own is a KeyError, never a fallback.
-    # Hint 1: this is capture_rng backwards: select this rank's entries, undo the renaming, and
-    #   give each generator its state (rng_state.py has the setters for the converted ones).
-    # Hint 2: In a file of 12 ranks' states, which keys are rank 1's, and why must the separator
-    #   after the rank be part of the test (think of rank 10)? What should happen when no key
-    #   belongs to this rank? Which generators are set directly, which through rng_state.py's
-    #   setters?
-    # Hint 3: Keep the entries whose key starts with this rank's whole prefix (rank_key of the rank
-    #   and an empty name) and take the prefix off; none left -> KeyError naming the rank; then set
-    #   torch's CPU and CUDA states and hand the rest to the NumPy and Python setters.
+    # Invariant: after restore_rng, torch, NumPy and Python draw exactly what the saved process of
+    #   this rank would have drawn next, whatever other ranks' states the dictionary holds; a rank
+    #   with no states of its own is a KeyError naming it, never a fallback.
+    # Hint 1: this is capture_rng backwards: select this rank's entries, undo the renaming, and give
+    #   each generator its state (rng_state.py has the setters for the converted ones).
+    # Hint 2: In a dictionary of 12 ranks' states, which keys are rank 1's, and which only look like
+    #   them? What tells a key of rank 1 from a key of rank 10? Which generators take their state
+    #   directly, which through rng_state.py's setters?
+    # Hint 3: a key of rank 1 starts with rank1 and the slash after it: rank1 alone is also the
+    #   start of every key of rank 10 and rank 11. rank_key of the rank and an empty name is that
+    #   whole prefix.
+    # Hint 4: torch's CPU state goes back through torch.set_rng_state, the CUDA list through
+    #   rng_state.set_cuda_states; the NumPy and Python setters each take the whole dictionary of
+    #   this rank's entries, prefix removed, and ignore the keys that are not theirs.
+    # Hint 5: In words: keep the entries whose key starts with the whole prefix, with the prefix
+    #   taken off; none left is a KeyError naming the rank; then set torch's CPU state, the CUDA
+    #   states, and hand the dictionary to the NumPy and the Python setters.
     # See guidelines.md#41-atomic-complete-checkpoints
     # >>> solution
     prefix = rank_key(rank, "")

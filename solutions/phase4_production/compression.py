@@ -10,8 +10,8 @@ world: a hook divides); ``bucket.gradients()`` are views into it, one per parame
 ``bucket.index()`` and ``bucket.is_last()`` say which bucket it is. The tensor the future
 returns becomes the bucket's averaged gradient on every rank. Three ways to send less:
 
-* **fp16 / bf16** (this module): cast to 16 bits, divide, all-reduce, cast back: half the bytes,
-  the same algorithm; equal bit for bit to torch's ``default_hooks.fp16_compress_hook`` /
+* **fp16 / bf16** (this module): the bucket travels in 16 bits: half the bytes, the same
+  algorithm; equal bit for bit to torch's ``default_hooks.fp16_compress_hook`` /
   ``bf16_compress_hook``.
 * **top-k with error feedback** (``compression_topk.py``): send the k largest entries and
   remember the rest.
@@ -54,21 +54,28 @@ def cast_compress_hook(
 
     The future's value is ``bucket.buffer()`` itself, holding the average in the bucket's dtype.
     """
-    # TODO 4.4: cast the bucket to dtype, divide by the world, all-reduce, cast back in place.
-    # Invariant: the result is bit for bit torch's default_hooks.fp16_compress_hook (for
-    #   float16) and bf16_compress_hook (for bfloat16): the cast first, then the division in
-    #   16 bits, then the sum; the bucket's own buffer holds the result, in its own dtype.
-    # Hint 1: dividing before the sum keeps fp16 from overflowing (65504 is its largest
-    #   value); the order cast -> divide matters for the last bit when the world is not a
-    #   power of two.
-    # Hint 2: a 16-bit copy of the buffer, divided by the group size; an all-reduce of that
-    #   copy that runs while backward goes on; a future that, once the sum is there, copies it
-    #   back into the buffer and yields the buffer. What runs when the sum arrives only
-    #   computes: it starts no collective.
-    # Hint 3: the bucket's buffer converted to dtype, then divided in place by the group's
-    #   world size; dist.all_reduce of it on group with async_op set; the Work's get_future();
-    #   its then() with a function of the finished future that copies the future's value()[0]
-    #   into the buffer (copy_ casts back) and returns the buffer.
+    # TODO 4.4: average the bucket over group in 16 bits, as torch's fp16/bf16 hooks do, in place.
+    # Invariant: the bucket's buffer ends with, bit for bit, what torch's
+    #   default_hooks.fp16_compress_hook (float16) or bf16_compress_hook (bfloat16) gives, in the
+    #   buffer's own dtype, entries of 40000 on 3 ranks included; one all-reduce of 2 bytes per
+    #   element; the future's value is the buffer; what runs when the sum arrives starts no
+    #   collective.
+    # Hint 1: fp16's largest value is 65504, and a division by 3 is not exact in 16 bits.
+    # Hint 2: Three ranks each hold 40000: what does their fp16 sum become? So does the division by
+    #   the world come before the all-reduce or after it, and in which dtype, 16 bits or the
+    #   bucket's? Which does torch's default_hooks.py do first, the cast or the division? What may
+    #   the function chained on the all-reduce's future do, and what must it not?
+    # Hint 3: the division comes before the sum: each rank's share of the average cannot overflow
+    #   where the sum of the ranks' values would.
+    # Hint 4: the cast comes first, then the division, in 16 bits, as default_hooks does: dividing
+    #   in the bucket's dtype and casting afterwards rounds once where torch rounds twice, and on 3
+    #   ranks some entries end one bit apart.
+    # Hint 5: the all-reduce runs with async_op set; its Work's get_future, chained with then, runs
+    #   a function of the finished future that copies the future's value (its first tensor) into the
+    #   buffer, which casts it back, and returns the buffer. That function only computes.
+    # Hint 6: In words: a 16-bit copy of the buffer, divided in place by the group's size; an
+    #   asynchronous dist.all_reduce of it on group; return its future chained with a function that
+    #   copies the summed tensor back into the bucket's buffer and returns the buffer.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     buffer = bucket.buffer()

@@ -4,19 +4,13 @@ Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient Compressio
 Distributed Optimization" (NeurIPS 2019), Algorithm 1; the same steps as torch's
 ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``. Each gradient matrix M (n x m:
 a layer's weight, viewed as ``shape[0] x rest``) is replaced by the group's average of a rank-r
-approximation, found by one step of power iteration that every rank takes together::
-
-    P = M Q            (n x r)   all-reduce P (sum)     then orthogonalize P's columns
-    Q = Mᵀ P           (m x r)   all-reduce Q, / world
-    M ≈ P Qᵀ
-
-Because the products are linear in M, all-reducing P and Q gives the factors of the *average*
-gradient's approximation: a rank sends (n + m)·r numbers instead of n·m. Q is kept for the next
-step (warm start: one power-iteration step per training step, converging over the steps), and
-what the approximation missed is kept locally and added to the next gradient (error feedback,
-as in top-k). A matrix is compressed only if (n + m)·r·min_compression_rate < n·m; the others
-(biases, small layers) are all-reduced as they are. The first ``start_iter`` steps use a plain
-all-reduce, as torch's hook does.
+approximation, found by one step of power iteration that every rank takes together, from the
+products P = M Q (n x r) and Q = Mᵀ P (m x r), with M ≈ P Qᵀ at the end. A rank sends the
+factors instead of the matrix. Q is kept for the next step (warm start: one power-iteration step
+per training step, converging over the steps), and what the approximation missed is kept
+locally and added to the next gradient (error feedback, as in top-k). Only the matrices
+``should_compress`` accepts are compressed; the others (biases, small layers) are all-reduced as
+they are. The first ``start_iter`` steps use a plain all-reduce, as torch's hook does.
 
 Unlike torch's hook, which issues the Q all-reduce from the P all-reduce's future callback, this
 one issues every collective from the hook call itself, in a fixed order: under gloo a future's
@@ -107,15 +101,18 @@ class PowerSGDState:
 def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
     """Whether a rows x cols matrix is worth sending as rank-``rank`` factors (torch's rule)."""
     # TODO 4.4: decide whether the factors are small enough to be worth it.
-    # Invariant: the same answer as torch's _should_compress for every rows, cols, rank and
-    #   rate, ties included (compress only when strictly cheaper).
-    # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum
-    #   rate says how much cheaper they must be to be worth the approximation.
-    # Hint 2: How many numbers would be sent without compression, and how many as the factors P
-    #   [rows, rank] and Q [cols, rank]? How much smaller must the second be, given the minimum
-    #   rate? What does torch do when the two are equal?
-    # Hint 3: Compress when (rows + cols) times rank, times min_compression_rate, is strictly less
-    #   than rows times cols; equal is not compressed.
+    # Invariant: the same answer as torch's _should_compress (powerSGD_hook.py) for every rows,
+    #   cols, rank and rate, the equal cases included.
+    # Hint 1: the factors P and Q are what would be sent instead of the matrix; the minimum rate
+    #   says how much cheaper they must be to be worth the approximation.
+    # Hint 2: How many numbers are sent for the matrix as it is, and how many as its factors P (rows
+    #   by rank) and Q (cols by rank)? How much smaller must the second be, given the minimum rate?
+    #   What does torch answer when the two sides are equal?
+    # Hint 3: the counts: rows times cols as it is; rows plus cols, times rank, as factors.
+    # Hint 4: the rate multiplies the factors' count, and compressing pays only when that product is
+    #   below the matrix's count: a tie is not compressed (strictly less).
+    # Hint 5: In words: return whether rows plus cols, times rank, times min_compression_rate, is
+    #   strictly less than rows times cols.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     return (rows + cols) * rank * min_compression_rate < rows * cols
@@ -125,21 +122,30 @@ def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
     """Make the columns of ``matrix`` (n x r, r <= n) orthonormal, in place, by Gram-Schmidt.
 
-    Column i is divided by its norm (+ ``epsilon``), then its projection is removed from every
-    later column: the columns span the same space as before, as ``torch.linalg.qr``'s Q does.
+    As torch's ``_orthogonalize`` (powerSGD_hook.py) does for r <= 2, and ``torch.linalg.qr``'s
+    Q up to column signs; ``epsilon`` (torch's ``orthogonalization_epsilon``) keeps a zero
+    column finite.
     """
     # TODO 4.4: Gram-Schmidt on the columns, in place.
-    # Invariant: afterwards matrixᵀ·matrix is the identity (to rounding) and the first j
-    #   columns span what the first j columns spanned before.
-    # Hint 1: one column at a time, left to right: normalize it, then subtract its component
-    #   from the columns to its right (they are orthogonalized later).
-    # Hint 2: for each column, left to right: scale it to unit length (epsilon added to the
-    #   length only when it is not 0), then remove from every later column its projection on
-    #   this one (all later columns at once). Work on views of the matrix, in place.
-    # Hint 3: column i as an n x 1 view (a slice of width 1 keeps it 2-d); its norm by
-    #   torch.linalg.vector_norm over dim 0, kept as 1 x 1; divide the view in place; the
-    #   later columns as one n x (r − i − 1) view R; with c the unit column, R −= c·(cᵀR):
-    #   the column-wise dot products (a sum over dim 0 of c times R, kept 1 x k) times c.
+    # Invariant: afterwards matrixᵀ·matrix is the identity (to rounding); torch.linalg.qr's Q up to
+    #   column signs; torch's _orthogonalize for r <= 2; with epsilon, a zero column stays finite;
+    #   the matrix itself changed (the hook works on views of its memories).
+    # Hint 1: Gram-Schmidt, one column at a time; torch's _orthogonalize_gram_schmidt
+    #   (powerSGD_hook.py) is the reference for r <= 2.
+    # Hint 2: Which column keeps its direction under Gram-Schmidt and QR, and so in which order are
+    #   the columns taken? Once a column is finished, what must the columns still to come lose? What
+    #   does a zero column's norm do to a division, and where does epsilon enter? How is the matrix
+    #   changed in place, column by column?
+    # Hint 3: the order: left to right. Column 0 only gets unit length; every later column first
+    #   loses its components along the finished ones, then gets unit length.
+    # Hint 4: each finished unit column is taken out of all the columns to its right at once
+    #   (modified Gram-Schmidt, as torch): each of them minus the unit column times their dot
+    #   product with it.
+    # Hint 5: epsilon is added to the norm before the division, only when it is not 0 (torch's
+    #   rule): a zero column then divides into zeros, not NaN.
+    # Hint 6: In words: for each column, left to right, as a view of width one: divide it in place
+    #   by its norm (plus epsilon when epsilon is set); then subtract from the view of the columns
+    #   to its right the column times the row of their dot products with it.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     columns = matrix.shape[1]
@@ -170,8 +176,8 @@ def low_rank_average(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Overwrite each of ``matrices`` (views into bucket ``index``) with P Qᵀ, the group's
-    average of its rank-``ranks[i]`` approximations, by one step of power iteration.
+    """Overwrite each of ``matrices`` (views into bucket ``index``) with P Qᵀ, the rank-
+    ``ranks[i]`` approximation of the group's average, by one step of power iteration.
 
     ``state.p_memory[index]`` and ``state.q_memory[index]`` hold every matrix's P and Q, flat, in
     the order of ``matrices`` (see :func:`factor_views`); Q survives to the next step.
@@ -179,25 +185,33 @@ def low_rank_average(
     world = dist.get_world_size(group)
     p_shapes = [(m.shape[0], r) for m, r in zip(matrices, ranks, strict=True)]
     q_shapes = [(m.shape[1], r) for m, r in zip(matrices, ranks, strict=True)]
-    # TODO 4.4: warm-start Q, then P = MQ, all-reduce P, orthogonalize, Q = MᵀP, all-reduce Q.
-    # Invariant: every matrix ends as P·Qᵀ with P the orthogonalized sum over ranks of M·Q and
-    #   Q the average over ranks of Mᵀ·P; Q is reused from the previous step when
-    #   state.warm_start (fresh random Q, state.fill_random, only the first time); P's
-    #   all-reduce before Q's, on group (one flat tensor each: one latency, not one per matrix).
-    # Hint 1: keep P and Q in state.p_memory[index] / state.q_memory[index] (flat, allocated
-    #   when missing or when not warm-starting) and work on factor_views of them, so that one
-    #   all-reduce sends every matrix's P (then every Q).
-    # Hint 2: Q is this bucket's kept one when warm-starting and one exists, otherwise fresh
-    #   random memories for both factors; orthogonalize every Q; each P from its matrix and Q;
-    #   one all-reduce of all P's (no division: normalized next); orthogonalize every P; each
-    #   Q from its matrix transposed and P; one all-reduce of all Q's, then the average; each
-    #   matrix becomes its P times its Q transposed.
-    # Hint 3: warm-start only when state.warm_start is set and q_memory has this index;
-    #   otherwise new_empty flat memories of Σ rows·r elements (P) and Σ cols·r (Q), and
-    #   state.fill_random on Q's views. Products with torch.bmm on batches of one (unsqueeze
-    #   each matrix at dim 0, the result written with out= into the factor's view): torch's
-    #   own kernels, where `@` may differ in the last bit. dist.all_reduce on the flat P
-    #   memory, then on the flat Q memory, which is then divided in place by the world size.
+    # TODO 4.4: replace each matrix by the group's rank-r approximation (one power step).
+    # Invariant: every matrix ends as its P·Qᵀ, the same bits on every rank, equal to torch's
+    #   powerSGD_hook (1e-9) step after step with the same seed, and the kept Q equal to torch's (up
+    #   to column signs); p_memory and q_memory hold the factors flat, in factor_views' layout; a
+    #   bucket's first Q comes from state.fill_random, later ones continue from the kept Q when
+    #   state.warm_start; every collective runs on group.
+    # Hint 1: P = M·Q and Q = Mᵀ·P are linear in M: think of what a sum over the ranks of either is.
+    # Hint 2: What is the sum over the ranks of each rank's P, in terms of the average gradient?
+    #   Which of the two all-reduces needs a division by the world, and why can the other do
+    #   without? Is P orthogonalized before Q is computed from it, or after? Where does Q come from
+    #   on a bucket's first compressed step, and on the later ones? How many all-reduces does the
+    #   bucket need for all its matrices?
+    # Hint 3: the memories: when warm-starting and state.q_memory has this index, reuse both;
+    #   otherwise new flat memories (the sum of rows times r elements for P, of cols times r for Q)
+    #   and state.fill_random on Q's views. factor_views gives every matrix its P and Q inside them,
+    #   so one all-reduce of a flat memory sends every matrix's factor.
+    # Hint 4: P: orthogonalize every Q, then each P as its matrix times its Q; all-reduce the P
+    #   memory without a division (the sum is the world times the average's P, and the
+    #   orthogonalization that follows normalizes it); then orthogonalize every P.
+    # Hint 5: Q: each Q as its matrix transposed times its P, written into Q's views; all-reduce the
+    #   Q memory and divide it by the world: Q carries the approximation's scale. torch.bmm on
+    #   batches of one (each factor unsqueezed at dimension 0, the out argument a factor's view)
+    #   gives torch's bits; the @ operator may differ in the last bit, within the tolerance.
+    # Hint 6: In words: the memories (kept, or fresh and filled); orthogonalize the Qs; P from each
+    #   matrix and its Q; all-reduce the Ps; orthogonalize the Ps; Q from each matrix transposed and
+    #   its P; all-reduce the Qs and divide them by the world; each matrix overwritten with its P
+    #   times its Q transposed.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     eps = state.orthogonalization_epsilon

@@ -1,22 +1,14 @@
 """Exercise 4.4, part 2: top-k sparsification with error feedback, as a DDP communication hook.
 
-Each rank sends only the k entries of largest magnitude of its gradient bucket (k = ratio x the
-bucket's size, per bucket) and keeps the rest in a local memory that is added to the next step's
-gradient. Nothing is thrown away, only delayed: Stich, Cordonnier and Jaggi, "Sparsified SGD
-with Memory" (NeurIPS 2018) prove that top-k with this error feedback converges at the rate of
-plain SGD; Lin et al., "Deep Gradient Compression" (ICLR 2018) train ImageNet models sending
-0.1% of the gradient this way (with momentum correction and a warm-up, left out here).
-
-Why all-gather and not all-reduce: the sum of the ranks' sparse vectors is not sparse (each rank
-picks other indices), and an all-reduce of dense buffers would send everything. So every rank
-all-gathers the (values, indices) pairs of every other rank, k of each per rank, and adds them
-into a dense buffer itself. The cost grows with the world: a rank receives (N-1)·k pairs, where a
-ring all-reduce of the dense bucket costs 2(N-1)/N of it; top-k wins while k·N stays small
-against the bucket.
+Each rank sends only k entries of its gradient bucket (k = ratio x the bucket's size, per
+bucket) and keeps what it did not send in a local memory. Nothing is thrown away, only
+delayed: Stich, Cordonnier and Jaggi, "Sparsified SGD with Memory" (NeurIPS 2018) prove that
+top-k with this error feedback converges at the rate of plain SGD; Lin et al., "Deep Gradient
+Compression" (ICLR 2018) train ImageNet models sending 0.1% of the gradient this way (with
+momentum correction and a warm-up, left out here).
 
 The hook issues every collective from the hook call itself, waits for them, and returns a
-completed future: two collectives per bucket, in bucket order on every rank (see the gloo note in
-compression.py).
+completed future, in bucket order on every rank (see the gloo note in compression.py).
 """
 
 import math
@@ -82,24 +74,27 @@ class TopKState:
 def sparsify(state: TopKState, bucket: dist.GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
     """Error feedback and selection for one bucket: the (values, indices) this rank sends.
 
-    ``bucket.buffer()`` holds this rank's raw gradients (not divided by the world). The entries
-    sent are the k = ``topk_count(bucket size, state.ratio)`` of largest magnitude of gradient +
-    remembered error; the new remembered error is that sum minus what is sent.
+    ``bucket.buffer()`` holds this rank's raw gradients (not divided by the world). It sends
+    k = ``topk_count(bucket size, state.ratio)`` entries and remembers, in ``state.errors``
+    under the bucket's index, everything it did not send.
     """
-    # TODO 4.4: add the remembered error, keep the k largest magnitudes, remember the rest.
-    # Invariant: new error = gradient + old error - sent, exactly (zeros where sent, the sum
-    #   elsewhere); values are the sum's entries at the k indices of largest |sum|; k counts
-    #   this bucket's elements, not the model's.
-    # Hint 1: state.error_of(bucket) gives the old error; torch.topk on the absolute values
-    #   gives the indices; values must keep their sign.
-    # Hint 2: first the sum of this step's gradient and what was held back before (a new
-    #   tensor: the bucket stays as it is); then how many entries this bucket sends, and which
-    #   (largest magnitude); their signed values are what is sent; what is held back now is
-    #   that sum with the sent entries zeroed, kept for this bucket's next step.
-    # Hint 3: the sum is the bucket's buffer() plus state.error_of the bucket; k is topk_count
-    #   of the sum's element count and state.ratio; the indices are those of torch.topk of the
-    #   sum's absolute values; the values are the sum at those indices; the new error is a
-    #   clone of the sum zeroed there, stored in state.errors under the bucket's index().
+    # TODO 4.4: choose the k entries this rank sends, and remember what it holds back.
+    # Invariant: nothing is lost, only delayed: the values sent plus the new error equal this step's
+    #   gradient plus the old error, exactly (zeros where sent); the new error is stored in
+    #   state.errors under the bucket's index; k is topk_count of the bucket's size and the ratio.
+    # Hint 1: state.error_of(bucket) is what this bucket held back last time; torch.topk finds the k
+    #   largest entries of a tensor.
+    # Hint 2: From which tensor are the k entries chosen, so that what was held back is sent some
+    #   day? Largest by which measure: is an entry of -5 less worth sending than one of 3? Which
+    #   sign does a value sent keep? What is held back at the places sent, and everywhere else?
+    # Hint 3: the choice is made on this step's gradient plus the old error (a new tensor, the sum),
+    #   never on the gradient alone: an entry held back grows there until it is sent.
+    # Hint 4: largest by magnitude: torch.topk of the sum's absolute values gives the indices; the
+    #   values sent are the sum's own signed entries at those indices.
+    # Hint 5: In words: the sum of the bucket's buffer and its old error; k from topk_count of the
+    #   sum's size and the ratio; the indices of the k largest absolute values; the sum's values
+    #   there; the new error is a copy of the sum with those places zeroed, stored in state.errors
+    #   under the bucket's index; return the values and the indices.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     total = bucket.buffer() + state.error_of(bucket)
@@ -122,19 +117,25 @@ def average_sparse(
 ) -> torch.Tensor:
     """Write into ``out`` (dense, flat) the average over ``group`` of every rank's sparse vector
     (``values`` at ``indices``), and return ``out``. Every rank ends with the same bits."""
-    # TODO 4.4: all-gather every rank's values and indices, add them into out, divide.
-    # Invariant: out = (sum over ranks r of the vector holding values_r at indices_r) / world,
-    #   with the same bits on every rank; a rank sends its k values and k indices once.
-    # Hint 1: an all-reduce cannot sum sparse vectors: gather the pairs (dist.all_gather or
-    #   dist.all_gather_into_tensor, on group) and build the dense sum on every rank.
-    # Hint 2: every rank's values and indices gathered on every rank (two gathers); out
-    #   cleared; each rank's values added at its indices, rank after rank in the same order
-    #   everywhere (an index may come from several ranks, never twice from one); one division
-    #   by the group size at the end.
-    # Hint 3: dist.all_gather_into_tensor into a flat tensor of world·k elements, from the
-    #   contiguous values, on group (the same for the indices); zero out in place; for rank r
-    #   from 0 to world − 1, add r's k values into out at r's k indices; divide out in place by
-    #   the world size.
+    # TODO 4.4: give every rank the group's average of every rank's sparse vector.
+    # Invariant: out = (sum over the ranks r of the vector holding values_r at indices_r) / world,
+    #   with the same bits on every rank; a rank hands k float32 values and k int64 indices to the
+    #   network once per bucket, and no dense tensor.
+    # Hint 1: the ranks chose different indices: what does the sum of two sparse vectors look like?
+    # Hint 2: Why can an all-reduce not add sparse vectors for fewer bytes than the dense bucket?
+    #   What must every rank receive from every other, and which collective hands every rank each
+    #   rank's tensor? Each rank then adds the pairs into out itself: in which order of ranks, so
+    #   that every rank rounds the same way?
+    # Hint 3: the collective: dist.all_gather_into_tensor on group, once for the values and once for
+    #   the indices, into flat tensors of world times k elements (rank r's pairs are the r-th block
+    #   of k).
+    # Hint 4: the order: out cleared, then rank 0's values added at rank 0's indices, then rank 1's,
+    #   and so on, the same on every rank. Float addition is not associative: a rank that added its
+    #   own values first would end a bit apart wherever three ranks chose one index. Within one rank
+    #   an index appears once, so each rank's addition is plain.
+    # Hint 5: In words: gather every rank's values and indices into two flat tensors; zero out; for
+    #   each rank in order, add its k values into out at its k indices; divide out by the world size
+    #   once.
     # See guidelines.md#44-gradient-compression
     # >>> solution
     world = dist.get_world_size(group)

@@ -15,11 +15,11 @@ is a restart, and the program resumes from its newest checkpoint with a differen
   seen twice or skipped within the epoch, whatever the world sizes along the way.
 * **the batch**: with W ranks and a per-rank micro-batch m, one step sees W·m·A samples for A
   accumulation steps. :func:`plan_batches` applies one of two documented policies:
-  ``keep-global`` keeps the global batch B fixed and recomputes A for the new world (the
-  optimisation is the same, only slower or faster; the default), ``scale-lr`` keeps A = 1, so
-  the global batch follows the world, and scales the learning rate with it (Goyal et al.,
-  "Accurate, Large Minibatch SGD", 2017, the linear scaling rule), which changes the
-  optimisation.
+  ``keep-global`` keeps the global batch B and the learning rate whatever the world (the
+  optimisation is the same, only slower or faster; the default), ``scale-lr`` trains one
+  micro-batch per rank per step, so the global batch follows the world, and scales the learning
+  rate with it (Goyal et al., "Accurate, Large Minibatch SGD", 2017, the linear scaling rule),
+  which changes the optimisation.
 """
 
 from __future__ import annotations
@@ -69,21 +69,27 @@ def plan_batches(
             f"global_batch={global_batch}, micro_batch={micro_batch}, world_size={world_size}: "
             "all must be at least 1"
         )
-    # TODO 4.3: recompute the accumulation steps (keep-global) or the learning rate (scale-lr).
-    # Invariant: keep-global: world_size x micro_batch x accumulation_steps == global_batch and
-    #   the lr is base_lr; scale-lr: one micro-batch per rank per step, lr proportional to the
-    #   samples per step (base_lr when they equal global_batch).
-    # Hint 1: under keep-global a global batch that world_size x micro_batch does not divide
-    #   cannot be kept: refuse it with a ValueError that names all three numbers.
+    # TODO 4.3: the batch plan of this world under the policy.
+    # Invariant: keep-global: world_size x micro_batch x accumulation_steps == global_batch and the
+    #   lr is base_lr, or a ValueError naming global_batch, world_size and micro_batch; scale-lr:
+    #   one micro-batch per rank per step, lr proportional to the samples per step (base_lr when
+    #   they equal global_batch).
+    # Hint 1: one micro-step of the whole world takes world_size x micro_batch samples.
     # Hint 2: Under keep-global, what stays fixed when the world changes, and what must change to
-    #   keep it? When is there no whole number of accumulation steps? Under scale-lr, how many
-    #   samples does one optimizer step take, and what does the linear scaling rule make of the
-    #   learning rate?
-    # Hint 3: keep-global: one micro-step of the whole world takes world_size x micro_batch samples;
-    #   the accumulation steps are global_batch divided by that, refused with a ValueError naming
-    #   the three numbers and a multiple that would work when there is a remainder; the lr stays
-    #   base_lr. scale-lr: one accumulation step, world_size x micro_batch samples per step, and the
-    #   lr is base_lr times those samples over global_batch.
+    #   keep it? When is there no whole number of accumulation steps, and what then? Under scale-lr,
+    #   how many samples does one optimizer step take, and what does the linear scaling rule make of
+    #   the learning rate?
+    # Hint 3: keep-global: the accumulation steps are global_batch divided by one micro-step's
+    #   samples; the lr stays base_lr. With 32, micro-batch 8 and 2 ranks: 2 steps.
+    # Hint 4: a remainder in that division (24 over 2 ranks of 8 is 1.5 steps) is a ValueError
+    #   naming the three numbers, and a global batch that would work; rounding would change the
+    #   optimisation without saying so.
+    # Hint 5: scale-lr: one accumulation step, so the global batch is one micro-step's samples, and
+    #   the lr is base_lr times those samples over global_batch (2 ranks of 8 against 32: half).
+    # Hint 6: In words: compute world_size times micro_batch; keep-global refuses a remainder of
+    #   global_batch by it, else returns the plan with global_batch over it accumulation steps,
+    #   global_batch and base_lr; scale-lr returns one accumulation step, that product as the global
+    #   batch and base_lr scaled by it over global_batch.
     # See guidelines.md#43-elastic-training
     # >>> solution
     unit = world_size * micro_batch
@@ -160,17 +166,21 @@ class ElasticSampler(Sampler[int]):
         # TODO 4.3: split what is left of the epoch's order over this world, step by step.
         # Invariant: over all ranks the shards are disjoint and together are exactly
         #   epoch_order()[position:]; the first global_batch / world_size indices of every rank
-        #   together are the next global_batch samples of that order (and so on, step by step),
-        #   also when world_size does not divide position.
-        # Hint 1: two things happen to the order: what the earlier worlds trained goes away, and
-        #   the rest is dealt out to the ranks like cards. Which comes first matters.
+        #   together are the next global_batch samples of that order (and so on, step by step), also
+        #   when world_size does not divide position.
+        # Hint 1: two things happen to the order: what the earlier worlds trained goes away, and the
+        #   rest is dealt out to the ranks like cards. Which comes first matters.
         # Hint 2: Which count is the same on every rank: what the earlier worlds trained (a position
         #   in the global order) or a per-rank count? If you dealt the cards first and dropped
         #   afterwards, which samples would a rank skip when world_size does not divide position?
         #   Check on paper with position 16 and 3 ranks.
-        # Hint 3: First drop the first position samples of epoch_order() (a global count, the same
-        #   for every rank), then from what remains give this rank every world_size-th sample,
-        #   beginning at index rank.
+        # Hint 3: the position is global, so the drop comes first: the first position samples of
+        #   epoch_order go, for every rank alike.
+        # Hint 4: then the deal: from what remains, rank r takes the samples at r, r plus
+        #   world_size, r plus twice world_size, and so on. With position 16 and 3 ranks, rank 0
+        #   takes o16, o19, ..., rank 1 o17, o20, ..., rank 2 o18, o21, ....
+        # Hint 5: In words: slice epoch_order from position to the end, then take every
+        #   world_size-th element of that, starting at index rank.
         # See guidelines.md#43-elastic-training
         # >>> solution
         return self.epoch_order()[self.position :][self.rank :: self.world_size]

@@ -7,10 +7,9 @@ where the previous attempt got to. That is this exercise:
 
 * :func:`advance`: after each optimizer step, where a run resumed *after* that step would start
   (epoch, global sample position within the epoch, optimizer steps). The checkpoint stores it.
-* :func:`resume`: every rank loads the *same* newest valid checkpoint (rank 0 picks it and tells
-  the others: if each rank looked on its own, a checkpoint completed between two looks would
-  split the group across two steps), restores model, optimizer, scheduler, loss scaler and this
-  rank's RNG states, and returns the progress to continue from.
+* :func:`resume`: every rank loads the *same* newest valid checkpoint, restores model,
+  optimizer, scheduler, loss scaler and this rank's RNG states, and returns the progress to
+  continue from.
 
 Saving is given (:func:`save_training_state`): every rank hands its RNG states to rank 0, which
 writes one ``train_state.pt`` and the manifest; the others wait at a barrier, so no rank runs
@@ -68,16 +67,20 @@ def advance(
     ``progress`` is the value after the previous step (or the one training resumed from).
     """
     # TODO 4.2: count this step's samples into the epoch's position; roll over to the next epoch.
-    # Invariant: resuming from the result replays exactly the samples not yet trained on: a
-    #   finished epoch resumes at (epoch + 1, position 0), never at the end of the old one.
-    # Hint 1: the step's epoch comes from event.epoch; a new epoch starts its count at 0.
+    # Invariant: resuming from the result replays exactly the samples not yet trained on, and never
+    #   an epoch with none left; position counts the samples of every rank together.
+    # Hint 1: the step's epoch comes from event.epoch; progress may still be counting an older one.
     # Hint 2: Does this step belong to the epoch progress is counting? If not, where does the count
     #   start? When the count reaches the epoch's size, where must a resumed run begin? Which global
     #   step does the result carry?
-    # Hint 3: The step's samples extend the previous position only when the step belongs to the same
-    #   epoch as progress, otherwise they start a new count; a count that reaches epoch_samples
-    #   means the next run starts the following epoch at position 0. The global step is the event's
-    #   either way.
+    # Hint 3: the count: the step's samples are added to progress's position only when the event's
+    #   epoch is progress's epoch; a step of a new epoch starts the count with its own samples (the
+    #   old epoch may have ended short of epoch_samples).
+    # Hint 4: the roll-over: a count that reaches epoch_samples means that epoch is done, so the
+    #   result is the next epoch at position 0. The global step is the event's either way.
+    # Hint 5: In words: the position is the step's samples, plus progress's position when the epochs
+    #   match; at or beyond epoch_samples return the event's epoch plus one, position 0, the event's
+    #   global step; otherwise the event's epoch, that position and global step.
     # See guidelines.md#42-automatic-recovery
     # >>> solution
     position = global_samples
@@ -171,31 +174,35 @@ def resume(
     group: dist.ProcessGroup | None = None,
     strict_rng: bool = True,
 ) -> Resumed:
-    """Collective: load the newest valid checkpoint into ``state`` on every rank.
+    """Collective: load the newest valid checkpoint into ``state`` on every rank of ``group``.
 
-    Rank 0 of ``group`` chooses with ``manager.latest_valid()`` and broadcasts its step (-1: none,
-    start fresh), so all ranks load the same one. This rank's RNG states are restored from its
-    own keys; ``strict_rng=False`` (elastic runs, where the world grew) leaves the generators of
-    a rank the checkpoint has no state for as they are, instead of raising KeyError.
+    Every rank resumes from the same checkpoint: the newest valid one when the group's rank 0
+    looked, whatever the other ranks would find themselves. Nothing to resume: ``Resumed(
+    Progress(), None, {})``. This rank's RNG states are restored from its own keys;
+    ``strict_rng=False`` (elastic runs, where the world grew) leaves the generators of a rank the
+    checkpoint has no state for as they are, instead of raising KeyError.
     """
     # TODO 4.2: agree on one checkpoint, load it with weights_only=True, restore everything.
-    # Invariant: every rank resumes from the same step; after resume the model, optimizer,
-    #   scheduler, scaler and this rank's generators are exactly as they were when it was saved.
-    # Hint 1: between ranks a number travels only inside a tensor (where the group's backend
-    #   wants it: collective_device); one value can also mean "nothing to resume". The manager
-    #   knows each step's folder and loads a file of it; the checkpoint module names a folder's
-    #   step.
-    # Hint 2: rank 0 asks the manager for the newest valid checkpoint and writes its step (or -1)
-    #   into the tensor, which is broadcast from the group's rank 0 (broadcast takes a global rank);
-    #   -1 means a fresh start with no path and an empty dictionary. Otherwise every rank loads that
-    #   step's state file, hands it to state.load_state_dicts, restores its own RNG states from the
-    #   saved "rng" entry with its global rank (a KeyError is tolerated only when strict_rng is
-    #   False) and returns the saved progress, the path and the dictionary.
-    # Hint 3: a one-element int64 tensor holding −1 on collective_device of the group; on
-    #   rank 0 of the group, step_of the manager's latest_valid() (when there is one) goes in
-    #   it; dist.broadcast from the global rank of the group's rank 0 (get_global_rank; 0
-    #   when group is None); the manager's load of path_for(step) and STATE_FILE; restore_rng
-    #   of the saved "rng" entry with this process's global rank (dist.get_rank()).
+    # Invariant: every rank of group resumes from the same step, the one the group's rank 0 saw as
+    #   newest; after resume the model, optimizer, scheduler, scaler and this rank's generators are
+    #   exactly as they were when it was saved.
+    # Hint 1: a rank's view of the folder can be a moment older than another's; between ranks a
+    #   number travels only inside a tensor (where the group's backend wants it: collective_device).
+    # Hint 2: Who looks at the folder, and how do the others learn what was found? Which value in
+    #   the tensor can say that there is nothing to resume? dist.broadcast names its source by
+    #   global rank: which is it for a subgroup, and for None? Under which rank did the trainer's
+    #   gather_rng store each rank's generator states?
+    # Hint 3: one rank looks: on the group's rank 0, the manager's latest_valid and step_of give the
+    #   step, written into a one-element int64 tensor that holds -1 otherwise; a broadcast of that
+    #   tensor over group gives every rank the same step.
+    # Hint 4: the broadcast's source is the global rank of the group's rank 0 (dist.get_global_rank
+    #   of the group and 0; plain 0 when group is None). The generator states were keyed by global
+    #   rank, so restore_rng takes dist.get_rank without a group.
+    # Hint 5: In words: -1 from the broadcast returns a fresh start (Progress, no path, an empty
+    #   dictionary); otherwise every rank loads STATE_FILE of the manager's path_for that step with
+    #   the manager's load, hands it to state.load_state_dicts, calls restore_rng on its "rng" entry
+    #   with its global rank (a KeyError passes only when strict_rng is off), and returns the saved
+    #   progress, the path and the dictionary.
     # See guidelines.md#42-automatic-recovery
     # >>> solution
     chosen = torch.tensor([-1], dtype=torch.int64, device=collective_device(group))

@@ -20,9 +20,6 @@ Get a group wrong and nothing crashes: the loss still falls, a little off. torch
 reduced on the wrong mesh with tp and cp: shown 2x off) and Megatron-LM (cp = 2 halving the
 gradient under uneven valid-token counts; MoE counts under cp) fixed exactly these in 2026. The
 grader compares every loss and parameter with one process, in float64, so nothing slips by.
-
-The data-parallel reductions of the course *average* (phase 1's average_gradients, 3.5's ZeRO
-reduce-scatter): keep it in mind for every share you return.
 """
 
 from __future__ import annotations
@@ -60,16 +57,20 @@ def token_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     (2.7's zig-zag layout over ``cp`` ranks): int64, ``seq_len / cp`` of them."""
     # TODO 4.7: the true positions of this rank's tokens, for the rotary angles.
     # Invariant: result[i] is the place in the whole sequence of the i-th token this rank holds;
-    #   over the cp ranks every position 0..seq_len-1 appears once; with cp = 1 it is
-    #   0, 1, ..., seq_len-1. A rotary angle at a local index instead would make q·k depend on
-    #   distances that are not the tokens' distances.
+    #   over the cp ranks every position 0..seq_len-1 appears once; with cp = 1 it is 0, 1, ...,
+    #   seq_len-1. A rotary angle at a local index instead would make q·k depend on distances that
+    #   are not the tokens' distances.
     # Hint 1: the positions are data laid out exactly like the tokens they belong to.
     # Hint 2: Which tensor holds the positions of a whole sequence? Which of your 2.7 functions
     #   gives a rank its chunks of a sequence, and along which dimension would it cut a tensor that
     #   has only one? Which layout, contiguous or zig-zag, did the tokens get?
-    # Hint 3: The whole sequence's positions 0 to seq_len − 1 (an arange), cut by your 2.7
-    #   shard_sequence for cp_rank of cp, zig-zag on, along dimension 0: the chunks the tokens got,
-    #   in the same order.
+    # Hint 3: the whole sequence's positions are 0 to seq_len - 1: torch.arange of seq_len (int64,
+    #   as rotary embeddings want).
+    # Hint 4: the cut is your 2.7 shard_sequence for cp_rank of cp, zig-zag on (the tokens' layout),
+    #   along dimension 0, the only one a vector has: rank 0 of cp 2 over 16 tokens gets positions
+    #   0-3 and 12-15, in that order.
+    # Hint 5: In words: shard_sequence of the arange of seq_len, for cp_rank and cp, zig-zag, along
+    #   dimension 0; return it.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     return shard_sequence(torch.arange(seq_len), cp_rank, cp, zigzag=True, dim=0)
@@ -81,18 +82,23 @@ def count_valid_tokens(targets: torch.Tensor, topology: Topology) -> int:
     this rank's own: its replica's sequences, its cp shard of their positions (the same on every
     tp rank: before any sequence-parallel split). A collective."""
     # TODO 4.7: the global count of valid targets, from every rank's own.
-    # Invariant: every rank returns the same number: the valid targets of the whole global
-    #   batch, each counted once (tp ranks and pipeline stages hold the same targets as their
-    #   neighbours in the group that differs only in dp and cp).
+    # Invariant: every rank returns the same number: the valid targets of the whole global batch,
+    #   each counted once (tp ranks and pipeline stages hold the same targets as their neighbours in
+    #   the group that differs only in dp and cp).
     # Hint 1: which ranks hold OTHER targets than this one? The module docstring's first rule.
     # Hint 2: List the ranks that hold exactly this rank's targets (the other tp ranks? the other
     #   pipeline stages?) and the ranks that hold other samples or other positions of the same
     #   samples. Which named group of the topology is the second list? Summed over a group that is
     #   too large, which targets are counted twice; too small, which are missed? In which dtype does
     #   a count travel exactly?
-    # Hint 3: This rank's targets that are not IGNORE_INDEX, counted into one int64 tensor, summed
-    #   by one all-reduce on the dp x cp group (topology.group with "dp_cp"), returned as a Python
-    #   int. Not over tp, not over pp: those ranks hold the same targets.
+    # Hint 3: the ranks holding the same targets: the other tp ranks (the targets are taken before
+    #   any sequence-parallel split) and the other pipeline stages. A sum over them counts each
+    #   target once per copy.
+    # Hint 4: the ranks holding other targets: the other replicas (dp) and the other context shards
+    #   (cp), together the topology's group named dp_cp. The count travels as int64, which holds any
+    #   count exactly.
+    # Hint 5: In words: this rank's targets that are not IGNORE_INDEX, counted into an int64 tensor;
+    #   one dist.all_reduce of it on topology.group of dp_cp; return it as a Python int.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     count = (targets != IGNORE_INDEX).sum().to(torch.int64)
@@ -105,13 +111,13 @@ def loss_share(
     logits: torch.Tensor, targets: torch.Tensor, global_valid: int, topology: Topology
 ) -> torch.Tensor:
     """This rank's share of the global batch's mean cross-entropy, for its logits
-    [batch, tokens, vocab] and targets [batch, tokens] (IGNORE_INDEX masked), scaled for the
-    AVERAGE over dp x cp that its gradients go through afterwards."""
+    [batch, tokens, vocab] and targets [batch, tokens] (IGNORE_INDEX masked): the scalar it
+    backpropagates, such that the gradients are one process's once the data-parallel reductions
+    after backward have run."""
     # TODO 4.7: the loss this rank backpropagates.
-    # Invariant: summed over the ranks that hold other tokens (dp x cp, and tp under sequence
-    #   parallelism), the shares divided by the dp x cp size give the mean cross-entropy over
-    #   every valid target of the global batch, whatever the number of valid targets on each
-    #   rank; averaging the shares' gradients over dp x cp then gives that mean's gradient.
+    # Invariant: whatever the number of valid targets on each rank, once every rank's share has been
+    #   backpropagated and the data-parallel reductions that follow have run, the gradients are
+    #   those of one process's mean cross-entropy over every valid target of the global batch.
     # Hint 1: a mean of per-rank means weighs a rank with few valid targets as much as one with
     #   many; a sum over tokens divided by the global count does not.
     # Hint 2: What does F.cross_entropy return by default, a mean over which tokens, and what do you
@@ -120,11 +126,18 @@ def loss_share(
     #   was right as a term of a sum? Under sequence parallelism the tp ranks hold other tokens too:
     #   are their shares averaged or summed on the way back? And the executor's division by m: does
     #   the runtime already undo it?
-    # Hint 3: The cross-entropy of the flattened logits and targets, IGNORE_INDEX ignored, with
-    #   reduction "sum"; times the dp x cp size (topology.size_of with "dp_cp"); divided by
-    #   global_valid. No tp factor (the tp ranks' parts are summed: the gradients of the weights
-    #   they share are summed over tp, the activations' through the sequence collectives), and no m
-    #   (the runtime multiplies your share by m, the executor divides it by m).
+    # Hint 3: the sum: F.cross_entropy of the flattened logits and targets, IGNORE_INDEX ignored,
+    #   with the reduction "sum" (the default "mean" divides by this rank's own count), divided by
+    #   global_valid, the count of the whole batch.
+    # Hint 4: the average: the data-parallel reductions divide the summed gradients by the dp x cp
+    #   size, so each share is multiplied by that size (topology.size_of with dp_cp) to come out of
+    #   the average as a term of the sum.
+    # Hint 5: no tp factor: under sequence parallelism the tp ranks' parts are summed on the way
+    #   back (the shared weights' gradients over tp, the activations' through the sequence
+    #   collectives), never averaged. No m: the runtime multiplies your share by m and the executor
+    #   divides it by m.
+    # Hint 6: In words: the summed cross-entropy of this rank's valid targets, times the size of dp
+    #   x cp, divided by global_valid.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     summed = F.cross_entropy(
@@ -151,26 +164,34 @@ def balance_loss_share(
     [b, t, k]: the router's probabilities and choices for this rank's t tokens of each of its b
     sequences (its cp shard; under sequence parallelism its tp share of that)."""
     # TODO 4.7: the balance loss of sequences whose tokens are spread over several ranks.
-    # Invariant: for each sequence, the shares of the ranks holding its tokens add up to
-    #   E · sum_e f[e] · P[e] of the whole sequence (f: the share of its k·seq_len choices that
-    #   named e; P: e's probability averaged over its seq_len tokens); over the global batch,
-    #   divided by the dp x cp size, the mean over its sequences. A rank never holds, nor adds,
-    #   a whole sequence's loss that other ranks add too.
-    # Hint 1: f needs every token of the sequence (a count: no gradient); P is a sum over tokens
-    #   divided by seq_len, and the loss is linear in P once f is known: each rank can add its
-    #   own tokens' part of P.
+    # Invariant: for each sequence, the shares of the ranks holding its tokens add up to E · sum_e
+    #   f[e] · P[e] of the whole sequence (f: the share of its k·seq_len choices that named e; P:
+    #   e's probability averaged over its seq_len tokens); over the global batch, in loss_share's
+    #   scale, the mean over its sequences once the data-parallel reductions have run. A rank never
+    #   holds, nor adds, a whole sequence's loss that other ranks add too.
+    # Hint 1: f is a share of the whole sequence's choices, P a mean over its tokens: ask of each
+    #   what it needs from the other ranks holding tokens of the sequence.
     # Hint 2: For one sequence, which ranks hold its other tokens: cp, and under sequence
     #   parallelism tp too? f is a share of the whole sequence's choices: which groups must this
     #   rank's counts visit, and do they carry a gradient? P is a mean over tokens and the loss is
     #   linear in it: does this rank need the others' probabilities, or only its own tokens' part?
     #   Which count of sequences divides at the end, and which factor keeps the mean right after the
     #   gradients are averaged over dp x cp?
-    # Hint 3: Per sequence, this rank's choices counted per expert (one-hot over the E experts,
-    #   summed over its tokens and the k choices), all-reduced over the cp group and, with sequence
-    #   parallelism, over the tp group too; f is those counts over k times seq_len. This rank's part
-    #   of P is its probabilities summed over its tokens, over seq_len. Per sequence E times the sum
-    #   over experts of f times that part; summed over the b sequences, times the dp x cp size,
-    #   divided by global_sequences.
+    # Hint 3: f: this rank's choices counted per expert for each sequence (a one-hot over the E
+    #   experts, summed over its tokens and its k choices: integers, no gradient), all-reduced over
+    #   the cp group, and under sequence parallelism over the tp group too; then divided by k times
+    #   seq_len.
+    # Hint 4: P: the loss is linear in P once f is known, so this rank adds only its own tokens'
+    #   part: its probabilities summed over its tokens, divided by seq_len (the whole sequence's
+    #   length, not its own t). A whole sequence's P on every rank would count the sequence once per
+    #   rank holding tokens of it.
+    # Hint 5: the scale: per sequence, E times the sum over the experts of f times that part; summed
+    #   over the b sequences, divided by global_sequences, times the dp x cp size, as loss_share,
+    #   for the average that follows.
+    # Hint 6: In words: counts per sequence and expert, all-reduced over cp (and tp with sequence
+    #   parallelism), over k times seq_len; this rank's probabilities summed over its tokens, over
+    #   seq_len; per sequence E times the sum over experts of their product; summed, times the dp x
+    #   cp size, over global_sequences.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     k = experts.shape[-1]
@@ -197,14 +218,13 @@ def finish_gradients(
     data-parallel reductions, the config's ``communication`` (3.1's ring, 3.2's halving-doubling),
     as a DDP communication hook would be (3.4): the other reductions keep torch's."""
     # TODO 4.7: the reductions after backward, each on its own group.
-    # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the
-    #   gradient of the global loss of one process (every token that used the weight counted
-    #   once, none twice), and every rank holding a copy of that piece holds the same bits.
-    #   The data-parallel sums go through all_reduce_fn, and no other reduction does.
-    # Hint 1: the HeldGradient flags say what each tensor is; for each kind, the guide's two
-    #   rules ask which ranks hold its other copies and whether those saw other tokens.
-    #   all_reduce_flat reduces a list in one collective per dtype, with the all-reduce you
-    #   hand it.
+    # Invariant: afterwards every gradient equals, for this rank's piece of its weight, the gradient
+    #   of the global loss of one process (every token that used the weight counted once, none
+    #   twice), and every rank holding a copy of that piece holds the same bits. The data-parallel
+    #   sums go through all_reduce_fn, and no other reduction does.
+    # Hint 1: the HeldGradient flags say what each tensor is; for each kind, the guide's two rules
+    #   ask which ranks hold its other copies and whether those saw other tokens. all_reduce_flat
+    #   reduces a list in one collective per dtype, with the all-reduce you hand it.
     # Hint 2: Take each flag of HeldGradient in turn and ask: which other ranks hold a copy of this
     #   weight, or of this piece of it? Did those copies see other tokens (then the parts must be
     #   added) or the same tokens (then each copy is complete already), and does that change with
@@ -214,18 +234,28 @@ def finish_gradients(
     #   are data-parallel (the only ones all_reduce_fn is for)? Last: the two copies of a tied
     #   embedding must end with the same bits; if a copy's value goes through another reduction
     #   after the tie's, can they still differ?
-    # Hint 3: Four reductions, each a list handed to all_reduce_flat. (1) With sequence parallelism
-    #   only: the tp-replicated gradients summed over the tp group (each tp rank saw 1/tp of the
-    #   tokens; without it they saw the same tokens and are complete). (2) Every gradient that is
-    #   neither expert nor reduced summed over dp x cp, with all_reduce_fn. (3) Every expert
-    #   gradient summed over the edp group (the ranks holding the same expert), with all_reduce_fn.
-    #   Then the gradients of (2) and (3) divided by the dp x cp size, the experts' too (the
-    #   all-to-all's backward already brought their ep group's tokens; every share was scaled for dp
-    #   x cp, not for edp). ZeRO slices (reduced) get nothing more. (4) Last, after the
-    #   data-parallel sums, the tied copies summed over the embedding group with torch's all-reduce:
-    #   a hand-made all-reduce rounds each element by its position in the buffer, and the two copies
-    #   sit at different positions on their stages, so summing the tie first would leave the copies
-    #   a few bits apart; summed last, both end on one shared sum.
+    # Hint 3: the tp sum: with sequence parallelism only, the tp-replicated gradients summed over
+    #   the tp group (each tp rank saw 1/tp of the tokens); without it every tp rank computed the
+    #   same gradient from the same tokens, complete already. torch's all-reduce: not data-parallel.
+    # Hint 4: the dp x cp sum: every gradient that is neither expert nor reduced, summed over the
+    #   dp_cp group with all_reduce_fn (the replicas and context shards saw other tokens). A ZeRO
+    #   slice (reduced) was averaged in backward and gets nothing more.
+    # Hint 5: the experts' sum: every expert gradient summed over the edp group (the ranks holding
+    #   the same expert) with all_reduce_fn; the all-to-all's backward already brought the tokens of
+    #   the expert's ep group.
+    # Hint 6: the divisor: the gradients of both data-parallel sums are divided by the dp x cp size,
+    #   the experts' too: every share was scaled for an average over dp x cp, whatever group a sum
+    #   ran on. With dp x cp of 4 and experts on ep 2, an expert's edp group has 2 ranks and its
+    #   divisor is 4.
+    # Hint 7: the order: the tied copies are summed over the embedding group with torch's
+    #   all-reduce, last of all. A hand-made all-reduce rounds each element by where it falls in its
+    #   buffer, and the two copies fall in different places on their stages: a data-parallel sum
+    #   after the tie's would leave them a few bits apart. After the tie's sum nothing touches them,
+    #   and both hold one shared result.
+    # Hint 8: In words: under sequence parallelism, sum the tp-replicated gradients over tp; sum the
+    #   dense ones (not expert, not reduced) over dp_cp and the experts' over edp, both through
+    #   all_reduce_flat with all_reduce_fn; divide both lists by the dp x cp size; last, sum the
+    #   tied copies over the embedding group with torch's all-reduce.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:
@@ -246,20 +276,25 @@ def gradient_placements(held: list[HeldGradient], topology: Topology) -> list[Gr
     which groups of the topology hold identical copies of it, so that the global norm counts
     every distinct gradient once."""
     # TODO 4.7: where the copies of each complete gradient live.
-    # Invariant: for every gradient, replicated_on names exactly the groups of the topology
-    #   along which every rank holds the same tensor as this one once finish_gradients is done;
-    #   the global norm then counts every distinct piece once.
-    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; groups missing here
-    #   count a copy several times, groups too many drop pieces that are not copies.
+    # Invariant: for every gradient, replicated_on names exactly the groups of the topology along
+    #   which every rank holds the same tensor as this one once finish_gradients is done; the global
+    #   norm then counts every distinct piece once.
+    # Hint 1: 3.6's counted_here keeps one rank of every set of copies; groups missing here count a
+    #   copy several times, groups too many drop pieces that are not copies.
     # Hint 2: After finish_gradients, along which named groups does every rank hold the very same
     #   tensor as this one? For a whole non-expert gradient, which ranks averaged it together? For a
     #   ZeRO slice, do the other dp x cp ranks hold the same slice or another? For an expert, which
     #   ranks hold the same expert? For a tp-replicated weight (with and without sequence
     #   parallelism) and for a tied copy, which further group holds an equal copy?
-    # Hint 3: One GradShard per held gradient, with its name and its grad; replicated_on holds edp
-    #   for an expert, nothing for a ZeRO slice (reduced), dp_cp for every other gradient; plus tp
-    #   when it is tp-replicated (equal on every tp rank either way: summed under sequence
-    #   parallelism, computed from the same tokens without it), plus embedding when it is tied.
+    # Hint 3: the base: an expert's copies are on edp; a ZeRO slice (reduced) has none over dp x cp,
+    #   where every rank holds another slice; every other gradient was averaged over dp x cp and is
+    #   equal along dp_cp.
+    # Hint 4: the extras: tp for a tp-replicated weight, equal on every tp rank either way (summed
+    #   under sequence parallelism, computed from the same tokens without it); embedding for a tied
+    #   copy, whose partner on the other stage holds the same sum.
+    # Hint 5: In words: one GradShard per held gradient, with its name and its grad, replicated_on a
+    #   frozenset of edp for an expert, nothing for a reduced slice, dp_cp for the rest; plus tp
+    #   when it is tp-replicated, plus embedding when it is tied.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     shards = []

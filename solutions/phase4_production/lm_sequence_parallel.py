@@ -46,14 +46,19 @@ def all_gather_sequence(local: torch.Tensor, group: Group) -> torch.Tensor:
     # TODO 4.7: the whole sequence from every rank's contiguous share of it.
     # Invariant: every rank returns the same tensor: the group's shares side by side along the
     #   sequence (dimension 1), group rank 0's first; its other dimensions are the input's.
-    # Hint 1: torch's all-gather fills one equally shaped buffer per rank (the group's size);
-    #   the sequence is not the first dimension.
+    # Hint 1: torch's all-gather fills one equally shaped buffer per rank (the group's size); the
+    #   sequence is not the first dimension.
     # Hint 2: How many buffers, of which shape, and which size says how many when the group is a
     #   subgroup of the world? What does an all-gather need of its input's memory? Along which
     #   dimension do the pieces join, and in which order does the all-gather fill the list?
-    # Hint 3: The group's size from tp_rank_and_size; a contiguous version of local; that many empty
-    #   tensors like it; dist.all_gather into them on the group; the list concatenated along
-    #   SEQUENCE_DIM (dimension 1), group rank 0's first.
+    # Hint 3: the buffers: as many as the group's size (tp_rank_and_size gives it for a subgroup
+    #   too), each an empty tensor like the input, which is made contiguous first: the collective
+    #   wants contiguous memory.
+    # Hint 4: the join: dist.all_gather on the group fills the list in group-rank order; torch.cat
+    #   along SEQUENCE_DIM (dimension 1) puts group rank 0's share first.
+    # Hint 5: In words: the size from tp_rank_and_size; local made contiguous; that many empty
+    #   tensors like it; dist.all_gather into them on the group; their concatenation along dimension
+    #   1.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     _, size = tp_rank_and_size(group)
@@ -69,17 +74,21 @@ def reduce_scatter_sequence(whole: torch.Tensor, group: Group) -> torch.Tensor:
     ``whole`` (no autograd: the Functions below call it)."""
     check_sequence_share(whole.shape[SEQUENCE_DIM], dist.get_world_size(group))
     # TODO 4.7: this rank's contiguous share of the sequence, summed over the group.
-    # Invariant: rank r of a group of n returns tokens [r·L/n, (r+1)·L/n) of the sum of every
-    #   rank's input (L the sequence length); the input is left unchanged.
-    # Hint 1: torch's reduce-scatter (dist.reduce_scatter_tensor) cuts its input along the
-    #   FIRST dimension, and wants contiguous memory; the sequence is dimension 1.
+    # Invariant: rank r of a group of n returns tokens [r·L/n, (r+1)·L/n) of the sum of every rank's
+    #   input (L the sequence length); the input is left unchanged.
+    # Hint 1: torch's reduce-scatter (dist.reduce_scatter_tensor) cuts its input along the FIRST
+    #   dimension, and wants contiguous memory; the sequence is dimension 1.
     # Hint 2: reduce_scatter_tensor cuts along dimension 0: how do you bring the sequence there
     #   without changing any value, and what does the collective need of that memory? How many rows
     #   does each rank's output hold? After the collective, which dimension must the sequence be
     #   again? Does anything you do write into the tensor you were handed?
-    # Hint 3: Transpose dimensions 0 and 1 of whole and make it contiguous (a new tensor: whole is
-    #   left as it was); a new output of L/n rows and the other dimensions of that tensor;
-    #   reduce_scatter_tensor into it on the group; return it transposed back (0 and 1 again).
+    # Hint 3: the sequence to the front: transpose dimensions 0 and 1 of whole and make the result
+    #   contiguous, a new tensor, so the one you were handed stays as it was.
+    # Hint 4: the output: L/n rows (that tensor's first dimension divided by the group's size) and
+    #   its other dimensions; dist.reduce_scatter_tensor into it on the group leaves this rank's
+    #   block of the sum there; transposing dimensions 0 and 1 again puts the sequence back.
+    # Hint 5: In words: transpose and make contiguous; a new empty output of one share of the rows;
+    #   reduce_scatter_tensor into it on the group; return it transposed back.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     _, size = tp_rank_and_size(group)
@@ -124,19 +133,22 @@ def enter_tensor_parallel(x: torch.Tensor, group: Group, sequence_parallel: bool
     with it), turned into the whole sequence that every rank's slice of the layer needs."""
     # TODO 4.7: the entrance of a tensor-parallel region, with and without sequence parallelism.
     # Invariant: the result holds every token of the sequence on every rank of the group; in
-    #   backward, the gradient that reaches x is the SUM over the group of every rank's
-    #   contribution (each rank's weight slice used all of x), in the form x came in (whole,
-    #   or this rank's share of the tokens).
-    # Hint 1: without sequence parallelism this is 2.6's f; with it, x holds only 1/tp of the
-    #   tokens, and one of the two Functions above fits the forward you need. What does its
-    #   backward do to the gradient?
+    #   backward, the gradient that reaches x is the SUM over the group of every rank's contribution
+    #   (each rank's weight slice used all of x), in the form x came in (whole, or this rank's share
+    #   of the tokens).
+    # Hint 1: ask what x holds when it arrives (every token, or 1/tp of them) and what the gradient
+    #   on the way back must be: a sum over the group, in the form x came in.
     # Hint 2: Without sequence parallelism x is already whole on every rank: what must happen to its
     #   gradient in backward, and which 2.6 operator does exactly that? With it, x holds 1/tp of the
     #   tokens: which of the two Functions above makes them whole in forward, and is its backward
     #   the sum the invariant asks for, in x's shape?
-    # Hint 3: With sequence parallelism, GatherSequence applied to x on the group (all-gather
-    #   forward, reduce-scatter backward); without it, 2.6's copy_to_tensor_parallel_region (f:
-    #   identity forward, all-reduce backward).
+    # Hint 3: without sequence parallelism x is whole already: the forward is the identity, and the
+    #   backward must sum every rank's gradient: 2.6's f, copy_to_tensor_parallel_region.
+    # Hint 4: with it, GatherSequence: an all-gather along the sequence forward, and backward the
+    #   reduce-scatter along it, which gives each rank's share the sum of every rank's gradient for
+    #   its tokens: the sum the invariant asks for.
+    # Hint 5: In words: with sequence parallelism return GatherSequence applied to x and the group;
+    #   without it return copy_to_tensor_parallel_region of x on the group.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:
@@ -150,19 +162,24 @@ def leave_tensor_parallel(y: torch.Tensor, group: Group, sequence_parallel: bool
     the group, whole on every rank without sequence parallelism, this rank's share of the
     tokens with it."""
     # TODO 4.7: the exit of a tensor-parallel region, with and without sequence parallelism.
-    # Invariant: the result is the sum over the group of every rank's partial y (all tokens, or
-    #   this rank's contiguous share of them with sequence parallelism: the same share the
-    #   region's entrance started from); in backward every rank's partial receives the gradient
-    #   of the whole sequence.
-    # Hint 1: the transpose of the entrance: 2.6's g without sequence parallelism; with it,
-    #   the other Function above.
+    # Invariant: the result is the sum over the group of every rank's partial y (all tokens, or this
+    #   rank's contiguous share of them with sequence parallelism: the same share the region's
+    #   entrance started from); in backward every rank's partial receives the gradient of the whole
+    #   sequence.
+    # Hint 1: the exit undoes the entrance: ask what each rank must hold after it (the whole sum, or
+    #   its share of the summed tokens) and what gradient each rank's partial sum receives.
     # Hint 2: Without sequence parallelism every rank needs the whole sum: which 2.6 operator gives
     #   it, and what does its backward do? With it, each rank keeps only its share of the summed
     #   tokens, the share its entrance started from: which Function above, and does its backward
     #   hand every partial the gradient of the whole sequence?
-    # Hint 3: With sequence parallelism, ReduceScatterSequence applied to y on the group
-    #   (reduce-scatter forward, all-gather backward); without it, 2.6's
-    #   reduce_from_tensor_parallel_region (g: all-reduce forward, identity backward).
+    # Hint 3: without sequence parallelism every rank needs the whole sum: 2.6's g,
+    #   reduce_from_tensor_parallel_region (all-reduce forward, identity backward: every partial fed
+    #   the sum alike).
+    # Hint 4: with it, ReduceScatterSequence: a reduce-scatter along the sequence forward (this rank
+    #   keeps its share of the summed tokens, the share its entrance started from), and backward the
+    #   all-gather, so every partial receives the whole sequence's gradient.
+    # Hint 5: In words: with sequence parallelism return ReduceScatterSequence applied to y and the
+    #   group; without it return reduce_from_tensor_parallel_region of y on the group.
     # See guidelines.md#47-the-pieces-meet-a-language-model-on-every-axis
     # >>> solution
     if sequence_parallel:

@@ -6,20 +6,18 @@ Three measurements answer the questions asked of every slow training run:
   training loop announces (course/training.py: ``data``, ``forward``, ``backward``,
   ``sync``, ``optimizer``, ``other``). The sections tile the step: each timing point closes the
   section that ran since the previous one, so they never overlap and always add up to the step.
-  On a GPU, kernels run asynchronously: the clock is read after ``torch.cuda.synchronize``, or the
-  time of a kernel lands in whichever later section happens to wait for it (CUDA events would
-  avoid the host stall, at the price of reading them a step later; this course syncs).
+  On a GPU, kernels run asynchronously, and each section must still be credited with the
+  kernels it queued.
 * **How much of the machine does it use?** Model FLOPs utilization (MFU, Chowdhery et al., PaLM,
-  2022, appendix B): the FLOPs the model needs per step, counted once by
-  ``torch.utils.flop_counter.FlopCounterMode`` on one forward and backward (training FLOPs =
-  forward + backward, about 3x forward), divided by the step time and the device's peak FLOP/s
-  (phase4_production/device_peaks.py).
+  2022, appendix B): the FLOPs the model needs per step, counted by
+  ``torch.utils.flop_counter.FlopCounterMode``, divided by the step time and the device's peak
+  FLOP/s (phase4_production/device_peaks.py).
   Recomputation (activation checkpointing) is not counted: that would be hardware FLOPs (HFU).
 * **Who is slow?** A synchronous job runs at the speed of its slowest rank, and the others wait
   for it inside the next collective, so every rank's *total* step time is the same. What differs
-  is the time a rank spends *not* waiting on the others. Every N steps each rank takes the median
-  of that over its last N steps, the medians are all-gathered over the group, and a rank slower
-  than ``threshold`` x the median across ranks is named on every rank. NVIDIA's detector
+  is the time a rank spends *not* waiting on the others. Every N steps each rank's median of that
+  over its last N steps is compared with the median across ranks, and a rank slower than
+  ``threshold`` x that is named, the same list on every rank. NVIDIA's detector
   (nvidia-resiliency-ext, ``nvidia_resiliency_ext.straggler``) times marked sections per rank
   the same way and scores each rank against the *fastest* rank and against its own best;
   Megatron-LM's ``StragglerDetector`` (megatron/core/utils.py) gathers per-rank CUDA-event
@@ -78,18 +76,22 @@ class StepTimer:
     def mark(self, section: str) -> None:
         """``section`` has just ended: add the time since the previous timing point to it."""
         # TODO 4.5: close the section that ran since the previous timing point.
-        # Invariant: the sections tile the step: no gap, no overlap, so their sum is the time
-        #   from start() to the latest mark; a section marked twice in a step adds up; on CUDA,
-        #   the time includes the kernels the section queued.
-        # Hint 1: kernels run asynchronously: on a CUDA device, wait for them before reading
-        #   the clock (start() shows how), or their time lands in a later section.
+        # Invariant: the sections tile the step: no gap, no overlap, so their sum is the time from
+        #   start() to the latest mark; a section marked twice in a step adds up; on CUDA, the time
+        #   includes the kernels the section queued.
+        # Hint 1: the host queues kernels and goes on; the clock is the host's.
         # Hint 2: On CUDA, what must happen before the clock is read so that the kernels this
-        #   section queued count here? How many times may the clock be read (what if this section's
-        #   end and the next one's start were two readings)? What if the section was marked already
+        #   section queued count here, and not in a later section? How many times may the clock be
+        #   read (what if this section's end and the next one's start were two readings)? What must
+        #   be moved so that the next section begins here? What if the section was marked already
         #   this step?
-        # Hint 3: On CUDA wait for the device first; then read the clock once, credit the time since
-        #   the previous timing point to this section (on top of what it already has this step), and
-        #   remember this moment as the new previous timing point.
+        # Hint 3: on a CUDA device, torch.cuda.synchronize of the timer's device comes first, then
+        #   the clock (time.perf_counter), read once: a synchronize after the reading would put this
+        #   section's kernels into the next one.
+        # Hint 4: the time since self.last is added to what the section already holds this step
+        #   (zero the first time), and that same reading becomes self.last.
+        # Hint 5: In words: synchronize on CUDA; read the clock once; add now minus last to the
+        #   section's entry in self.sections; set last to now.
         # See guidelines.md#45-monitoring-and-profiling
         # >>> solution
         if self.device.type == "cuda":
@@ -131,18 +133,22 @@ def count_training_flops(
     gpus = sorted({p.device.index or 0 for p in scratch.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=gpus):  # dropout in the copy draws from forked generators
         # TODO 4.5: count the FLOPs of one forward and one backward, once each.
-        # Invariant: the total is what FlopCounterMode reports for forward + backward of this
-        #   batch (about 3x forward: the backward computes gradients of inputs and of weights),
-        #   not forward alone, and nothing multiplied on top.
-        # Hint 1: torch.utils.flop_counter.FlopCounterMode counts the FLOPs of whatever runs
-        #   while it is active (backward included) and can tell its total afterwards.
+        # Invariant: the total is what FlopCounterMode reports for forward and backward of this
+        #   batch on the scratch copy, nothing more and nothing less; the caller's model untouched.
+        # Hint 1: torch.utils.flop_counter.FlopCounterMode counts the FLOPs of whatever runs while
+        #   it is active and tells its total afterwards.
         # Hint 2: What must run while the counter is active: the forward alone, or forward and
-        #   backward? On which model (the scratch copy)? How do you get a loss from its output when
-        #   the inputs may be several tensors? Should anything be multiplied on top of the counter's
-        #   total?
-        # Hint 3: One counting window (FlopCounterMode without display) around both passes on the
-        #   scratch copy: the loss of its output on the unpacked inputs, then the backward of that
-        #   loss; the counter's total, as a float, is the answer.
+        #   backward? Should anything be multiplied on top of the counter's total, given what it
+        #   counted? On which model does it run? How do you call a model whose inputs are several
+        #   tensors?
+        # Hint 3: both passes inside one counting window: the loss of the scratch copy's output, and
+        #   the backward of that loss; the counter saw the backward, so its total is taken as it is
+        #   (the 3x rule is for estimates, not for a counter).
+        # Hint 4: the scratch copy takes the inputs unpacked, one positional argument per tensor,
+        #   the way the model's forward declares them; FlopCounterMode without display stays silent.
+        # Hint 5: In words: with FlopCounterMode (display off) as the counter: the loss is loss_fn
+        #   of the scratch copy called on the unpacked inputs, then that loss's backward; return the
+        #   counter's total FLOPs as a float.
         # See guidelines.md#45-monitoring-and-profiling
         # >>> solution
         with FlopCounterMode(display=False) as counter:
@@ -164,13 +170,16 @@ def model_flops_utilization(flops_per_step: float, step_seconds: float, peak_flo
             f"step_seconds={step_seconds}, peak_flops={peak_flops}: both must be positive"
         )
     # TODO 4.5: the model FLOPs achieved per second, as a fraction of the device's peak.
-    # Invariant: a fraction without unit: a step whose FLOPs ran at the peak for its whole
-    #   duration is 1.0, one that took twice as long is 0.5.
+    # Invariant: a fraction without unit: a step whose FLOPs ran at the peak for its whole duration
+    #   is 1.0, one that took twice as long is 0.5.
     # Hint 1: the arguments are plain FLOPs, seconds and FLOP/s (no tera, no milli).
     # Hint 2: Which rate did the model achieve during the step (FLOPs per what)? In what unit is the
     #   peak? What does dividing one by the other give for a step that ran at the peak the whole
     #   time?
-    # Hint 3: The step's FLOPs divided by its seconds (the achieved FLOP/s), divided by peak_flops.
+    # Hint 3: the achieved rate: the step's FLOPs divided by its seconds, in FLOP/s, the peak's
+    #   unit.
+    # Hint 4: In words: that achieved rate divided by peak_flops, with no factor for backward
+    #   (flops_per_step counts it already) and none for units.
     # See guidelines.md#45-monitoring-and-profiling
     # >>> solution
     return flops_per_step / step_seconds / peak_flops
@@ -227,19 +236,24 @@ def find_stragglers(
     if threshold <= 1.0:
         raise ValueError(f"threshold={threshold}: must be > 1 (x the median rank's step)")
     # TODO 4.5: name the ranks whose median step is above threshold x the median across ranks.
-    # Invariant: every rank of the group returns the same list, sorted by global rank; one slow
-    #   step (a hiccup) in a rank's window makes no straggler; ranks with normal noise are
-    #   not named; the fastest rank is never named for being fast.
-    # Hint 1: a rank knows only its own times: its median goes to every rank with one
-    #   all-gather over `group`; then each rank applies the same rule to the same numbers.
-    # Hint 2: this rank's median (one number, in a tensor where the group's backend wants it);
-    #   an all-gather of those over the group; the median of the gathered ones is the
-    #   reference; every group member strictly above threshold x the reference becomes a
-    #   Straggler named by its global rank, with its median, the reference and the threshold.
-    # Hint 3: torch.median of the window as a float64 tensor, reshaped to one element and
-    #   moved to collective_device of the group; dist.all_gather on group into a list of
-    #   tensors like it, one per rank; the global rank of group rank r is
-    #   dist.get_global_rank of the group and r (r itself when group is None).
+    # Invariant: every rank of the group returns the same list, sorted by global rank; one slow step
+    #   (a hiccup) in a rank's window makes no straggler; ranks with normal noise are not named; the
+    #   fastest rank is never named for being fast.
+    # Hint 1: a rank knows only its own times, and the rule compares every rank with the others.
+    # Hint 2: Which one number summarizes a rank's window so that one long pause does not move it?
+    #   What must every rank know to apply the rule, by which collective over group, and where must
+    #   its tensor live? Which value across ranks is the yardstick? Is a rank exactly at the
+    #   threshold named? Which number names group rank 1 of the group (1, 3)?
+    # Hint 3: this rank's number: torch.median of its window, in float64, as a one-element tensor on
+    #   collective_device of the group; every rank's arrives through dist.all_gather on group, into
+    #   a list of tensors like it, one per rank.
+    # Hint 4: the yardstick: torch.median of the gathered medians (the lower middle value for an
+    #   even count); a rank is named when its median is strictly greater than threshold times it.
+    # Hint 5: the name: dist.get_global_rank of the group and the group rank (the group rank itself
+    #   when group is None); each named rank becomes a Straggler with its median, the yardstick and
+    #   the threshold, in group-rank order, which is global-rank order.
+    # Hint 6: In words: median of the window, all-gathered over the group; the median of those;
+    #   every rank strictly above threshold times it, as a Straggler under its global rank.
     # See guidelines.md#45-monitoring-and-profiling
     # >>> solution
     device = collective_device(group)

@@ -285,6 +285,7 @@ def topk_worker(ratio: float, steps: int) -> dict[str, Any]:
                 "grad": average(gather(sparse_top(grad, k))),
                 "grad indices": average(gather(sparse_top(total, k, chosen_by=grad))),
                 "signed": average(gather(sparse_top(total, k, signed=True))),
+                "magnitudes": average(gather(sparse_top(total, k).abs())),
             }
             replicas = gather(out)
             problems += topk_value_problems(where, out, want, variants, replicas, world_size)
@@ -292,6 +293,18 @@ def topk_worker(ratio: float, steps: int) -> dict[str, Any]:
             problems += topk_comm_problems(where, comm, world_size, k, numel, ratio)
             errors[index] = total - sent
     return {"problems": problems, "bytes": sent_bytes}
+
+
+def topk_order_worker() -> list[float]:
+    """``average_sparse`` where 3 ranks chose one index (3) with 1e8, 1 and -1e8 in float32: the
+    sum depends on the order of the additions ((1e8 + 1) - 1e8 is 0, (1e8 - 1e8) + 1 is 1)."""
+    topk = module("compression_topk")
+    rank = dist.get_rank()
+    values = torch.tensor([(1e8, 1.0, -1e8)[rank], float(rank + 1)], dtype=torch.float32)
+    indices = torch.tensor([3, 5 + rank], dtype=torch.int64)
+    out = torch.full((10,), float("nan"), dtype=torch.float32)
+    topk.average_sparse(values, indices, out)
+    return out.tolist()
 
 
 def sparse_top(
@@ -341,6 +354,11 @@ def topk_value_problems(
         return [
             f"{where}: the k largest values were sent, not the k largest magnitudes: select on "
             "the absolute values (negative entries matter as much), send the signed values"
+        ]
+    if close(out, variants["magnitudes"], 1e-6):
+        return [
+            f"{where}: the right entries were chosen, but their magnitudes were sent: a "
+            "negative entry arrives positive; send the sum's own signed values"
         ]
     nonzero = int((out != 0).sum())
     return [

@@ -11,13 +11,15 @@ the run with a non-zero status and a clear message. No process may outlive a sce
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from grading import exercise
+from grading import exercise, learner_line
 from phase4_helpers import (
     compare_weights,
     config,
@@ -181,6 +183,111 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path: Path) -> 
             "rank must load the checkpoint rank 0 chose: rank 0 asks latest_valid() and "
             "broadcasts its step, the others take that step, not their own look"
         )
+
+
+SUBGROUP_STEPS = {0: (5, 10), 1: (7, 12)}  # each group's checkpoints, in a folder of its own
+
+
+def _seeded_states(rank: int) -> tuple[dict[str, Any], list[float]]:
+    """Rank ``rank``'s generators seeded apart from the others': their capture and what torch
+    draws next from that state."""
+    ckpt = module("checkpoint")
+    torch.manual_seed(500 + rank)
+    np.random.seed(600 + rank)
+    random.seed(700 + rank)
+    return ckpt.capture_rng(rank), torch.rand(3).tolist()
+
+
+def _subgroup_worker(root: str, draws: dict[int, list[float]]) -> dict[str, Any]:
+    """Groups (0, 1) and (2, 3), each with its own checkpoints; each group's rank 1 looked at
+    the folder before the newest was complete."""
+    from subgroups import split_into_groups
+
+    fault, ckpt = module("fault_tolerance"), module("checkpoint")
+    info = split_into_groups(2)
+    older = SUBGROUP_STEPS[info.index][0]
+
+    class StaleView(ckpt.CheckpointManager):  # type: ignore[name-defined]
+        def latest_valid(self) -> Path | None:
+            return self.path_for(older)
+
+    directory = Path(root) / f"group{info.index}"
+    manager = ckpt.CheckpointManager(directory) if info.group_rank == 0 else StaleView(directory)
+    model = torch.nn.Linear(2, 2)
+    state = fault.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        resumed = fault.resume(manager, state, group=info.group)
+    except Exception as err:  # the finding: reported by the test, with the group
+        return {"ranks": info.ranks, "error": f"{type(err).__name__}: {err}{learner_line(err)}"}
+    drawn = torch.rand(3).tolist()
+    took = [r for r, want in draws.items() if want == drawn]
+    return {
+        "ranks": info.ranks,
+        "error": None,
+        "step": resumed.progress.global_step,
+        "took": took,
+    }
+
+
+@exercise("4.2")
+def test_resume_on_a_subgroup_takes_its_rank_0s_choice_and_each_ranks_own_generators(
+    tmp_path: Path,
+) -> None:
+    ckpt = module("checkpoint")
+    saved_rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        states, draws = {}, {}
+        for rank in range(4):
+            mine, draws[rank] = _seeded_states(rank)
+            states.update(mine)
+    finally:
+        torch.set_rng_state(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        random.setstate(saved_rng[2])
+    for index, steps in SUBGROUP_STEPS.items():
+        manager = ckpt.CheckpointManager(tmp_path / f"group{index}", keep=5)
+        ranks = (2 * index, 2 * index + 1)
+        for step in steps:
+            saved = _saved_linear(step)
+            saved["rng"] = {
+                k: v for k, v in states.items() if k.split("/")[0] in {f"rank{r}" for r in ranks}
+            }
+            manager.save(step, {"train_state.pt": saved})
+    got = world(_subgroup_worker, 4, str(tmp_path), draws)
+    what = (
+        "4.2 resume(manager, state, group=) in a world of 4 split into the groups (0, 1) and (2, 3)"
+    )
+    for rank, result in enumerate(got):
+        if result["error"] and result["error"].startswith("KeyError"):
+            fail(
+                f"{what}: rank {rank} (rank {rank % 2} of group {result['ranks']}) raised "
+                f"{result['error']}. The checkpoint keeps every rank's generator states under "
+                "its global rank (the trainer's gather_rng), and the file of this group holds "
+                f"ranks {result['ranks']}: restore this process's own"
+            )
+        if result["error"]:
+            fail(
+                f"{what}: rank {rank} (of group {result['ranks']}) raised {result['error']}. On a "
+                "subgroup, a collective's src names a global rank: the group's rank 0 is global "
+                f"rank {result['ranks'][0]} there"
+            )
+    for rank, result in enumerate(got):
+        newest = SUBGROUP_STEPS[rank // 2][1]
+        if result["step"] != newest:
+            fail(
+                f"{what}, each group with its own checkpoints: rank {rank} resumed from step "
+                f"{result['step']}; its group's rank 0 chose step {newest} (its rank 1's own look "
+                "at the folder was older). Every rank of a group must take the choice of the "
+                "group's rank 0"
+            )
+    for rank, result in enumerate(got):
+        if result["took"] != [rank]:
+            told = f"rank {result['took'][0]}'s" if result["took"] else "no saved rank's"
+            fail(
+                f"{what}: after resume, global rank {rank} (rank {rank % 2} of its group) drew "
+                f"what {told} saved generators draw. The checkpoint keeps every rank's states "
+                "under its global rank (the trainer's gather_rng): restore this process's own"
+            )
 
 
 # ----------------------------------------------------------------------------- under torchrun

@@ -50,9 +50,12 @@ def test_keep_global_recomputes_accumulation_and_scale_lr_scales_the_rate() -> N
         plan = e.plan_batches(32, 8, world_size, 0.1, "keep-global")
         got = (plan.accumulation_steps, plan.global_batch, plan.lr)
         if got != (steps, 32, 0.1):
+            took = world_size * 8 * plan.accumulation_steps
             fail(
                 f"4.3 plan_batches(32, micro 8, world {world_size}, keep-global) gave "
-                f"(accumulation, global batch, lr) = {got}; expected ({steps}, 32, 0.1)"
+                f"(accumulation, global batch, lr) = {got}; expected ({steps}, 32, 0.1): "
+                f"{world_size} rank(s) x 8 samples x {plan.accumulation_steps} accumulation "
+                f"steps train {took} samples per step, and keep-global keeps 32 in every world"
             )
     try:
         plan = e.plan_batches(24, 8, 2, 0.1, "keep-global")

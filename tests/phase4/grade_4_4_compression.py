@@ -30,6 +30,7 @@ from compression_helpers import (
     powersgd_worker,
     small_world,
     subgroup_cast_worker,
+    topk_order_worker,
     topk_worker,
     two_ddps_worker,
 )
@@ -90,6 +91,22 @@ def test_topk_sends_k_pairs_and_keeps_the_rest_as_error(world_size: int) -> None
         [r["problems"] for r in results],
         f"4.4 topk_hook, ratio 0.05, 3 steps over buckets of 1000, 37 and 300 elements, "
         f"{world_size} ranks with their own gradients:",
+    )
+
+
+@exercise("4.4")
+def test_average_sparse_rounds_the_same_way_on_every_rank() -> None:
+    outs = small_world(topk_order_worker, 3)
+    if all(out == outs[0] for out in outs):
+        return
+    mid = ", ".join(f"rank {rank}: {out[3]:g}" for rank, out in enumerate(outs))
+    differ = [i for i in range(len(outs[0])) if len({repr(out[i]) for out in outs}) > 1]
+    fail(
+        "4.4 average_sparse, 3 ranks that all chose index 3 with the float32 values 1e8, 1 and "
+        f"-1e8 (and one index of their own): the ranks ended with different averages at "
+        f"{differ} (index 3: {mid}). Float addition is not associative: (1e8 + 1) - 1e8 is 0 "
+        "in float32, (1e8 - 1e8) + 1 is 1. Every rank must add the ranks' pairs in one order, "
+        "the same everywhere, whatever its own rank"
     )
 
 

@@ -87,6 +87,7 @@ class ParallelSection(Section):
     @field_validator("dp", "tp", "pp", "cp")
     @classmethod
     def _no_zero(cls, value: int) -> int:
+        """not 0 (-1: what the other degrees leave)"""
         if value == 0:
             raise ValueError("a degree is >= 1, or -1 for what the other degrees leave")
         return value
