@@ -225,8 +225,13 @@ def render_page(text: str, root: Path = PROJECT_ROOT) -> tuple[str, list[str]]:
 
 
 def pages(root: Path = PROJECT_ROOT) -> list[Path]:
-    """The pages that may quote results: README.md and every guide."""
-    return [root / "README.md", *sorted(root.glob("phase*_*/guidelines.md"))]
+    """The pages that may quote results: README.md, every guide, and the programs' own pages
+    (``solutions/<phase>/<program>/README.md``, e.g. the language-model framework's)."""
+    return [
+        root / "README.md",
+        *sorted(root.glob("phase*_*/guidelines.md")),
+        *sorted(root.glob("solutions/phase*_*/*/README.md")),
+    ]
 
 
 def check(root: Path = PROJECT_ROOT, *, write: bool = False) -> list[str]:

@@ -169,6 +169,7 @@ def command_sources() -> list[Path]:
     notebooks and the results files' recorded commands."""
     found = [ROOT / "README.md", *ROOT.glob("phase*_*/guidelines.md"), *ROOT.glob(".ci/*"),
              *ROOT.glob("phase*_*/after_you_pass.md"),
+             *ROOT.glob("solutions/phase*_*/*/README.md"),
              *ROOT.glob(".ci/gpu-runs/README.md"), *ROOT.glob("notebooks/*.ipynb"),
              *ROOT.glob("phase*_*/results/*.json"),
              *(p for p in ROOT.glob("solutions/**/deployment/**/*") if p.is_file())]  # fmt: skip
