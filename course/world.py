@@ -684,6 +684,7 @@ def _collect(members: list[_Rank], timeout: float, ceiling: float) -> None:
     activity = rank_activity.RankActivity({m.rank: m.process.pid for m in members})
     ledger_stamps: dict[int, int] = {}
     sampled = -_SAMPLE_EVERY
+    watched_since: float | None = None  # the first CPU sample: what moved before it is unknown
     while True:
         pending = [member for member in members if not member.done]
         if not pending:
@@ -691,6 +692,7 @@ def _collect(members: list[_Rank], timeout: float, ceiling: float) -> None:
         now = time.monotonic()
         if now >= deadline - STALL_WINDOW - _SAMPLE_EVERY and now - sampled >= _SAMPLE_EVERY:
             sampled = now  # CPU samples start shortly before the deadline: until then, free
+            watched_since = now if watched_since is None else watched_since
             activity.sample([m.rank for m in pending], now)
             _note_ledger_news(pending, ledger_stamps, activity, now)
         if now >= deadline:
@@ -702,7 +704,8 @@ def _collect(members: list[_Rank], timeout: float, ceiling: float) -> None:
                 if _ledger_stamps(members) != before:  # it moved while its stacks were read:
                     activity.moved(pending[0].rank, time.monotonic())  # not stuck after all
                     continue
-                stalled = now - max(last, started) if rank_activity.available() else None
+                seen_from = max(last, watched_since if watched_since is not None else now)
+                stalled = now - seen_from if rank_activity.available() else None
                 _raise_hung(members, pending, timeout, elapsed=now - started,
                             stalled_for=stalled, stacks=stacks)  # fmt: skip
             if now >= stop_at:
