@@ -42,8 +42,6 @@ from subgroups import split_into_groups
 
 from course.cli import parse_config
 from course.comm_counter import CommCounter
-from phase2_advanced.context_parallel_model import build_block, sdpa_attention, train_steps
-from phase2_advanced.ring_attention_blocks import BlockKind, block_attention, record_block_work
 
 ATOL = 1e-10  # float64: the ring sums in another order than one process
 BATCH, HEADS, HEAD_DIM = 2, 3, 4
@@ -137,6 +135,8 @@ def test_shard_and_unshard_follow_the_layout() -> None:
 
 @exercise("2.7")
 def test_block_rule_skips_the_future_and_masks_the_diagonal() -> None:
+    from phase2_advanced.ring_attention_blocks import BlockKind
+
     layout = layout_module()
     wrong = []
     for causal in (False, True):
@@ -183,6 +183,8 @@ def test_block_rule_skips_the_future_and_masks_the_diagonal() -> None:
 
 def _partials(dtype: torch.dtype, magnitude: float, seed: int) -> list[torch.Tensor]:
     """Two partial results (out, lse) over disjoint key sets, from real blocks of attention."""
+    from phase2_advanced.ring_attention_blocks import block_attention
+
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 2, 5, 8, dtype=F64, generator=generator) * magnitude
     k = torch.randn(2, 2, 7, 8, dtype=F64, generator=generator) * magnitude
@@ -281,6 +283,8 @@ def ring_case(
     cp_mod: ModuleType, rank: int, cp: int, causal: bool, zigzag: bool, group: Any = None
 ) -> dict[str, Any]:
     """One forward and backward on this rank, with everything the tests read."""
+    from phase2_advanced.ring_attention_blocks import record_block_work
+
     q, k, v, grad = (shard(t, rank, cp, zigzag) for t in case_tensors(cp, causal, zigzag))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     result: dict[str, Any] = {}
@@ -342,6 +346,8 @@ def refusal_case(cp_mod: ModuleType) -> dict[str, Any]:
 
 def training_case(cp_mod: ModuleType, rank: int, cp: int) -> dict[str, Any]:
     """The block trained on zig-zag shards for 3 steps (losses and final weights)."""
+    from phase2_advanced.context_parallel_model import build_block, train_steps
+
     x, target = training_data(cp)
     block = build_block(8, 2, 16, seed=3)
 
@@ -892,6 +898,8 @@ def _group_advice() -> str:
 @exercise("2.7")
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_ring_attention_block_trains_like_one_process(cp: int) -> None:
+    from phase2_advanced.context_parallel_model import build_block, sdpa_attention, train_steps
+
     results = ring_world(cp)
     x, target = training_data(cp)
     single = build_block(8, 2, 16, seed=3)

@@ -34,9 +34,7 @@ from course.impl import unwritten_todo
 from course.world import world_timeout
 from phase4_production.lm_functions import COMPOSITION_MODULES
 from phase4_production.lm_layout import ParallelSettings
-from solutions.phase4_production.lm import library_compare as lm_library_compare
-from solutions.phase4_production.lm.library import CP_ERROR, unsupported
-from solutions.phase4_production.lm.library_compare import Case
+from solutions.phase4_production.lm.library_cases import Case
 
 BASE = replace(DENSE, expert_ffn=16)
 LR, CLIP = 3e-3, 0.05
@@ -64,6 +62,9 @@ def results() -> list[Any]:
     if todo is not None:
         pytest.skip(f"the library comparison runs your 4.7 composition, which needs {todo}")
     if not _RUNS:
+        # here, not at the top: torch's DTensor and pipelining cost a second of collection
+        from solutions.phase4_production.lm import library_compare as lm_library_compare
+
         args = ([*CASES, CP_CASE], BASE, STEPS, SEED, GLOBAL_BATCH, impl())
         _RUNS.extend(world(lm_library_compare.compare_cases, 4, *args, timeout=3 * world_timeout())[0])
     return _RUNS
@@ -88,6 +89,8 @@ def test_the_library_trains_like_the_composition(index: int) -> None:
 @exercise("4.7")
 @pytest.mark.reference
 def test_torch_still_refuses_context_parallel_on_cpu() -> None:
+    from solutions.phase4_production.lm.library import CP_ERROR
+
     refused = results()[len(CASES)].refused
     assert refused is not None and CP_ERROR in refused, (
         f"the library's ring attention on CPU: expected torch's {CP_ERROR!r}, got {refused!r}; "
@@ -98,6 +101,8 @@ def test_torch_still_refuses_context_parallel_on_cpu() -> None:
 @exercise("4.7")
 @pytest.mark.reference
 def test_unsupported_names_each_cpu_limit() -> None:
+    from solutions.phase4_production.lm.library import unsupported
+
     def why(tied: bool = False, moe: bool = False, **settings: Any) -> str | None:
         case = Case(ParallelSettings(**settings), tied, moe)
         return unsupported(case.settings, case.config(BASE))

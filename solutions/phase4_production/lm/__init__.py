@@ -18,6 +18,7 @@ library comparison and records.
   results files.
 * ``library``: The library way beside exercise 4.7: the same language model and layout with
   PyTorch's own APIs.
+* ``library_cases``: The layouts the library comparison runs, named without importing it.
 * ``library_compare``: The library way beside exercise 4.7, compared: PyTorch's composition and
   the course's.
 * ``memory``: The bytes one rank holds under a layout of the language model, from the model's

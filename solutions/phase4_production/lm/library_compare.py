@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from phase4_production.lm_functions import COMPOSITION_MODULES
 from phase4_production.lm_layout import ParallelSettings
 from solutions.phase2_advanced.library.context_parallel import cp_mesh, cpu_refusal
 from solutions.phase4_production.lm.library import LibraryLanguageModel, unsupported
+from solutions.phase4_production.lm.library_cases import Case
 
 
 def composition_class(impl: str = "solutions") -> Any:
@@ -64,28 +65,6 @@ def compare_losses(
         tokens, targets = uneven_batch(step, config, global_batch, seed)
         out.append((course.train_step(tokens, targets).loss, library.train_step(tokens, targets)))
     return out
-
-
-@dataclass(frozen=True)
-class Case:
-    """One layout of the comparison: its settings and the model's head and MLP."""
-
-    settings: ParallelSettings
-    tied: bool = False
-    moe: bool = False
-
-    def config(self, base: LMConfig) -> LMConfig:
-        moe_layers = (1, 2) if self.moe else ()
-        return replace(base, tied=self.tied, moe_layers=moe_layers)
-
-    @property
-    def model(self) -> str:
-        return ("tied" if self.tied else "untied") + (", MoE layers 1-2" if self.moe else "")
-
-    @property
-    def label(self) -> str:
-        clip = f", clip {self.settings.max_norm:g}" if self.settings.max_norm else ""
-        return self.settings.label() + clip
 
 
 @dataclass
