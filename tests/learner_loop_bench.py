@@ -29,18 +29,24 @@ repeat beside them, and the machine's load.
     uv run python -m tests.learner_loop_bench --exercises 3.1 --repeats 1
     uv run python -m tests.learner_loop_bench --record tests/results/learner_loop.json
     uv run python -m tests.learner_loop_bench --exercises 4.7 --repeats 1   # with the 4.7 table
+    uv run python -m tests.learner_loop_bench --collection --record tests/results/collection.json
+
+``--collection`` times only each phase's collection (``--collect-only``), quiet and then beside
+one CPU hog per core (issue 51: on a busy machine a grader that imports torch's DTensor or
+TorchDynamo at collection paid for it many times over).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +174,59 @@ def wrong_value_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str
     return table, values
 
 
+PHASES = (1, 2, 3, 4)
+
+
+def collect_seconds(scratch: Path, phase: int) -> float:
+    """Seconds to collect ``tests/test_phaseN.py`` (``--collect-only -n 0``) in ``scratch``,
+    from starting the interpreter to pytest's "collected" line."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", f"tests/test_phase{phase}.py", "--collect-only", "-q",
+         "-n", "0", "-p", "no:cacheprovider"],
+        cwd=scratch, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    if "collected" not in done.stdout:
+        raise SystemExit(f"collecting phase {phase} failed:\n{done.stdout[-2000:]}{done.stderr}")
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def cpu_hogs() -> Iterator[int]:
+    """One busy process per core this process may use, for the block's length; yields how many."""
+    cores = len(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        yield cores
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def collection_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str]]:
+    """Each phase's collection, quiet and beside one CPU hog per core (issue 51: a busy machine
+    must not turn collection into a minute); the table and its summary values."""
+    table = Table(
+        ["phase", "quiet, s", "beside a CPU hog per core, s"],
+        note="median (slowest) of the repeats; `python -m pytest tests/test_phaseN.py "
+        "--collect-only -q -n 0` in a scratch copy, from starting the interpreter",
+    )
+    quiet = {phase: [collect_seconds(scratch, phase) for _ in range(repeats)] for phase in PHASES}
+    with cpu_hogs() as cores:
+        busy = {phase: [collect_seconds(scratch, phase) for _ in range(repeats)]
+                for phase in PHASES}  # fmt: skip
+    for phase in PHASES:
+        table.add(str(phase), seconds(quiet[phase]), seconds(busy[phase]))
+        print(f"phase {phase}: {seconds(quiet[phase])} quiet, {seconds(busy[phase])} loaded")
+    return table, {
+        "collection_quiet": span([statistics.median(v) for v in quiet.values()]),
+        "collection_loaded": span([statistics.median(v) for v in busy.values()]),
+        "collection_hogs": f"{cores} CPU hog(s) on {cores} core(s)",
+    }
+
+
 def first_plant(exercise: str) -> Plant:
     """The function of the exercise's first TODO as the preflight names it (the first in file
     order, in the order of the exercise's modules): where a learner writes first, and what the
@@ -197,7 +256,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exercises", nargs="+", default=list(DEFAULT_EXERCISES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--record", metavar="PATH", help="write a results file (course/results)")
+    parser.add_argument(
+        "--collection",
+        action="store_true",
+        help="only each phase's collection, quiet and beside a CPU hog per core",
+    )
     args = parser.parse_args(argv)
+    if args.collection:
+        with tempfile.TemporaryDirectory() as tmp:
+            table, values = collection_times(make_scratch(Path(tmp) / "fresh", complete=False),
+                                             args.repeats)  # fmt: skip
+        print()
+        print(table.to_markdown())
+        if args.record:
+            path = write_results(args.record, tables={"collection": table}, values=values)
+            print(f"recorded {path.relative_to(ROOT) if ROOT in path.parents else path}")
+        return 0
     unknown = [ex for ex in args.exercises if ex not in BY_ID]
     if unknown:
         parser.error(
