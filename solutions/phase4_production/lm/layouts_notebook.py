@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from course.results import load_results
+from solutions.phase4_production.lm.planner_check import spearman
 
 RESULTS = Path(__file__).resolve().parents[3] / "phase4_production" / "results"
 LIBRARY = "library "  # the benchmark's prefix of the library composition's rows
 CHOICE = "planner's choice: "  # and of the planner's choice
-
 
 # ----------------------------------------------------------------------------- reading
 
@@ -322,30 +322,6 @@ def time_band(world: int, results: Path = RESULTS) -> tuple[float, float]:
     if match is None:
         raise ValueError(f"lm_planner_w{world}.json: no goal band in its note: {note!r}")
     return float(match[1]), float(match[2])
-
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman's rank correlation (ties get their average rank)."""
-
-    def ranks(values: Sequence[float]) -> list[float]:
-        order = sorted(range(len(values)), key=lambda i: values[i])
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    vx = sum((a - mx) ** 2 for a in rx)
-    vy = sum((b - my) ** 2 for b in ry)
-    return cov / (vx * vy) ** 0.5
 
 
 def planner_lines(worlds: Sequence[int] = (4, 8), results: Path = RESULTS) -> list[str]:
