@@ -188,8 +188,8 @@ class PipelineRuntime:
     The pipeline's ranks are those of ``group`` (the default group when None); p is its size
     and "rank" is this process's rank in it. ``loss_fn(output, target)`` must return the mean
     loss of a micro-batch; the executor scales it so that the m micro-batches' losses sum to the
-    batch mean. With ``checkpoint_chunks`` each chunk's forward keeps only its input and is
-    recomputed in backward (exercise 2.3's ``checkpoint``).
+    batch mean. With ``checkpoint_chunks`` each chunk runs through exercise 2.3's
+    ``checkpoint`` (recomputed in backward).
 
     ``placement`` is the stage-to-rank rule the schedule was written for (``"loop"`` or
     ``"v"``, ``pipeline_layout.py``; ``pipeline_schedules.placement_of(name)`` says which).
