@@ -35,7 +35,8 @@ guides quote (``solutions/phase3_multi_node/benchmarks/collectives.py``, ``bench
   gloo threads are runnable in bursts (a 4-rank world sampled at a median of 4 runnable tasks,
   bursts to 23), so that ``after - own`` read 1.22 cores of "other work" on a machine whose
   load was 0.09 the minute before;
-* **other work** ``= max(before, other_cpu)``; where ``/proc`` is missing (not Linux),
+* **other work** ``= max(before, other_cpu)``; where ``/proc`` is missing (not Linux), or the
+  measurement lasted less than ``MIN_CPU_WALL`` (1 s: a few clock ticks would read as cores),
   ``max(before, after - own)`` as before: ``after`` the 1-minute load when the last world has
   ended, ``own`` the most this run's worlds of P computing processes, from t0 to t1, can have
   added to it, ``P·(exp(-(now-t1)/60) - exp(-(now-t0)/60))``;
@@ -77,6 +78,9 @@ MET, NOT_MET, INCONCLUSIVE = "met", "not met", "inconclusive"
 EXIT_MET, EXIT_NOT_MET, EXIT_COULD_NOT_RUN, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 BUSY_MARGIN = 0.5  # cores' worth of other runnable work tolerated beyond the spare cores
 DECAY_SECONDS = 60.0  # the 1-minute load average's time constant
+# Below this many seconds of measurement the CPU reading is left out (the load average decides):
+# a clock tick is 10 ms per process, and a short window turns a few ticks into cores' worth
+MIN_CPU_WALL = 1.0
 
 
 # ----------------------------------------------------------------------------- repeats
@@ -188,14 +192,21 @@ class LoadMeter:
 
     clock: Callable[[], float] = time.monotonic
     before: float = field(default_factory=one_minute_load)
-    busy_seconds: Callable[[], float | None] = cpu_time.machine_busy_seconds
-    own_seconds: Callable[[], float] = cpu_time.tree_cpu_seconds
+    # the CPU readings (None: course.cpu_time's, looked up when read, so a test can replace them)
+    busy_seconds: Callable[[], float | None] | None = None
+    own_seconds: Callable[[], float] | None = None
     _segments: list[tuple[float, float, int]] = field(default_factory=list)
     _needs: int = 0
     _start: tuple[float, float | None, float] = (0.0, None, 0.0)
 
     def __post_init__(self) -> None:
-        self._start = (self.clock(), self.busy_seconds(), self.own_seconds())
+        self._start = (self.clock(), self._busy(), self._own())
+
+    def _busy(self) -> float | None:
+        return (self.busy_seconds or cpu_time.machine_busy_seconds)()
+
+    def _own(self) -> float:
+        return (self.own_seconds or cpu_time.tree_cpu_seconds)()
 
     @contextlib.contextmanager
     def running(self, processes: int, *, computing: bool = True) -> Iterator[None]:
@@ -215,10 +226,10 @@ class LoadMeter:
             for t0, t1, p in self._segments
         )
         started, busy_then, own_then = self._start
-        busy_now, wall = self.busy_seconds(), now - started
+        busy_now, wall = self._busy(), now - started
         other_cpu = None
-        if busy_then is not None and busy_now is not None and wall > 0:
-            others = (busy_now - busy_then) - (self.own_seconds() - own_then)
+        if busy_then is not None and busy_now is not None and wall >= MIN_CPU_WALL:
+            others = (busy_now - busy_then) - (self._own() - own_then)
             other_cpu = max(0.0, others) / wall
         return Load(self.before, after, own, usable_cores(), max(1, self._needs), other_cpu)
 

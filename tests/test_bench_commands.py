@@ -191,6 +191,9 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch, loads: list[float], cores: int
     returned list is the clock a LoadMeter reads (set clock[0] to move time)."""
     readings = iter(loads)
     monkeypatch.setattr(verdicts.os, "getloadavg", lambda: (next(readings), 0.0, 0.0))
+    # no CPU reading: the fabricated runs take no time, and the real machine's other work
+    # (another test worker) would be read as this run's surroundings
+    monkeypatch.setattr(verdicts.cpu_time, "machine_busy_seconds", lambda: None)
     monkeypatch.setattr(verdicts.os, "sched_getaffinity", lambda pid: set(range(cores)))
     return [0.0]
 
