@@ -87,17 +87,21 @@ def same_measurement(a: Any, b: Any, tol: float = 1e-9) -> bool:
             return True
         if a.is_floating_point() or a.is_complex():
             x, y = a.double(), b.double()
-            scale = max(1.0, float(y.abs().max()))
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            diff = (x - y).abs().masked_fill(both_nan, 0.0)
-            return bool(diff.max() <= tol * scale) if not torch.isnan(diff).any() else False
+            equal = (x == y) | (torch.isnan(x) & torch.isnan(y))  # infinities and NaNs too
+            diff = (x - y).abs().masked_fill(equal, 0.0)
+            if torch.isnan(diff).any():
+                return False
+            finite = torch.cat([x.abs().flatten(), y.abs().flatten()])
+            finite = finite[torch.isfinite(finite)]
+            scale = float(finite.max()) if finite.numel() else 0.0  # relative to the largest
+            return bool((diff <= tol * scale).all())
         return bool(torch.equal(a, b))
     if isinstance(a, float) or isinstance(b, float):
         if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
             return False
-        if math.isnan(a) and math.isnan(b):
+        if a == b or (math.isnan(a) and math.isnan(b)):
             return True
-        return abs(a - b) <= tol * max(abs(a), abs(b), 1.0)
+        return abs(a - b) <= tol * max(abs(a), abs(b))  # relative: 5e-16 is not 5e-13
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(same_measurement(a[k], b[k], tol) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -9,6 +9,8 @@ groups (0, 1) and (2, 3) of a world of 4, at the same time, and must match a wor
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -131,26 +133,65 @@ def average_worker() -> tuple[dict[str, torch.Tensor | None], int]:
     return grads, nbytes
 
 
+# what a realistic averaging mistake leaves, as got / mean, for a group of ``ranks`` in
+# ``world``: the words that name it, the shorter ones that list it, the ratio it gives
+AVERAGING_MISTAKES: list[tuple[str, str, Callable[[int, int], float]]] = [
+    ("the sum: divide by the number of ranks", "the sum", lambda ranks, world: float(ranks)),
+    (
+        "divided by the world's size instead of the group's: dist.get_world_size(group)",
+        "a division by the world's size",
+        lambda ranks, world: ranks / world,
+    ),
+    (
+        "divided by the number of ranks twice: divide once, after the all-reduce",
+        "two divisions by the group's size",
+        lambda ranks, world: 1 / ranks,
+    ),
+]
+
+
+def averaging_remark(seen: list[tuple[float, int, int]]) -> str:
+    """Why averaged gradients are off, from what was seen: (got / mean, ranks, world) for each
+    averaging measured in one run. A mistake is named only when it alone fits every
+    observation; several that fit are listed; none: the ratio is said."""
+    if not seen or any(not math.isfinite(ratio) for ratio, _, _ in seen):
+        return ""
+    fits = [
+        (words, short)
+        for words, short, predicted in AVERAGING_MISTAKES
+        if all(math.isclose(ratio, predicted(r, w), rel_tol=1e-9) for ratio, r, w in seen)
+        and any(predicted(r, w) != 1 for _, r, w in seen)
+    ]
+    if len(fits) == 1:
+        return f" ({fits[0][0]})"
+    ratio = seen[0][0]
+    if fits:
+        listed = " or ".join(short for _, short in fits)
+        return f" ({ratio:g} times the mean, which each of these gives here: {listed})"
+    return f" ({ratio:g} times the mean)"
+
+
 def check_mean(
-    grads: dict[str, torch.Tensor | None], mean: float, where: str, ranks: int, world: int
+    grads: dict[str, torch.Tensor | None],
+    mean: float,
+    where: str,
+    ranks: int,
+    world: int,
+    whole_world: float | None = None,
 ) -> list[str]:
-    """Problems with one rank's averaged gradients (the first bad parameter only)."""
+    """Problems with one rank's averaged gradients (the first bad parameter only).
+    ``whole_world``: got / mean of an averaging over the whole world in the same run."""
     problems = []
     for name in REDUCED:
         grad = grads[name]
         if grad is None or not torch.allclose(grad, torch.full_like(grad, mean)):
             got = None if grad is None else grad.flatten()[:3].tolist()
-            why = ""
-            if got and got[0] == pytest.approx(mean * ranks):
-                why = " (the sum: divide by the number of ranks)"
-            elif got and world != ranks and got[0] == pytest.approx(mean * ranks / world):
-                why = (
-                    f" (divided by the world's size {world} instead of the group's {ranks}: "
-                    "dist.get_world_size(group))"
-                )
+            seen = [(got[0] / mean, ranks, world)] if got else []
+            if seen and whole_world is not None:
+                seen.append((whole_world, world, world))
             problems.append(
                 f"{where}: {name}.grad should be the mean {mean:g} of the ranks' gradients, "
-                f"got {got}{why}"
+                f"got {got}{averaging_remark(seen)}"
             )
             break
     for name in ("frozen.weight", "unused.weight"):
@@ -465,7 +506,9 @@ def test_dp_step_times_compute_and_communication_apart(slow: str) -> None:
     for rank, timings in enumerate(small_world(timing_worker, 2, slow)):
         for step, (compute, communication, wall) in enumerate(timings[1:], start=1):
             got = {"compute_seconds": compute, "communication_seconds": communication}
-            measured = f"got compute_seconds {compute:.4f}, communication_seconds {communication:.4f}"
+            measured = (
+                f"got compute_seconds {compute:.4f}, communication_seconds {communication:.4f}"
+            )
             if min(compute, communication) < 0:
                 fail(
                     f"1.2 data_parallel_step timing: rank {rank}, step {step}: negative time; {measured}"
@@ -606,6 +649,12 @@ def subgroup_worker(info: SubgroupInfo) -> dict[str, Any]:
     out["grads"] = {
         n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
     }
+    # the same averaging over the whole world (no group): what tells "divided by the world's
+    # size" from "divided twice", which both halve a group of 2's mean in a world of 4
+    set_rank_grads(model, float(rank + 1))
+    trainer.average_gradients(model)
+    grad = model.embed.weight.grad
+    out["whole_world"] = float(grad.flatten()[0]) / 2.5 if grad is not None else math.nan
     # the DP step: each group trains its own model on its own data
     model = make_toy(seed=5 + info.index + 10 * rank)
     with only_inside(info, "broadcast_parameters + data_parallel_step(..., group=group)"):
@@ -639,10 +688,25 @@ def test_broadcast_averaging_and_step_inside_subgroups() -> None:
         for rank in members:
             for name, value in src_state.items():
                 if not torch.equal(results[rank]["broadcast"][name], value):
+                    holds = [
+                        m
+                        for m in range(4)
+                        if torch.equal(
+                            results[rank]["broadcast"][name], make_toy(200 + m).state_dict()[name]
+                        )
+                    ]
+                    if len(holds) == 1:
+                        whose = f"it holds global rank {holds[0]}'s {name}"
+                        if holds[0] == members[0]:
+                            whose += " (the group's rank 0, not its rank 1)"
+                    elif holds:
+                        whose = f"its {name} is that of ranks {holds}"
+                    else:
+                        whose = f"its {name} is no rank's"
                     problems.append(
                         f"{where}: broadcast_parameters(src=1, group=group) should give rank "
                         f"{rank} the weights of global rank {members[1]} (the group's rank 1); "
-                        f"its {name} differs (src is a rank within the group)"
+                        f"{whose}"
                     )
                     break
             problems += check_mean(
@@ -651,6 +715,7 @@ def test_broadcast_averaging_and_step_inside_subgroups() -> None:
                 f"{where}, rank {rank}: average_gradients(group=group)",
                 2,
                 4,
+                results[rank]["whole_world"],
             )
         ref_losses, ref_params = single_process_reference(
             seed=5 + index + 10 * members[0], data_seed=99 + index

@@ -106,6 +106,31 @@ def contribution_counts(value: float, world_size: int) -> list[int] | None:
     return digits if sum(d * 10**r for r, d in enumerate(digits)) == value else None
 
 
+def census_remark(counts: list[int]) -> str:
+    """What the digits of a rank's result say: whose contribution it counted how often, and
+    the cause only where the counts single one out (one missing and one doubled: overwritten)."""
+    missing = [r for r, c in enumerate(counts) if c == 0]
+    twice = [r for r, c in enumerate(counts) if c > 1]
+    said = ", ".join(f"rank {r}'s {c} time(s)" for r, c in enumerate(counts) if c != 1)
+    if len(missing) == 1 and len(twice) == 1 and counts[twice[0]] == 2:
+        why = (
+            "one contribution was overwritten by another: each incoming tensor needs a place "
+            "of its own, apart from the other incoming ones and from this rank's own tensor "
+            "until that has been combined"
+        )
+    elif missing and twice:
+        why = f"{len(missing)} contribution(s) missing and {len(twice)} counted more than once"
+    elif missing:
+        why = (
+            f"{'a contribution was' if len(missing) == 1 else 'contributions were'} never "
+            "received or never combined"
+        )
+    else:
+        why = f"{'a contribution was' if len(twice) == 1 else 'contributions were'} combined "
+        why += "more than once"
+    return f"it counted {said}; {why}"
+
+
 @exercise("1.3")
 @pytest.mark.parametrize("world_size", [3, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -119,19 +144,7 @@ def test_every_contribution_is_counted_once(strategy: str, world_size: int) -> N
         if counts is None:
             problems.append(f"rank {rank} ended with {value!r}, which is no sum of the inputs")
             continue
-        missing = [r for r, c in enumerate(counts) if c == 0]
-        twice = [r for r, c in enumerate(counts) if c > 1]
-        said = ", ".join(f"rank {r}'s {c} time(s)" for r, c in enumerate(counts) if c != 1)
-        why = (
-            "one contribution was overwritten by another: each incoming tensor needs a place "
-            "of its own, apart from the other incoming ones and from this rank's own tensor "
-            "until that has been combined"
-            if missing and twice
-            else "a contribution was never received or never combined"
-            if missing
-            else "a contribution was combined more than once"
-        )
-        problems.append(f"rank {rank} ended with {value:g}: it counted {said}; {why}")
+        problems.append(f"rank {rank} ended with {value:g}: {census_remark(counts)}")
     detail = f" (root={root})" if strategy == "reduce_broadcast_all_reduce" else ""
     first_problems(
         problems,

@@ -225,28 +225,36 @@ def test_bytes_sent_follow_each_strategys_formula_on_4_ranks(strategy: str) -> N
     runs = small_world(train_worker, n, strategy, epochs=1, train_samples=256, test_samples=256)
     check_totals(runs, f"1.4 train(--all-reduce {strategy}) on {n} ranks")
     size = runs[0]["num_params"] * 4
+    verdict = bytes_sent_verdict(strategy, n, size, runs[0]["epochs"][0]["bytes_sent_per_step"])
+    if verdict:
+        fail(verdict)
+
+
+def bytes_sent_verdict(strategy: str, n: int, size: int, sent: float) -> str | None:
+    """The failure for a step's reported bytes sent, naming a cause only where the number
+    singles it out (the payload S; nothing through send/isend)."""
     if strategy == "reduce_broadcast":
         factor, formula = 2 * (n - 1) / n, "2(n-1)/n·S (the root sends (n-1)·S, the others S)"
     else:
         factor, formula = float(n - 1), "(n-1)·S"
-    sent = runs[0]["epochs"][0]["bytes_sent_per_step"]
-    if sent != pytest.approx(factor * size):
-        hint = (
-            " That is the payload S: report the bytes this rank passed to send/isend "
-            "(CommCounter.bytes_sent around the step), not the bytes handed to the all-reduce."
-            if sent == pytest.approx(size)
-            else " No byte went through send/isend: either the step ran torch's all-reduce, "
-            "which sends inside the backend, instead of the one the loop was given "
-            f"(--all-reduce {strategy}), or bytes_sent was not read from a CommCounter active "
-            "during the step."
-            if sent == 0
-            else ""
-        )
-        fail(
-            f"1.4 --all-reduce {strategy} on {n} ranks, S = {size} bytes of gradients: bytes sent "
-            f"per step, averaged over ranks, should be {formula} = {factor * size:.0f}; the "
-            f"trainer reported {sent:.0f} ({sent / size:.3g}·S).{hint}"
-        )
+    if sent == pytest.approx(factor * size):
+        return None
+    hint = (
+        " That is the payload S: report the bytes this rank passed to send/isend "
+        "(CommCounter.bytes_sent around the step), not the bytes handed to the all-reduce."
+        if sent == pytest.approx(size)
+        else " No byte went through send/isend: either the step ran torch's all-reduce, "
+        "which sends inside the backend, instead of the one the loop was given "
+        f"(--all-reduce {strategy}), or bytes_sent was not read from a CommCounter active "
+        "during the step."
+        if sent == 0
+        else f" That is {sent / (factor * size):.3g} times the formula."
+    )
+    return (
+        f"1.4 --all-reduce {strategy} on {n} ranks, S = {size} bytes of gradients: bytes sent "
+        f"per step, averaged over ranks, should be {formula} = {factor * size:.0f}; the "
+        f"trainer reported {sent:.0f} ({sent / size:.3g}·S).{hint}"
+    )
 
 
 class _EpochsTold:

@@ -206,44 +206,128 @@ def cast_problems(
     world_size: int,
     magnitude: torch.Tensor,
 ) -> list[str]:
-    """What differs from torch's hook; ``magnitude`` is the mean of the ranks' |values|."""
-    if result.dtype != want.dtype or result.shape != want.shape:
+    """What differs from torch's hook; ``magnitude`` is the mean of the ranks' |values|.
+
+    Three things are measured: the future's dtype and shape, its values, and whether
+    bucket.buffer() holds them. A cause is named only when one of the three is off and its
+    evidence singles the cause out; when several are off, each is described, none named."""
+    if result.shape != want.shape:
         return [
             f"{label}: the future's value is {result.dtype} {tuple(result.shape)}; expected the "
             f"bucket's own {want.dtype} {tuple(want.shape)} (copy the average back into it)"
         ]
-    if torch.equal(result, want):
-        if not torch.equal(buffer, want):
+    values = result.to(want.dtype)
+    dtype_off = result.dtype != want.dtype
+    buffer_off = not torch.equal(buffer, values)
+    named, described = cast_value_remark(values, want, dtype, world_size, magnitude)
+    off = [dtype_off, buffer_off, described is not None]
+    if not any(off):
+        return []
+    if sum(off) == 1:
+        if dtype_off:
+            return [
+                f"{label}: the future's value is {result.dtype} {tuple(result.shape)}, with "
+                f"torch's values; expected the bucket's own {want.dtype} (copy the average back "
+                "into it)"
+            ]
+        if buffer_off:
             return [
                 f"{label}: the future carries the average but bucket.buffer() does not hold it: "
                 "decompress in place (buffer.copy_(...)) as torch does, and return the buffer"
             ]
-        return []
+        return [f"{label}: {named}"]
+    facts = []
+    if dtype_off:
+        facts.append(f"the future's value is {result.dtype}, expected {want.dtype}")
+    if described is not None:
+        facts.append(f"its values: {described}")
+    if buffer_off:
+        facts.append("bucket.buffer() does not hold what the future carries")
+    return [f"{label}: more than one thing differs from torch's hook: " + "; ".join(facts)]
+
+
+def cast_value_remark(
+    values: torch.Tensor,
+    want: torch.Tensor,
+    dtype: torch.dtype,
+    world_size: int,
+    magnitude: torch.Tensor,
+) -> tuple[str, str | None]:
+    """(the remark naming the cause where the values single one out, what differs in plain
+    facts); (\"\", None) when the values are torch's."""
+    if torch.equal(values, want):
+        return "", None
     finite = torch.isfinite(want)
-    if bool((~torch.isfinite(result) & finite).any()):
-        return [
-            f"{label}: inf where torch's hook has finite values (entries of 40000 on each of "
-            f"{world_size} ranks): divide by the world size before the all-reduce, in {dtype}, "
-            "so the sum cannot overflow"
-        ]
-    remark = scale_remark(result, want, world_size)
-    if remark:
-        return [f"{label}: {remark}"]
-    # a few roundings in 16 bits, relative to the values summed (with cancellation the result
-    # itself is a poor yardstick)
+    overflowed = ~torch.isfinite(values) & finite
+    if bool(overflowed.any()):
+        both = torch.isfinite(values) & finite
+        fact = (
+            f"inf at {int(overflowed.sum())} entries where torch's hook has finite values (the "
+            f"entries of 40000 on each of {world_size} ranks overflow {dtype} when summed)"
+        )
+        ratio = scaled_by(values[both], want[both])
+        if ratio is not None and abs(ratio - world_size) < 0.02 * world_size:
+            return (
+                f"{fact}, and the finite entries are {world_size} times too large: the ranks' "
+                "values were summed undivided",
+                f"{fact}; the finite entries {ratio:.3g} times torch's",
+            )
+        if rounding_only(values[both], want[both], dtype, magnitude[both]):
+            return (
+                f"{fact}, the other entries within a few roundings of torch's: divide by the "
+                f"world size before the all-reduce, in {dtype}, so the sum cannot overflow",
+                f"{fact}; the finite entries within a few roundings of torch's",
+            )
+        return (
+            fact,
+            f"{fact}; the finite entries differ by up to {max_difference(values, want, both)}",
+        )
+    ratio = scaled_by(values, want)
+    if ratio is not None and abs(ratio - world_size) < 0.02 * world_size:
+        return (
+            f"{world_size} times too large: a division by the world is missing",
+            f"{ratio:.3g} times torch's",
+        )
+    if ratio is not None and abs(ratio - 1 / world_size) < 0.02 / world_size:
+        return (
+            f"{world_size} times too small: divided by the world once too often",
+            f"{ratio:.3g} times torch's",
+        )
+    wrong = int((values != want).sum())
+    if rounding_only(values, want, dtype, magnitude):
+        fact = f"{wrong} of {want.numel()} entries differ in the last bits from torch's hook"
+        order = (
+            "; the entries of 40000 did not overflow, so the division came before the sum: "
+            f"it came before the cast to {dtype}"
+            if dtype == torch.float16
+            else f" (dividing before the cast, or after the sum, rounds differently in {dtype})"
+        )
+        return (
+            f"{fact}: the roundings differ; default_hooks casts to {dtype} first, then divides "
+            f"by the world in {dtype}, then sums{order}",
+            fact,
+        )
+    fact = (
+        f"{wrong} of {want.numel()} entries differ from torch's default_hooks, by up to "
+        f"{max_difference(values, want, finite)}, more than a few roundings in {dtype}; not a "
+        f"factor of the world ({world_size}) either"
+    )
+    return fact, fact
+
+
+def rounding_only(
+    result: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, magnitude: torch.Tensor
+) -> bool:
+    """Whether every entry is within a few roundings in 16 bits of torch's, relative to the
+    values summed (``magnitude``: with cancellation the result itself is a poor yardstick)."""
     rounding = 8 * torch.finfo(dtype).eps * magnitude + torch.finfo(dtype).tiny
-    if bool(((result.double() - want.double()).abs() <= rounding).all()):
-        wrong = int((result != want).sum())
-        return [
-            f"{label}: {wrong} of {want.numel()} entries differ in the last bits from torch's "
-            f"hook: the roundings differ; default_hooks casts to {dtype} first, then divides by "
-            f"the world in {dtype}, then sums (the same order gives the same bits)"
-        ]
-    return [
-        f"{label}: differs from torch's default_hooks by up to "
-        f"{float((result.double() - want.double()).abs().max()):.3g}: cast, divide by the group "
-        "size, all-reduce (sum), copy back into the bucket"
-    ]
+    return bool(((result.double() - want.double()).abs() <= rounding).all())
+
+
+def max_difference(result: torch.Tensor, want: torch.Tensor, where: torch.Tensor) -> str:
+    if not bool(where.any()):
+        return "nothing (no finite entry)"
+    return f"{float((result[where].double() - want[where].double()).abs().max()):.3g}"
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -258,8 +342,13 @@ def topk_worker(ratio: float, steps: int) -> dict[str, Any]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(70 + rank)
     state = topk.TopKState(None, ratio=ratio)
-    errors = {index: torch.zeros(n) for index, n in enumerate(TOPK_BUCKETS)}
-    problems: list[str] = []
+    zeros = {index: torch.zeros(n) for index, n in enumerate(TOPK_BUCKETS)}
+    errors = dict(zeros)
+    # the errors a hook with one known mistake would remember: its own trajectory, so that
+    # the mistake is recognised at every step, not only at the first (where errors are 0)
+    variant_errors = {"signed": dict(zeros), "grad indices": dict(zeros)}
+    places: list[tuple[str, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], bool]] = []
+    other_problems: list[list[str]] = []
     sent_bytes = []
     for step in range(steps):
         for index, numel in enumerate(TOPK_BUCKETS):
@@ -281,18 +370,44 @@ def topk_worker(ratio: float, steps: int) -> dict[str, Any]:
                     ) from None
             sent_bytes.append(payload_bytes(comm.records, world_size))
             want = average(gather(sent))
+            signed_total = grad + variant_errors["signed"][index]
+            signed_sent = sparse_top(signed_total, k, signed=True)
+            variant_errors["signed"][index] = signed_total - signed_sent
+            by_grad_total = grad + variant_errors["grad indices"][index]
+            by_grad_sent = sparse_top(by_grad_total, k, chosen_by=grad)
+            variant_errors["grad indices"][index] = by_grad_total - by_grad_sent
             variants = {
+                "sum": want * world_size,
+                "twice": want / world_size,
                 "grad": average(gather(sparse_top(grad, k))),
-                "grad indices": average(gather(sparse_top(total, k, chosen_by=grad))),
-                "signed": average(gather(sparse_top(total, k, signed=True))),
-                "magnitudes": average(gather(sparse_top(total, k).abs())),
+                "grad indices": average(gather(by_grad_sent)),
+                "signed": average(gather(signed_sent)),
+                "magnitudes": average(gather(sent.abs())),
             }
             replicas = gather(out)
-            problems += topk_value_problems(where, out, want, variants, replicas, world_size)
-            problems += topk_error_problems(where, state, index, total, sent)
-            problems += topk_comm_problems(where, comm, world_size, k, numel, ratio)
+            agree = all(torch.equal(replicas[0], other) for other in replicas)
+            places.append((where, out, want, variants, agree))
+            other_problems.append(
+                topk_error_problems(where, state, index, total, sent)
+                + topk_comm_problems(where, comm, world_size, k, numel, ratio)
+            )
             errors[index] = total - sent
+    everywhere = fitting_everywhere([(out, variants) for _, out, _, variants, _ in places])
+    problems: list[str] = []
+    for (where, out, want, variants, agree), others in zip(places, other_problems, strict=True):
+        problems += topk_value_problems(where, out, want, variants, agree, everywhere) + others
     return {"problems": problems, "bytes": sent_bytes}
+
+
+def fitting_everywhere(places: Sequence[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> list[str]:
+    """The known top-k mistakes whose averaged bucket the hook gave at every place measured."""
+    if not places:
+        return []
+    return [
+        name
+        for name in places[0][1]
+        if all(close(out, variants[name], 1e-6) for out, variants in places)
+    ]
 
 
 def topk_order_worker() -> list[float]:
@@ -326,39 +441,70 @@ def average(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return out / len(parts)
 
 
+# the words for each known mistake of the values, named only when it alone fits every place
+TOPK_REMARKS = {
+    "sum": "the sum of the sparse vectors, not their average: divide by the world",
+    "twice": "the average divided by the world once more: divide once",
+    "grad": (
+        "the entries sent are the top-k of the gradient alone, the remembered error never "
+        "added: select them from gradient + remembered error (the error feedback), and send "
+        "that sum's values"
+    ),
+    "grad indices": (
+        "the entries were chosen by the gradient's magnitudes alone, though the values sent "
+        "hold the remembered error: choose them by |gradient + remembered error|"
+    ),
+    "signed": (
+        "the k largest values were sent, not the k largest magnitudes: select on the absolute "
+        "values (negative entries matter as much), send the signed values"
+    ),
+    "magnitudes": (
+        "the right entries were chosen, but their magnitudes were sent: a negative entry "
+        "arrives positive; send the sum's own signed values"
+    ),
+}
+TOPK_SHORT = {
+    "sum": "the sum of the ranks' vectors",
+    "twice": "an average divided by the world again",
+    "grad": "the gradient's own top-k",
+    "grad indices": "entries chosen by the gradient",
+    "signed": "a choice by signed value",
+    "magnitudes": "magnitudes in place of values",
+}
+
+
 def topk_value_problems(
     where: str,
     out: torch.Tensor,
     want: torch.Tensor,
     variants: dict[str, torch.Tensor],
-    replicas: list[torch.Tensor],
-    world_size: int,
+    agree: bool,
+    everywhere: Sequence[str],
 ) -> list[str]:
-    if not all(torch.equal(replicas[0], other) for other in replicas):
+    """The remark on one place (step, bucket); ``variants``: each known mistake's averaged
+    bucket there, ``everywhere``: the mistakes that fit every place of the run. A mistake is
+    named only when it alone fits everywhere; one that fits this place alone is described."""
+    if not agree:
         return [
             f"{where}: the ranks ended with different averages: every rank must add every "
             "rank's (values, indices), in the same order, and divide once"
         ]
+    if out.shape != want.shape or out.dtype != want.dtype:
+        return [
+            f"{where}: the future's value is {out.dtype} {tuple(out.shape)}; expected the "
+            f"bucket's own {want.dtype} {tuple(want.shape)}: the average, scattered back into a "
+            "dense bucket"
+        ]
     if close(out, want, 1e-6):
         return []
-    if close(out, want * world_size, 1e-6):
-        return [f"{where}: the sum of the sparse vectors, not their average: divide by the world"]
-    if close(out, want / world_size, 1e-6):
-        return [f"{where}: the average divided by the world once more: divide once"]
-    if close(out, variants["grad"], 1e-6) or close(out, variants["grad indices"], 1e-6):
+    here = [name for name, value in variants.items() if close(out, value, 1e-6)]
+    if len(everywhere) == 1 and everywhere[0] in here:
+        return [f"{where}: {TOPK_REMARKS[everywhere[0]]}"]
+    if here:
         return [
-            f"{where}: the entries sent are the top-k of the gradient alone; select them from "
-            "gradient + remembered error (the error feedback), and send that sum's values"
-        ]
-    if close(out, variants["signed"], 1e-6):
-        return [
-            f"{where}: the k largest values were sent, not the k largest magnitudes: select on "
-            "the absolute values (negative entries matter as much), send the signed values"
-        ]
-    if close(out, variants["magnitudes"], 1e-6):
-        return [
-            f"{where}: the right entries were chosen, but their magnitudes were sent: a "
-            "negative entry arrives positive; send the sum's own signed values"
+            f"{where}: this bucket is what {' or '.join(TOPK_SHORT[n] for n in here)} would "
+            "give, but other steps or buckets are not: more than one thing differs from the "
+            "average of every rank's top-k of (gradient + remembered error)"
         ]
     nonzero = int((out != 0).sum())
     return [
@@ -508,6 +654,11 @@ def psgd_value_problems(
         return [
             f"{where}: the ranks ended with different gradients: all-reduce P *and* Q (the "
             "approximation P·Qᵀ must be built from the group's factors on every rank)"
+        ]
+    if out.shape != want.shape or out.dtype != want.dtype:
+        return [
+            f"{where}: the future's value is {out.dtype} {tuple(out.shape)}; torch's hook "
+            f"returns the bucket's {want.dtype} {tuple(want.shape)}"
         ]
     if close(out, want):
         return []

@@ -389,6 +389,37 @@ def test_each_ranks_rng_comes_back_from_its_own_keys_through_weights_only(tmp_pa
         )
 
 
+RNG_RANKS = 12  # rank 1's prefix 'rank1' also selects rank10's and rank11's keys
+RNG_ORDERS = {  # how the merged file lists the ranks' keys
+    "rank 0 first": tuple(range(RNG_RANKS)),
+    "rank 11 first": tuple(range(RNG_RANKS - 1, -1, -1)),
+}
+
+
+def rng_restore_verdict(order: str, rank: int, took: list[int]) -> str:
+    """The failure for restore_rng(the states of 12 ranks, ``order``, rank) that restored the
+    states of the ranks ``took`` (whose saved draws it drew). The prefix without its slash is
+    named only when the rank restored is one that prefix also matches, the first or the last
+    of them in the file as the order says."""
+    told = f"rank {took[0]}'s states" if took else "states of no single rank"
+    head = (
+        f"4.1 restore_rng(the states of 12 ranks, {order} in the file, rank={rank}) restored {told}"
+    )
+    matching = [r for r in RNG_ORDERS[order] if f"rank{r}".startswith(f"rank{rank}")]
+    if len(took) == 1 and took[0] != rank and took[0] in matching:
+        which = "last" if took[0] == matching[-1] else "first" if took[0] == matching[0] else "a"
+        others = ", ".join(f"rank{r}/" for r in matching if r != rank)
+        return (
+            f"{head}: its prefix 'rank{rank}' without the slash also matches {others}, and the "
+            f"{which} of them in the file won. Select exactly this rank's keys: the prefix "
+            f"'rank{rank}/' with its slash"
+        )
+    return (
+        f"{head}. Select exactly this rank's keys, the prefix 'rank{rank}/', and restore every "
+        "generator from them: torch CPU and CUDA, NumPy, Python"
+    )
+
+
 def seeded_capture(c: Any, rank: int) -> tuple[dict[str, Any], list[float]]:
     """Rank ``rank``'s generators seeded apart from every other rank's: its capture and the
     draws that state gives."""
@@ -406,7 +437,7 @@ def test_rng_keys_of_12_ranks_never_mix_ranks() -> None:
     try:
         states: dict[str, Any] = {}
         expected: dict[int, list[float]] = {}
-        for rank in range(12):
+        for rank in range(RNG_RANKS):
             mine, expected[rank] = seeded_capture(c, rank)
             wrong = sorted(k for k in mine if not k.startswith(f"rank{rank}/"))
             if wrong or not mine:
@@ -416,23 +447,16 @@ def test_rng_keys_of_12_ranks_never_mix_ranks() -> None:
                     "ranks' states can share one file"
                 )
             states.update(mine)
-        for order in ("rank 0 first", "rank 11 first"):
-            ranks = range(12) if order == "rank 0 first" else range(11, -1, -1)
+        for order, ranks in RNG_ORDERS.items():
             merged = {k: v for r in ranks for k, v in states.items() if k.startswith(f"rank{r}/")}
-            for rank in range(12):
+            for rank in range(RNG_RANKS):
                 draws()  # move every generator on
                 c.restore_rng(merged, rank)
                 got = draws()
                 if got == expected[rank]:
                     continue
                 took = [r for r, want in expected.items() if want == got]
-                told = f"rank {took[0]}'s states" if took else "states of no single rank"
-                fail(
-                    f"4.1 restore_rng(the states of 12 ranks, {order} in the file, rank={rank}) "
-                    f"restored {told}. Select exactly this rank's keys: the prefix "
-                    f"'rank{rank}/' with its slash ('rank{rank}' alone also matches "
-                    f"rank{rank}0/ and rank{rank}1/ when there are that many ranks)"
-                )
+                fail(rng_restore_verdict(order, rank, took))
     finally:
         torch.set_rng_state(saved[0])
         np.random.set_state(saved[1])

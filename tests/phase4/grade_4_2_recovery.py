@@ -12,6 +12,7 @@ the run with a non-zero status and a clear message. No process may outlive a sce
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -257,37 +258,96 @@ def test_resume_on_a_subgroup_takes_its_rank_0s_choice_and_each_ranks_own_genera
     what = (
         "4.2 resume(manager, state, group=) in a world of 4 split into the groups (0, 1) and (2, 3)"
     )
+    verdict = subgroup_resume_verdict(got, what)
+    if verdict:
+        fail(verdict)
+
+
+def subgroup_resume_verdict(got: list[dict[str, Any]], what: str) -> str | None:
+    """The failure for what each rank of the groups (0, 1) and (2, 3) reported after resume: an
+    error, the step it resumed from, whose generators it drew from. A cause is named only when
+    every finding points at it (the group's rank in a missing key or a drawn state, a source
+    outside the group, the step of its own stale look); else the findings are listed."""
+    findings: list[tuple[str | None, str, str]] = []  # (cause, the words naming it, the fact)
     for rank, result in enumerate(got):
-        if result["error"] and result["error"].startswith("KeyError"):
-            fail(
-                f"{what}: rank {rank} (rank {rank % 2} of group {result['ranks']}) raised "
-                f"{result['error']}. The checkpoint keeps every rank's generator states under "
-                "its global rank (the trainer's gather_rng), and the file of this group holds "
-                f"ranks {result['ranks']}: restore this process's own"
-            )
-        if result["error"]:
-            fail(
-                f"{what}: rank {rank} (of group {result['ranks']}) raised {result['error']}. On a "
-                "subgroup, a collective's src names a global rank: the group's rank 0 is global "
-                f"rank {result['ranks'][0]} there"
-            )
-    for rank, result in enumerate(got):
-        newest = SUBGROUP_STEPS[rank // 2][1]
+        group_rank, error = rank % 2, result["error"]
+        me = f"rank {rank} (rank {group_rank} of group {result['ranks']})"
+        if error:
+            fact = f"{me} raised {error}"
+            said = error.split(" (at ")[0]  # the error's words, without the learner's line
+            looked_for = re.search(rf"rank ?{group_rank}(?!\d)", said)
+            if said.startswith("KeyError") and rank != group_rank and looked_for:
+                findings.append(
+                    (
+                        "rng by group rank",
+                        f"{fact}. It looked for rank {group_rank}'s states, its rank in the group: "
+                        "the checkpoint keeps every rank's generator states under its global rank "
+                        f"(the trainer's gather_rng), and the file of this group holds ranks "
+                        f"{result['ranks']}: restore this process's own",
+                        fact,
+                    )
+                )
+            elif "is not part of group" in error:
+                findings.append(
+                    (
+                        "src as group rank",
+                        f"{fact}. On a subgroup, a collective's src names a global rank: the group's "
+                        f"rank 0 is global rank {result['ranks'][0]} there",
+                        fact,
+                    )
+                )
+            else:
+                findings.append(
+                    (
+                        None,
+                        f"{fact}. resume(..., group=) must work on a subgroup as on the whole world: "
+                        "group= to every collective, global ranks where torch asks for a rank",
+                        fact,
+                    )
+                )
+            continue
+        older, newest = SUBGROUP_STEPS[rank // 2]
         if result["step"] != newest:
-            fail(
-                f"{what}, each group with its own checkpoints: rank {rank} resumed from step "
-                f"{result['step']}; its group's rank 0 chose step {newest} (its rank 1's own look "
-                "at the folder was older). Every rank of a group must take the choice of the "
-                "group's rank 0"
+            fact = (
+                f"{me} resumed from step {result['step']}; its group's rank 0 chose step {newest}"
             )
-    for rank, result in enumerate(got):
+            if result["step"] == older:
+                findings.append(
+                    (
+                        "own look",
+                        f"{fact}: that is its own look at the folder (an older one, in this test): "
+                        "every rank of a group must take the choice of the group's rank 0",
+                        fact,
+                    )
+                )
+            else:
+                findings.append((None, f"{fact}, a step no rank of its group chose", fact))
         if result["took"] != [rank]:
             told = f"rank {result['took'][0]}'s" if result["took"] else "no saved rank's"
-            fail(
-                f"{what}: after resume, global rank {rank} (rank {rank % 2} of its group) drew "
-                f"what {told} saved generators draw. The checkpoint keeps every rank's states "
-                "under its global rank (the trainer's gather_rng): restore this process's own"
+            fact = f"{me} drew after resume what {told} saved generators draw"
+            rule = (
+                ". The checkpoint keeps every rank's states under its global rank (the "
+                "trainer's gather_rng): restore this process's own"
             )
+            if result["took"] == [group_rank] and rank != group_rank:
+                findings.append(
+                    (
+                        "rng by group rank",
+                        f"{fact} (its rank in the group, not its global rank {rank}){rule}",
+                        fact,
+                    )
+                )
+            else:
+                findings.append((None, fact + rule, fact))
+    if not findings:
+        return None
+    causes = {cause for cause, _, _ in findings}
+    if len(findings) == 1 or (len(causes) == 1 and None not in causes):
+        return f"{what}: {findings[0][1]}"
+    return (
+        f"{what}: more than one thing differs from a resume that takes the group's rank 0's "
+        "choice and this process's own generators: " + "; ".join(f for _, _, f in findings[:5])
+    )
 
 
 # ----------------------------------------------------------------------------- under torchrun

@@ -122,18 +122,46 @@ def test_a_position_the_new_world_does_not_divide_is_resumed_exactly() -> None:
         sampler = e.ElasticSampler(data, 24, rank, 3, seed=5)
         sampler.set_position(1, 16)
         shards.append(list(sampler))
-    rest = sampler.epoch_order()[16:]
-    first_step = sorted(i for shard in shards for i in shard[:8])
+    verdict = resume_verdict(shards, sampler.epoch_order())
+    if verdict:
+        fail(verdict)
+
+
+RESUME_WORLD, RESUME_POSITION, RESUME_BATCH = 3, 16, 24  # 3 ranks x 8 resume 2 ranks x 8's 16
+
+
+def resume_verdict(shards: list[list[int]], order: list[int]) -> str | None:
+    """The failure for the shards of 3 ranks resuming position 16 of the epoch ``order``. The
+    deal-first mistake (stride, then skip position // world_size per rank) is named only when
+    the shards are exactly what it gives."""
+    rest = order[RESUME_POSITION:]
+    per_step = RESUME_BATCH // RESUME_WORLD
+    first_step = sorted(i for shard in shards for i in shard[:per_step])
     everything = sorted(i for shard in shards for i in shard)
-    if everything != sorted(rest) or first_step != sorted(rest[:24]):
-        fail(
-            "4.3 ElasticSampler at world 3 resuming position 16 (saved by 2 ranks x 8 samples "
-            f"per step): rank 0 starts at {shards[0][:3]}, rank 1 at {shards[1][:3]}, rank 2 at "
-            f"{shards[2][:3]}; the rest of the epoch's order starts {rest[:6]}. Skip the "
-            "`position` samples already trained first, then split what is left over the ranks: "
-            "striding first and skipping position / world_size per rank is the same only when "
-            "the world divides the position (16 / 3 is not whole)"
+    if everything == sorted(rest) and first_step == sorted(rest[:RESUME_BATCH]):
+        return None
+    head = (
+        "4.3 ElasticSampler at world 3 resuming position 16 (saved by 2 ranks x 8 samples per "
+        f"step): rank 0 starts at {shards[0][:3]}, rank 1 at {shards[1][:3]}, rank 2 at "
+        f"{shards[2][:3]}; the rest of the epoch's order starts {rest[:6]}"
+    )
+    dealt_first = [
+        order[r::RESUME_WORLD][RESUME_POSITION // RESUME_WORLD :] for r in range(RESUME_WORLD)
+    ]
+    if shards == dealt_first:
+        return (
+            f"{head}. These are the shards of a deal first, then a skip of position / "
+            "world_size per rank: that is the same as skipping the `position` samples already "
+            "trained and then dealing what is left only when the world divides the position "
+            "(16 / 3 is not whole). Skip first, then split"
         )
+    missing = sorted(set(rest) - set(everything))
+    extra = sorted(set(everything) - set(rest))
+    return (
+        f"{head}. Over the 3 shards, {len(missing)} sample(s) of the rest are missing "
+        f"{missing[:6]} and {len(extra)} trained before (or not in the epoch) are there "
+        f"{extra[:6]}; the first step's 24 samples should be the next 24 of the order"
+    )
 
 
 # ----------------------------------------------------------------------------- the trainer

@@ -18,11 +18,11 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
-from grading import exercise, learner_line, world
+from grading import defined_at, exercise, learner_line, world
 from monitoring_helpers import (
     PEAK_FLOPS,
     FakeClock,
@@ -186,6 +186,17 @@ def library_count(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss: Any)
     return float(counter.get_total_flops())
 
 
+CHAIN_DIMS = [(6, 7), (7, 5), (5, 3)]  # the Linear layers of chain()
+
+
+def chain_flops(batch: int) -> tuple[int, int]:
+    """(forward, forward + backward) FLOPs of chain() on a batch: a matmul of [B, i] x [i, o]
+    is 2·B·i·o FLOPs; backward computes the weight gradient of every layer and the input
+    gradient of every layer but the first (x needs no gradient)."""
+    forward = sum(2 * batch * i * o for i, o in CHAIN_DIMS)
+    return forward, forward + forward + sum(2 * batch * i * o for i, o in CHAIN_DIMS[1:])
+
+
 @exercise("4.5")
 def test_training_flops_are_forward_plus_backward_counted_once() -> None:
     ex = monitoring()
@@ -200,24 +211,10 @@ def test_training_flops_are_forward_plus_backward_counted_once() -> None:
     got = ex.count_training_flops(model, x, ce)
     # a matmul of [B, i] x [i, o] is 2·B·i·o FLOPs; backward computes the weight gradient of
     # every layer and the input gradient of every layer but the first (x needs no gradient)
-    dims = [(6, 7), (7, 5), (5, 3)]
-    forward = sum(2 * batch * i * o for i, o in dims)
-    want = forward + forward + sum(2 * batch * i * o for i, o in dims[1:])
-    if got == forward:
-        fail(
-            f"4.5 count_training_flops returned {got:.0f}, the forward pass alone; a training "
-            f"step runs forward and backward ({want}): run loss.backward() inside the counter"
-        )
-    if got in (3 * want, 3 * forward, 2 * want):
-        fail(
-            f"4.5 count_training_flops returned {got:.0f} for a step of {want} FLOPs: "
-            "FlopCounterMode already counts the backward pass; multiply by nothing"
-        )
-    if got != want:
-        fail(
-            f"4.5 count_training_flops: Linear 6-7-5-3 on a batch of {batch} is {forward} FLOPs "
-            f"forward and {want} forward + backward; got {got}"
-        )
+    forward, want = chain_flops(batch)
+    verdict = flops_verdict(got, forward, want, batch)
+    if verdict:
+        fail(verdict)
     grads = [n for n, p in model.named_parameters() if p.grad is not None]
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     if grads or changed:
@@ -246,27 +243,86 @@ def test_training_flops_are_forward_plus_backward_counted_once() -> None:
 @exercise("4.5")
 def test_mfu_is_model_flops_per_second_over_the_peak() -> None:
     ex = monitoring()
-    cases = [
-        (3e12, 0.5, 12e12, 0.5),
-        (6.2e7, 0.050, 8.0e10, 0.0155),
-        (9.894e14, 1.0, 989.4e12, 1.0),
-    ]
-    for flops, seconds, peak, want in cases:
-        got = float(ex.model_flops_utilization(flops, seconds, peak))
-        if math.isclose(got, want, rel_tol=1e-9):
-            continue
-        hint = ""
-        ratio = got / want if want else math.inf
-        if math.isclose(ratio, 1e-3, rel_tol=1e-6) or math.isclose(ratio, 1e3, rel_tol=1e-6):
-            hint = " (off by 1000: seconds are seconds, not milliseconds)"
-        elif math.isclose(ratio, 3, rel_tol=1e-6) or math.isclose(ratio, 1 / 3, rel_tol=1e-6):
-            hint = " (off by 3: flops_per_step already counts forward + backward)"
-        elif math.isclose(ratio, 1e12, rel_tol=1e-6) or math.isclose(ratio, 1e-12, rel_tol=1e-6):
-            hint = " (off by 1e12: peak_flops is in FLOP/s, not TFLOP/s)"
-        fail(
-            f"4.5 model_flops_utilization({flops:g} FLOPs, {seconds:g} s, peak {peak:g} FLOP/s) "
-            f"returned {got:g}; expected {want:g} = flops / seconds / peak{hint}"
+    for flops, seconds, peak, want in MFU_CASES:
+        returned = ex.model_flops_utilization(flops, seconds, peak)
+        try:
+            got = float(returned)
+        except (TypeError, ValueError, RuntimeError):
+            fail(
+                f"4.5 model_flops_utilization({flops:g}, {seconds:g}, {peak:g}) returned "
+                f"{returned!r}; expected one number, {want:g}{defined_at(ex.model_flops_utilization)}"
+            )
+        verdict = mfu_verdict(flops, seconds, peak, want, got)
+        if verdict:
+            fail(verdict)
+
+
+MFU_CASES = [  # flops per step, seconds per step, peak FLOP/s, the MFU
+    (3e12, 0.5, 12e12, 0.5),
+    (6.2e7, 0.050, 8.0e10, 0.0155),
+    (9.894e14, 1.0, 989.4e12, 1.0),
+]
+
+
+def mfu_verdict(flops: float, seconds: float, peak: float, want: float, got: float) -> str | None:
+    if math.isclose(got, want, rel_tol=1e-9):
+        return None
+    return (
+        f"4.5 model_flops_utilization({flops:g} FLOPs, {seconds:g} s, peak {peak:g} FLOP/s) "
+        f"returned {got:g}; expected {want:g} = flops / seconds / peak{mfu_hint(got, want)}"
+    )
+
+
+# what a realistic MFU mistake multiplies the answer by, and the words for it
+MFU_RATIOS = {
+    1e-3: " (1000 times too small: the seconds were turned into milliseconds; seconds are seconds)",
+    1e3: " (1000 times too large: the seconds were divided by 1000; seconds are seconds)",
+    3.0: " (3 times too large: flops_per_step already counts forward + backward; multiply by "
+    "nothing)",
+    1 / 3: " (3 times too small: flops_per_step already counts forward + backward; divide by "
+    "nothing)",
+    1e-12: " (1e12 times too small: peak_flops is in FLOP/s already; it was multiplied by 1e12)",
+    1e12: " (1e12 times too large: peak_flops is in FLOP/s, not TFLOP/s; it was divided by 1e12)",
+}
+
+
+def mfu_hint(got: float, want: float) -> str:
+    """The cause of a wrong MFU when the ratio to the right one is a known mistake's; else the
+    ratio itself."""
+    ratio = got / want if want else math.inf
+    for known, words in MFU_RATIOS.items():
+        if math.isclose(ratio, known, rel_tol=1e-6):
+            return words
+    return f" ({ratio:.3g} times the expected value)" if math.isfinite(ratio) else ""
+
+
+def flops_verdict(got: float, forward: int, want: int, batch: int) -> str | None:
+    """The failure for a step's FLOP count: ``forward`` and ``want`` (forward + backward) of the
+    graded chain; the cause named only where the count is one known mistake's."""
+    if got == want:
+        return None
+    head = f"4.5 count_training_flops returned {got:.0f} for a step of {want} FLOPs"
+    if got == forward:
+        return (
+            f"{head}: the forward pass alone; a training step runs forward and backward: run "
+            "loss.backward() inside the counter"
         )
+    if got == 3 * forward:
+        return (
+            f"{head}: 3 x the forward count, the rule of thumb (backward = 2 x forward) in place "
+            "of the count: FlopCounterMode measures the backward itself; run loss.backward() "
+            "inside it and multiply by nothing"
+        )
+    for times in (2, 3):
+        if got == times * want:
+            return (
+                f"{head}: {times} x the forward + backward count: FlopCounterMode already counts "
+                "the backward pass; multiply by nothing"
+            )
+    return (
+        f"{head} ({got / want:.3g} x): Linear 6-7-5-3 on a batch of {batch} is {forward} FLOPs "
+        f"forward and {want} forward + backward"
+    )
 
 
 # ----------------------------------------------------------------------------- the straggler rule
@@ -295,6 +351,11 @@ FOUR = [
         [3],
     ),
     ("rank 0 much faster", Scenario(windows([2.0] * 3, [10.0] * 3, [10.5] * 3, [11.0] * 3)), []),
+    (  # the mean across ranks (38.75 ms) hides rank 2; the average of the middle two does not
+        "rank 2 slow behind a very slow rank 3",
+        Scenario(windows([10.0] * 3, [10.0] * 3, [35.0] * 3, [100.0] * 3)),
+        [2, 3],
+    ),
     (
         "groups (0, 2) and (1, 3), rank 3 slow",
         Scenario(windows([10.0] * 3, [10.0] * 3, [11.0] * 3, [40.0] * 3), groups=((0, 2), (1, 3))),
@@ -303,24 +364,146 @@ FOUR = [
 ]
 
 
+def in_two_groups(name: str, scenario: Scenario, want: list[int]) -> tuple[str, Scenario, Any]:
+    """A world of 2's scenario run by the groups (0, 1) and (2, 3) of a world of 4 at once: the
+    world of 4 then sees every realistic mistake, the group's rank named included."""
+    w = scenario.windows_ms
+    return (
+        f"{name}, in the groups (0, 1) and (2, 3)",
+        Scenario({0: w[0], 1: w[1], 2: w[0], 3: w[1]}, ((0, 1), (2, 3)), scenario.threshold),
+        {0: want, 1: want, 2: [2 + r for r in want], 3: [2 + r for r in want]},
+    )
+
+
+FOUR += [in_two_groups(*case) for case in TWO]
+
+
 def lower_median(values: list[float]) -> float:
     return float(torch.tensor(values, dtype=torch.float64).median())
 
 
-def check_scenarios(results: list[list[dict[str, Any]]], cases: list[Any], world_size: int) -> None:
+def check_scenarios(
+    results: list[list[dict[str, Any]]], cases: list[Any], world_size: int, name_causes: bool = True
+) -> None:
     """Every scenario's answer on every rank; the most telling mistake is reported first."""
-    wrong: list[tuple[str, Scenario, int, list[int], list[int]]] = []
-    for index, (name, scenario, want) in enumerate(cases):
-        per_rank = {rank: results[rank][index] for rank in range(world_size)}
-        for rank, got in per_rank.items():
+    for index, (name, _, _) in enumerate(cases):
+        for rank in range(world_size):
+            got = results[rank][index]
             if got["crossing"]:
                 fail(
                     f"4.5 find_stragglers ({name}): rank {rank} talked outside its group: "
                     f"{got['crossing'][0]}; pass group=group to the collective"
                 )
-        named = {rank: got["named"] for rank, got in per_rank.items()}
+    told = [
+        {rank: results[rank][i]["named"] for rank in range(world_size)} for i in range(len(cases))
+    ]
+    verdict = straggler_verdict(told, cases, world_size, name_causes)
+    if verdict:
+        fail(verdict)
+    for index, (name, scenario, _) in enumerate(cases):
+        details = [d for answers in results for d in answers[index]["details"]]
+        for straggler, seconds, _median in details:
+            own = lower_median(scenario.windows_ms[straggler]) / 1e3
+            if not math.isclose(seconds, own, rel_tol=1e-9):
+                fail(
+                    f"4.5 find_stragglers ({name}): Straggler({straggler}).seconds is "
+                    f"{ms(seconds)}; that rank's median step is {ms(own)}"
+                )
+
+
+Told = dict[int, list[int]]  # each rank's answer: the global ranks it was told are stragglers
+
+# the realistic mistakes of the rule, each one switch away from it, with the words that name it
+STRAGGLER_MISTAKES: dict[str, tuple[dict[str, str], str, str]] = {
+    "mean in the window": (
+        {"window": "mean"},
+        "a rank's window was averaged: one slow step must not make a straggler: take the "
+        "median of a rank's window, not its mean",
+        "a window's mean",
+    ),
+    "mean across ranks": (
+        {"across": "mean"},
+        "the ranks were compared with their mean: the mean across ranks lets one very slow "
+        "rank hide another; compare with the median of the ranks' medians",
+        "the mean across ranks",
+    ),
+    "middle average across ranks": (
+        {"across": "middle average"},
+        "the ranks were compared with the average of the two middle medians: torch.median "
+        "takes the lower middle value, which a slow rank cannot pull toward itself",
+        "the average of the two middle values",
+    ),
+    "threshold ignored": (
+        {"threshold": "1.5 always"},
+        "the answers are those of threshold 1.5 where another was given: use the threshold "
+        "you are given",
+        "a fixed threshold of 1.5",
+    ),
+    "at the threshold": (
+        {"comparison": ">="},
+        "a rank exactly at threshold x the median was named: a straggler is strictly slower "
+        "(>, not >=)",
+        "a comparison with >=",
+    ),
+    "group rank": (
+        {"names": "group rank"},
+        "inside a group the ranks were named by their rank in the group; name global ranks "
+        "(dist.get_global_rank(group, r))",
+        "ranks named within their group",
+    ),
+    "faster too": (
+        {"direction": "both ways"},
+        "a rank faster than the median was named: a straggler is slower than threshold x the "
+        "median rank, never faster",
+        "naming ranks far from the median either way",
+    ),
+}
+
+
+def rule_answer(scenario: Scenario, rank: int, setting: dict[str, str]) -> list[int]:
+    """What ``rank`` is told by the straggler rule with ``setting``'s switches ({}: the rule)."""
+    members: tuple[int, ...] = tuple(sorted(scenario.windows_ms))
+    for group in scenario.groups or ():
+        if rank in group:
+            members = tuple(group)
+    if setting.get("window") == "mean":
+        medians = {r: sum(scenario.windows_ms[r]) / len(scenario.windows_ms[r]) for r in members}
+    else:
+        medians = {r: lower_median(scenario.windows_ms[r]) for r in members}
+    values = sorted(medians.values())
+    across = {
+        "mean": sum(values) / len(values),
+        "middle average": (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2,
+    }.get(setting.get("across", ""), lower_median(values))
+    threshold = 1.5 if setting.get("threshold") == "1.5 always" else scenario.threshold
+    slow = [
+        r
+        for r in members
+        if (
+            medians[r] >= threshold * across
+            if setting.get("comparison") == ">="
+            else medians[r] > threshold * across
+        )
+        or (setting.get("direction") == "both ways" and medians[r] * threshold < across)
+    ]
+    if setting.get("names") == "group rank":
+        return sorted(members.index(r) for r in slow)
+    return sorted(slow)
+
+
+def straggler_verdict(
+    told: list[Told], cases: list[Any], world_size: int, name_causes: bool = True
+) -> str | None:
+    """The failure for the ranks' answers to every scenario (``told[i]``: scenario i), None when
+    all are right. A mistake is named only when it gives exactly these answers, every rank's to
+    every scenario; several that do are listed; none: what went wrong is said, scenario by
+    scenario. ``name_causes=False`` (a world of 2, where a group's rank and a threshold other
+    than 1.5 never show): what fits is said, the cause is left to the world of 4's test, which
+    runs these scenarios too, in two groups."""
+    wrong: list[tuple[str, Scenario, int, list[int], list[int]]] = []
+    for (name, scenario, want), named in zip(cases, told, strict=True):
         if scenario.groups is None and len({tuple(v) for v in named.values()}) > 1:
-            fail(
+            return (
                 f"4.5 find_stragglers ({name}): the ranks disagree, each rank was told {named}. A "
                 "rank knows only its own times: all-gather the ranks' medians over the group, so "
                 "that every rank applies the rule to the same numbers and names the same ranks"
@@ -332,80 +515,48 @@ def check_scenarios(results: list[list[dict[str, Any]]], cases: list[Any], world
             if named[rank] != expected[rank]
         ]
     if not wrong:
-        for index, (name, scenario, _) in enumerate(cases):
-            details = [d for answers in results for d in answers[index]["details"]]
-            for straggler, seconds, _median in details:
-                own = lower_median(scenario.windows_ms[straggler]) / 1e3
-                if not math.isclose(seconds, own, rel_tol=1e-9):
-                    fail(
-                        f"4.5 find_stragglers ({name}): Straggler({straggler}).seconds is "
-                        f"{ms(seconds)}; that rank's median step is {ms(own)}"
-                    )
-        return
-
-    def remark(case: tuple[str, Scenario, int, list[int], list[int]], hint: str) -> NoReturn:
-        name, scenario, rank, got, want = case
-        fail(
-            f"4.5 find_stragglers ({name}, threshold {scenario.threshold}x): step times (ms) "
-            f"per rank {scenario.windows_ms}; rank {rank} was told {got}, expected {want}: {hint}"
+        return None
+    fits = [
+        mistake
+        for mistake, (setting, _, _) in STRAGGLER_MISTAKES.items()
+        if all(
+            named[rank] == rule_answer(scenario, rank, setting)
+            for (_, scenario, _), named in zip(cases, told, strict=True)
+            for rank in range(world_size)
         )
-
-    for case in wrong:
-        told, windows_ms = case[3], case[1].windows_ms
-        medians = {r: lower_median(w) for r, w in windows_ms.items()}
-        typical = lower_median(list(medians.values()))
-        if any(medians.get(r, typical) < typical for r in told):
-            remark(case, "a straggler is slower than threshold x the median rank, never faster")
-    for case in wrong:
-        if case[1].groups is not None and case[3] == [1]:
-            remark(
-                case,
-                "1 is rank 3's rank inside its group; name global ranks "
-                "(dist.get_global_rank(group, r))",
-            )
-    for case in wrong:
-        if case[0] == "one hiccup on rank 0":
-            remark(
-                case,
-                "one slow step must not make a straggler: take the median of a rank's window, "
-                "not its mean",
-            )
-    for case in wrong:
-        if case[0] == "ranks 2 and 3 slow" and case[3] == [3]:
-            remark(
-                case,
-                "the median across ranks is 11 ms, so 17 ms is 1.55x; the mean across ranks "
-                "(34.5 ms) lets one very slow rank hide another",
-            )
-    names = {case[0] for case in wrong}
-    for case in wrong:
-        if case[0] == "rank 1 three times slower" and "rank 1 four times slower" not in names:
-            remark(
-                case,
-                "torch.median of [10, 30] is 10, the lower middle value; the average of the two "
-                "middle values, 20, makes 30 ms only 1.5x",
-            )
-    for case in wrong:
-        if "higher threshold" in case[0]:
-            remark(case, "use the threshold you are given")
-    for case in wrong:
-        if "exactly at the threshold" in case[0] and case[3] == [1]:
-            remark(
-                case,
-                "375 ms is exactly 1.5 x 250 ms: a straggler is strictly slower than threshold x "
-                "the median (>, not >=), so a rank at the threshold is not named",
-            )
-    remark(
-        wrong[0],
-        "compare each rank's median step (over its window) with threshold x the median of all "
-        "the ranks' medians (all-gathered over the group)",
+    ]
+    name, scenario, rank, got, want = wrong[0]
+    head = (
+        f"4.5 find_stragglers ({name}, threshold {scenario.threshold}x): step times (ms) per "
+        f"rank {scenario.windows_ms}; rank {rank} was told {got}, expected {want}: "
+    )
+    if len(fits) == 1 and name_causes:
+        return head + STRAGGLER_MISTAKES[fits[0]][1]
+    if fits and not name_causes:
+        return head + (
+            "on these scenarios every answer is what "
+            + " or ".join(STRAGGLER_MISTAKES[m][2] for m in fits)
+            + " gives; the world of 4's test runs them again beside scenarios that tell more"
+        )
+    if fits:
+        return head + (
+            "every answer is what each of these gives: "
+            + "; ".join(STRAGGLER_MISTAKES[m][2] for m in fits)
+            + " (these scenarios cannot tell them apart)"
+        )
+    scenarios = sorted({w[0] for w in wrong})
+    return head + (
+        f"no single known mistake gives every answer; {len(scenarios)} scenario(s) went wrong "
+        f"({', '.join(scenarios)}). The rule: each rank's median step (over its window) against "
+        "threshold x the median of all the ranks' medians (all-gathered over the group), "
+        "strictly slower"
     )
 
 
 @exercise("4.5")
 def test_the_straggler_rule_in_a_world_of_two() -> None:
     results = world(stragglers_worker, 2, [case[1] for case in TWO])
-    check_scenarios(results, TWO, 2)
+    check_scenarios(results, TWO, 2, name_causes=False)
     line = results[0][0]["lines"][0]
     if not line.startswith("rank 1 is a straggler: median step 40.0 ms vs 10.0 ms across ranks"):
         fail(f"4.5: the straggler's log line reads {line!r}")
