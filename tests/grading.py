@@ -7,6 +7,7 @@ directly: they call :func:`load`, here and inside the ranks of a world, so one s
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -112,12 +113,18 @@ def raised_in(exc: BaseException, files: Collection[str]) -> str | None:
 
 
 def learner_line(exc: BaseException) -> str:
-    """`` (at phase3_multi_node/template_zero.py:88 in step)``: the innermost line of the course's
-    modules (a template, a solution, or the given code beside them) that ``exc`` came through,
-    for a grader that turns a caught exception into its own message; "" when none."""
+    """`` (at phase3_multi_node/template_zero.py:88 in step)``: where the learner's code sent
+    ``exc`` on its way, for a grader that turns a caught exception into its own message; "" when
+    it came through none of the course's modules.
+
+    The innermost line inside a function that holds an exercise's ``# TODO`` block wins: a shape
+    error raised deep in given code (``from_weights``) or torch is the learner's call's doing, and
+    that call is the line to open (issue 49). Without such a frame, the innermost line of the
+    course's modules (a template, a solution, or the given code beside them)."""
     import traceback
 
     root = Path(__file__).resolve().parents[1]
+    course: list[tuple[Path, traceback.FrameSummary]] = []
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = Path(frame.filename).resolve()
         try:
@@ -125,8 +132,43 @@ def learner_line(exc: BaseException) -> str:
         except ValueError:
             continue
         if rel.parts[0].startswith("phase") or rel.parts[0] == "solutions":
+            course.append((rel, frame))
+    for rel, frame in course:
+        path = root / rel
+        try:
+            spans = _todo_spans(path, path.stat().st_mtime)
+        except OSError:
+            continue
+        if frame.lineno is not None and any(a <= frame.lineno <= b for a, b in spans):
             return f" (at {rel}:{frame.lineno} in {frame.name})"
+    if course:
+        rel, frame = course[0]
+        return f" (at {rel}:{frame.lineno} in {frame.name})"
     return ""
+
+
+@functools.cache
+def _todo_spans(path: Path, mtime: float) -> tuple[tuple[int, int], ...]:
+    """(first, last) line of every function of ``path`` holding a ``# TODO <id>:`` block (the
+    learner's functions); ``mtime`` is part of the cache key, so an edit is read again."""
+    import ast
+    import re
+
+    del mtime
+    try:
+        text = path.read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError):
+        return ()
+    lines = text.splitlines()
+    marker = re.compile(r"#\s*TODO \d+\.\d+:")
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = lines[node.lineno - 1 : node.end_lineno]
+            if any(marker.search(line) for line in body):
+                spans.append((node.lineno, node.end_lineno or node.lineno))
+    return tuple(spans)
 
 
 def defined_at(function: Any) -> str:

@@ -56,3 +56,28 @@ def test_a_world_reports_its_progress_to_the_caller() -> None:
     finally:
         set_progress_sink(None)
     assert seen == [(2, 1, 3, "layouts"), (2, 2, 3, "layouts"), (2, 3, 3, "layouts")], seen
+
+
+def test_an_error_raised_in_given_code_is_placed_at_the_learners_call() -> None:
+    from grading import learner_line
+
+    root = Path(__file__).resolve().parents[1]
+    learner = root / "solutions/phase2_advanced/activation_checkpointing.py"
+    given = root / "phase2_advanced/tensor_parallel_support.py"
+    call = 68  # inside a function holding "# TODO 2.3:"
+    namespace: dict[str, object] = {}
+    exec(compile("\n" * 4 + "def given(x):\n    raise RuntimeError('shape')\n", str(given),
+                 "exec"), namespace)  # fmt: skip
+    exec(compile("\n" * (call - 2) + "def mine(given):\n    given(1)\n", str(learner), "exec"),
+         namespace)  # fmt: skip
+    mine = namespace["mine"]
+    assert callable(mine)
+    with pytest.raises(RuntimeError) as raised:
+        mine(namespace["given"])
+    where = learner_line(raised.value)
+    assert where == f" (at solutions/phase2_advanced/activation_checkpointing.py:{call} in mine)", (
+        f"expected the learner's call, got {where!r}"
+    )
+    with pytest.raises(RuntimeError) as raised:
+        namespace["given"](1)  # type: ignore[operator]
+    assert "tensor_parallel_support.py:6 in given" in learner_line(raised.value)
