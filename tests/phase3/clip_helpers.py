@@ -457,10 +457,17 @@ class Named:
 
 
 def named_mistakes(
-    layout: Layout, norm_type: float, got: Sequence[float], grads: dict[str, torch.Tensor]
+    layout: Layout,
+    norm_type: float,
+    got: Sequence[float],
+    grads: dict[str, torch.Tensor],
+    elsewhere: Sequence[tuple[Layout, Sequence[float]]] = (),
 ) -> Named | None:
     """The smallest sets of broken rules that give ``got`` on every rank, in words: one when
-    only one fits, all of the fewest-broken ones when several do; None when none does."""
+    only one fits, all of the fewest-broken ones when several do; None when none does.
+    ``elsewhere``: what the ranks returned on the other graded layouts for this norm type;
+    a set of rules that also gives those is preferred (the evidence of every layout), and only
+    when none does are the rules that fit this layout alone reported."""
     inf = math.isinf(norm_type)
     sizes = layout.sizes
     held = _held(layout, norm_type, grads)
@@ -523,6 +530,24 @@ def named_mistakes(
 
     ways = INF_WAYS if inf else FINITE_WAYS
     found: dict[tuple[str, ...], tuple[tuple[int, int], list[str]]] = {}
+    everywhere: dict[tuple[str, ...], tuple[tuple[int, int], list[str]]] = {}
+    held_elsewhere: dict[Layout, list[list[_Held]]] = {}
+
+    def fits_elsewhere(rules: Rules) -> bool:
+        """Whether ``rules``, right for every group this layout cannot judge (a group of one
+        rank, copies it does not hold), also give what the other layouts returned."""
+        unjudged_copies = {"dp", "cp", "tp"} - set(copy_axes)
+        unjudged = {a for a in AXES if sizes[a] == 1}
+        reduce = rules.reduce | unjudged if rules.reduce else rules.reduce  # local: none at all
+        rules = Rules(rules.skip | unjudged_copies, reduce, rules.way)
+        for other, values in elsewhere:
+            if other not in held_elsewhere:
+                held_elsewhere[other] = _held(other, norm_type, grads)
+            simulated = simulate(other, norm_type, rules, held_elsewhere[other])
+            if not all(close(a, b) for a, b in zip(values, simulated, strict=True)):
+                return False
+        return bool(elsewhere)
+
     skips = [
         frozenset(s)
         for n in range(len(copy_axes) + 1)
@@ -541,8 +566,10 @@ def named_mistakes(
                         # the fewest broken rules, then the most groups reduced
                         rank = (len(words), -len(reduce))
                         key = tuple(words)
-                        if key not in found or rank < found[key][0]:
-                            found[key] = (rank, functions)
+                        into = everywhere if fits_elsewhere(rules) else found
+                        if key not in into or rank < into[key][0]:
+                            into[key] = (rank, functions)
+    found = everywhere or found
     if not found:
         return None
     fewest = min(rank[0] for rank, _ in found.values())

@@ -22,10 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from grading import impl, load, world
+from learner_calls import at_learner_call
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from course.events import EventRecorder
+from course.world import RankFailed
 
 PHASE = "phase3_multi_node"
 TOLERANCE = 1e-12  # float64: our sums and torch's may differ in the last bits (world 3)
@@ -75,8 +77,13 @@ def impl_flag() -> list[str]:
 
 def small_world(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """A world of 2-4 ranks; a hang is reported after the world timeout (20 s by default), a
-    deadlock 2-4 s after it sets in."""
-    return world(fn, world_size, *args)
+    deadlock 2-4 s after it sets in; an error raised in given code is reported at the
+    learner's call that caused it."""
+    try:
+        return world(fn, world_size, *args)
+    except RankFailed as exc:
+        at_learner_call(exc, "3.4")
+        raise
 
 
 def first_problems(problems: list[str], header: str, limit: int = 5) -> None:

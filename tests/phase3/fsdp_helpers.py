@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from grading import learner_line, load
+from phase3_helpers import with_sites
 from torch import nn
 
 from phase3_multi_node.zero_fsdp_support import in_backward
@@ -599,4 +600,4 @@ def unit_problems(policy_name: str) -> dict[str, str]:
             + (": that is the sum, divide by the group size (divide_factors splits the "
                "division around the reduce-scatter)" if summed else "")
         )  # fmt: skip
-    return found
+    return with_sites(found, type(unit))

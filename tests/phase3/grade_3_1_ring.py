@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from grading import exercise, learner_line
+from learner_calls import learner_world
 from phase3_helpers import (
     P2PTrace,
     any_rank,
@@ -31,13 +32,18 @@ from phase3_helpers import (
     receives,
     sends,
     sizes_for,
-    small_world,
     values_problems,
+)
+from phase3_helpers import (
+    small_world as world_of_ranks,
 )
 
 from course import p2p_ledger
 from course.comm_counter import CommCounter
 from course.world import RankDied, WorldError, WorldHung
+
+# an error a rank raises in given code is reported at the learner's call that caused it
+small_world = learner_world(world_of_ranks, "3.1")
 
 
 def ring() -> Any:
@@ -151,39 +157,56 @@ def halves_diagnosis(data: torch.Tensor) -> list[str]:
     mod.all_gather_ring(total[start:stop].clone(), out)
     ag_wrong = not torch.equal(out, total)
     rs_any, ag_any = any_rank(rs_wrong), any_rank(ag_wrong)
+    got = chunk.tolist() if chunk.numel() <= 6 else f"{chunk.numel()} elements"
+    rs_here = (
+        f"rank {rank} got {got}, expected elements {start}..{stop - 1} of the sum"
+        if rs_wrong
+        else "on another rank"
+    )
+    ag_here = differs(out, total) if ag_wrong else "on another rank"
+    return halves_verdict(rs_any, ag_any, rs_here, ag_here)
+
+
+# What running each half alone shows, and the words each verdict uses
+# (tests/phase3/mistakes_ex3_1.py plants the mistakes that lead to each).
+HALVES_SAY = {
+    "reduce-scatter": "the reduce-scatter half is wrong",
+    "all-gather": "the all-gather half is wrong",
+    "both": "both halves are wrong on their own",
+    "composition": "so the composition in ring_all_reduce is wrong",
+}
+
+
+def halves_verdict(rs_any: bool, ag_any: bool, rs_here: str = "", ag_here: str = "") -> list[str]:
+    """Which half of a ring that gave a wrong all-reduce is wrong: ``rs_any`` (``ag_any``) is
+    whether reduce_scatter_ring (all_gather_ring, given the right chunks) alone went wrong on
+    any rank; ``rs_here`` and ``ag_here`` say what this rank saw."""
     if rs_any and ag_any:
         return [
-            "both halves are wrong on their own: reduce_scatter_ring leaves a rank with the "
+            f"{HALVES_SAY['both']}: reduce_scatter_ring leaves a rank with the "
             "wrong chunk (look at which chunk _reduce_scatter_steps sends and receives at each "
             "step), and all_gather_ring, given the right chunks, puts some in the wrong place "
             "(look at which chunk arrives at each step in _post_all_gather_receives)"
         ]
     if rs_any:
-        got = chunk.tolist() if chunk.numel() <= 6 else f"{chunk.numel()} elements"
-        mine = (
-            f"rank {rank} got {got}, expected elements {start}..{stop - 1} of the sum"
-            if rs_wrong
-            else "on another rank"
-        )
         return [
-            "the reduce-scatter half is wrong: reduce_scatter_ring alone leaves rank r without "
-            f"chunk r of the sum ({mine}); all_gather_ring alone is right. Look at "
+            f"{HALVES_SAY['reduce-scatter']}: reduce_scatter_ring alone leaves rank r without "
+            f"chunk r of the sum ({rs_here}); all_gather_ring alone is right. Look at "
             "_reduce_scatter_steps: which chunk rank r sends and which it receives and reduces "
             "at step s (check them against the guide's 4-rank table), and where a received "
             "segment lands before it is reduced (the tensor's own copy of that chunk still "
             "holds this rank's term until the reduction)"
         ]
     if ag_any:
-        where = differs(out, total) if ag_wrong else "on another rank"
         return [
-            "the all-gather half is wrong: all_gather_ring, given every rank's right chunk, "
-            f"fills the output wrongly ({where}); reduce_scatter_ring alone is right. Look at "
+            f"{HALVES_SAY['all-gather']}: all_gather_ring, given every rank's right chunk, "
+            f"fills the output wrongly ({ag_here}); reduce_scatter_ring alone is right. Look at "
             "which chunk arrives at each step (_post_all_gather_receives) and what "
             "_finish_all_gather passes on"
         ]
     return [
-        "each half is right on its own (reduce_scatter_ring and all_gather_ring), so the "
-        "composition in ring_all_reduce is wrong: the all-gather's receives posted before the "
+        "each half is right on its own (reduce_scatter_ring and all_gather_ring), "
+        f"{HALVES_SAY['composition']}: the all-gather's receives posted before the "
         "reduce-scatter, then _reduce_scatter_steps(..., forward_own=True) (its sends include "
         "your own chunk's, the all-gather's first step), then _finish_all_gather"
     ]
@@ -410,45 +433,164 @@ def bytes_worker(numel: int) -> dict[str, Any]:
     }
 
 
+TRAFFIC_NUMELS = (1000, 1001)  # float32; 1001 does not divide by 4: chunks of 251 and 250
+Traffic = dict[int, list[dict[str, Any]]]  # numel: what each rank sent and received (bytes_worker)
+
+
+def ring_traffic(
+    n: int,
+    numel: int,
+    *,
+    unit: str = "chunk",
+    steps: int = 0,
+    rs_shift: int = 0,
+    ag_shift: int = 0,
+    halves: int = 2,
+    direction: int = 1,
+) -> list[dict[str, Any]]:
+    """Per rank, what a ring of ``n`` ranks sends and posts to receive for ``numel`` float32
+    elements: the right ring (the defaults), or one with a choice a learner can get wrong:
+    ``unit`` "tensor" sends the whole tensor at each step; ``steps`` more (or fewer) than n-1
+    per half; the reduce-scatter sends chunk r-1-s+rs_shift at step s, the all-gather chunk
+    r-s+ag_shift; ``halves`` 1: the reduce-scatter only; ``direction`` -1 sends to the left."""
+    sizes = [p.numel() * 4 for p in torch.tensor_split(torch.empty(numel), n)]
+
+    def size(index: int) -> int:
+        return numel * 4 if unit == "tensor" else sizes[index % n]
+
+    k = n - 1 + steps
+    out = []
+    for r in range(n):
+        sent = sum(size(r - 1 - s + rs_shift) for s in range(k))
+        received = sum(size(r - 2 - s + rs_shift) for s in range(k))
+        if halves == 2:
+            sent += sum(size(r - s + ag_shift) for s in range(k))
+            received += sum(size(r - 1 - s + ag_shift) for s in range(k))
+        peers = ([(r + direction) % n], [(r - direction) % n]) if k > 0 and n > 1 else ([], [])
+        out.append({"sent": sent, "received": received, "to": peers[0], "from": peers[1]})
+    return out
+
+
+# The realistic mistakes whose traffic differs from the ring's, as choices of ring_traffic, and
+# the words a failure uses when exactly one gives what every rank sent and received on both
+# sizes (tests/phase3/mistakes_ex3_1.py plants each and its neighbours).
+TRAFFIC_MISTAKES: dict[str, tuple[str, dict[str, Any]]] = {
+    "whole tensor per step": (
+        "every step sent the whole tensor, where it sends one chunk (about S/n)",
+        {"unit": "tensor"},
+    ),
+    "n steps per half": (
+        "each half took n steps, where it takes n-1: the reduce-scatter never sends a rank's own "
+        "chunk, the all-gather never sends chunk r+1",
+        {"steps": 1},
+    ),
+    "chunk index one ahead": (
+        "both halves move every chunk one place ahead (rank r sends chunk r - s at step s of "
+        "the reduce-scatter, where it sends r - 1 - s): each chunk's trip ends one rank early "
+        "(chunk c at rank c - 1), so the sum can come out right while reduce_scatter_ring "
+        "leaves rank r without chunk r",
+        {"rs_shift": 1, "ag_shift": 1},
+    ),
+    "reduce-scatter only": (
+        "only the reduce-scatter's (n-1)/n·S went out: the all-gather sends as much again",
+        {"halves": 1},
+    ),
+}
+
+
+TRAFFIC_WORLDS = (2, 4)  # 4: left and right differ, and 1001 elements cut into 251 and 250
+
+
+def _traffic_fits(seen: dict[int, Traffic], choices: dict[str, Any]) -> bool:
+    keys = ("sent", "received", "to", "from")
+    return all(
+        [{k: r[k] for k in keys} for r in ranks] == ring_traffic(n, numel, **choices)
+        for n, by_numel in seen.items()
+        for numel, ranks in by_numel.items()
+    )
+
+
+def traffic_verdict(seen: dict[int, Traffic]) -> str | None:
+    """The failure of the bytes-and-peers test (None: the ring's traffic), given what every rank
+    sent and received, and to whom, per world size and tensor size.
+
+    A mistake is named only when exactly one of TRAFFIC_MISTAKES gives all of it; several are
+    listed by name; none: the message says what differs."""
+    for n, by_numel in seen.items():
+        for ranks in by_numel.values():
+            for rank, got in enumerate(ranks):
+                if got["collectives"]:
+                    return (
+                        f"3.1 ring_all_reduce on {n} ranks: rank {rank} called "
+                        f"{got['collectives']}; the ring is built from isend/irecv only"
+                    )
+    fits = [key for key, (_, choices) in TRAFFIC_MISTAKES.items() if _traffic_fits(seen, choices)]
+    if len(fits) == 1:
+        cause = (
+            f" Every rank's traffic, on {' and '.join(map(str, seen))} ranks and both sizes, fits "
+            f"one mistake: {TRAFFIC_MISTAKES[fits[0]][0]}."
+        )
+    elif fits:
+        cause = f" Every rank's traffic fits more than one mistake: {', or '.join(fits)}."
+    else:
+        cause = ""
+    for n, by_numel in seen.items():
+        for numel, ranks in by_numel.items():
+            right = ring_traffic(n, numel)
+            for rank, got in enumerate(ranks):
+                if (got["to"], got["from"]) != (right[rank]["to"], right[rank]["from"]):
+                    return (
+                        f"3.1 ring_all_reduce on {n} ranks: rank {rank} sent to ranks "
+                        f"{got['to']} and received from {got['from']}; in the ring it sends only "
+                        f"to its right neighbour (r+1) % n = {(rank + 1) % n} and receives only "
+                        f"from its left (r-1) % n = {(rank - 1) % n}.{cause}"
+                    )
+    wrong = [
+        (n, numel, rank)
+        for n, by_numel in seen.items()
+        for numel, ranks in by_numel.items()
+        for rank, (got, want) in enumerate(zip(ranks, ring_traffic(n, numel), strict=True))
+        if (got["sent"], got["received"]) != (want["sent"], want["received"])
+    ]
+    if not wrong:
+        return None
+    n, numel, rank = wrong[0]
+    size, got, want = numel * 4, seen[n][numel][rank], ring_traffic(n, numel)[rank]
+    pieces = [p.numel() * 4 for p in torch.tensor_split(torch.empty(numel), n)]
+    rule = (
+        f"2(n-1)/n·S = {want['sent']}"
+        if numel % n == 0
+        else f"S - |chunk {rank}| + S - |chunk {(rank + 1) % n}| = {want['sent']} (and receive "
+        f"S - |chunk {(rank - 1) % n}| + S - |chunk {rank}| = {want['received']}; chunks of "
+        f"{sorted(set(pieces), reverse=True)} bytes)"
+    )
+    if not cause:
+        pairs = sum(len(ranks) for by_numel in seen.values() for ranks in by_numel.values())
+        cause = (
+            f" {len(wrong)} of {pairs} (world, size, rank) cases differ; here rank {rank} sent "
+            f"{got['sent'] / want['sent']:.4g} times the ring's bytes and received "
+            f"{got['received'] / max(want['received'], 1):.4g} times: compare which chunk each "
+            "step sends and receives with the guide's table."
+        )
+    return (
+        f"3.1 ring_all_reduce on {n} ranks, S = {size} bytes: rank {rank} should send {rule} "
+        f"bytes; it sent {got['sent']} and received {got['received']}.{cause}"
+    )
+
+
 @exercise("3.1")
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor_to_its_right(world_size: int) -> None:
+def test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor_to_its_right() -> None:
     needs_chunk_bounds()
-    n = world_size
-    for numel in (1000, 1001):  # 1001 does not divide by 4: chunks of 251 and 250
-        size = numel * 4
-        pieces = [p.numel() * 4 for p in torch.tensor_split(torch.empty(numel), n)]
-        for rank, seen in enumerate(small_world(bytes_worker, n, numel, hang_note=ring_hang_note)):
-            # reduce-scatter sends every chunk but its own and receives every chunk but r-1's;
-            # all-gather sends every chunk but r+1's and receives every chunk but its own
-            expected = 2 * size - pieces[rank] - pieces[(rank + 1) % n]
-            expected_in = 2 * size - pieces[(rank - 1) % n] - pieces[rank]
-            rule = (
-                f"2(n-1)/n·S = {2 * (n - 1) * size // n}"
-                if numel % n == 0
-                else f"S - |chunk {rank}| + S - |chunk {(rank + 1) % n}| = {expected} (and "
-                f"receive S - |chunk {(rank - 1) % n}| + S - |chunk {rank}| = {expected_in})"
-            )
-            if seen["collectives"]:
-                fail(
-                    f"3.1 ring_all_reduce on {n} ranks: rank {rank} called {seen['collectives']}; "
-                    "the ring is built from isend/irecv only"
-                )
-            if (seen["sent"], seen["received"]) != (expected, expected_in):
-                fail(
-                    f"3.1 ring_all_reduce on {n} ranks, S = {size} bytes: rank {rank} should send "
-                    f"{rule} bytes; it sent {seen['sent']} and received {seen['received']}. Each "
-                    "step moves one chunk (about S/n), not the tensor; a chunk index off by one "
-                    "moves the wrong chunks."
-                )
-            right, left = (rank + 1) % n, (rank - 1) % n
-            if seen["to"] != [right] or seen["from"] != [left]:
-                fail(
-                    f"3.1 ring_all_reduce on {n} ranks: rank {rank} sent to ranks {seen['to']} and "
-                    f"received from {seen['from']}; in the ring it sends only to its right "
-                    f"neighbour (r+1) % n = {right} and receives only from its left (r-1) % n = "
-                    f"{left}"
-                )
+    seen = {
+        n: {
+            numel: small_world(bytes_worker, n, numel, hang_note=ring_hang_note)
+            for numel in TRAFFIC_NUMELS
+        }
+        for n in TRAFFIC_WORLDS
+    }
+    problem = traffic_verdict(seen)
+    if problem:
+        fail(problem)
 
 
 # ----------------------------------------------------------------------------- groups and input
@@ -503,12 +645,23 @@ def subgroup_worker(members: tuple[int, ...]) -> dict[str, Any]:
             "outside": outside}  # fmt: skip
 
 
+def group_advice(members: tuple[int, ...], passed: list[tuple[int, ...]], world_works: bool) -> str:
+    """What a failure inside the group ``members`` points at, given the groups that passed
+    before it and whether the ring works on the whole world: the global rank used as the
+    place in the ring when (1, 2, 3) passed and (0, 2, 3) did not (the only group where it
+    works by luck); the group's place and size otherwise; nothing when the whole world fails
+    too (the values test says more)."""
+    if members == GROUPS[1] and passed == [GROUPS[0]]:
+        return GLOBAL_RANK_ADVICE
+    return GROUP_ADVICE if world_works else ""
+
+
 @exercise("3.1")
 def test_ring_inside_groups_of_three() -> None:
     needs_chunk_bounds()
     passed: list[tuple[int, ...]] = []
     for members in GROUPS:
-        luck = members == GROUPS[1] and passed == [GROUPS[0]]
+        luck = group_advice(members, passed, True) == GLOBAL_RANK_ADVICE
         hint = (
             f"3.1 ring_all_reduce inside the group {members} of a world of 4, after it worked "
             f"in {GROUPS[0]}: {GLOBAL_RANK_ADVICE}."
@@ -516,14 +669,13 @@ def test_ring_inside_groups_of_three() -> None:
             else ""
         )
         try:
-            results = small_world(
-                subgroup_worker, 4, members, hint=hint, hang_note=ring_hang_note
-            )
+            results = small_world(subgroup_worker, 4, members, hint=hint, hang_note=ring_hang_note)
         except WorldError as exc:
-            if not luck and whole_world_works():
+            advice = "" if luck else group_advice(members, passed, whole_world_works())
+            if advice:
                 exc.args = (
                     f"3.1 ring_all_reduce works on the whole world of 4 (checked just now) but "
-                    f"not inside the group {members}: {GROUP_ADVICE}.\n{exc}",
+                    f"not inside the group {members}: {advice}.\n{exc}",
                 )
             raise
         problems = []
@@ -541,11 +693,7 @@ def test_ring_inside_groups_of_three() -> None:
                     f"{result['got'].tolist()}"
                 )
         if problems:
-            problems.append(
-                GLOBAL_RANK_ADVICE
-                if luck
-                else GROUP_ADVICE
-            )
+            problems.append(group_advice(members, passed, True))
         first_problems(
             problems,
             f"3.1 ring_all_reduce(tensor, group=group) on the group {members} of a world of 4:",

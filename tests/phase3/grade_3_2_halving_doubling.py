@@ -11,56 +11,70 @@ import pytest
 import torch
 import torch.distributed as dist
 from grading import exercise
+from learner_calls import learner_world
 from phase3_helpers import (
     counted,
+    fail,
     first_problems,
     module,
     random_float_problems,
     receives,
     sends,
     sizes_for,
-    small_world,
     values_problems,
+)
+from phase3_helpers import (
+    small_world as world_of_ranks,
 )
 
 from course import p2p_ledger
 from course.world import RankDied, WorldHung
+
+# an error a rank raises in given code is reported at the learner's call that caused it
+small_world = learner_world(world_of_ranks, "3.2")
 
 
 def halving_doubling() -> Any:
     return module("tree_allreduce").halving_doubling_all_reduce
 
 
+FOLD_BACK_MISSING = "The fold-in's way back is missing"
+PAIRING_NOT_MUTUAL = "Partners that do not choose each other"
+
+
 def fold_hang_note(exc: WorldHung, world_size: int) -> str:
-    """A specific cause when a folded rank waits for a result its partner never sent back, or
-    when two ranks wait on each other's partners (a pairing that is not mutual)."""
+    """A specific cause when a folded rank waits for a result its partner went on without
+    sending back, or when two ranks wait on each other's partners (a pairing that is not
+    mutual). A partner still blocked in a message of its own (with a core partner, say) is
+    no evidence about the way back; one that went on (finished, or waiting in a collective
+    such as the grader's reference all-reduce) is."""
     extra = world_size - (1 << (world_size.bit_length() - 1))
     for rank in exc.hung:
         op = p2p_ledger.waiting_on(exc.pending.get(rank, ()))
         if op is None or op.is_send or op.peer != rank + 1 or rank % 2 or rank >= 2 * extra:
             continue
-        partner = p2p_ledger.waiting_on(exc.pending.get(rank + 1, ()))
-        if partner is None or partner.peer != rank:
+        if p2p_ledger.waiting_on(exc.pending.get(rank + 1, ())) is None:
             return (
-                f"The fold-in's way back is missing: rank {rank} (folded) waits for the result "
-                f"from its partner {rank + 1}, which went on without sending it. At the end each "
-                "odd rank below 2e sends the reduced tensor back to its even partner."
+                f"{FOLD_BACK_MISSING}: rank {rank} (folded) waits for the result from its "
+                f"partner {rank + 1}, which went on without sending it. At the end each odd "
+                "rank below 2e sends the reduced tensor back to its even partner."
             )
-    return pairing_hang_note(exc)
+    return pairing_hang_note(exc, frozenset(range(0, 2 * extra, 2)))
 
 
-def pairing_hang_note(exc: WorldHung) -> str:
+def pairing_hang_note(exc: WorldHung, folded: frozenset[int] = frozenset()) -> str:
     """Rank a waits on b while b waits on c != a: the partners of a step did not choose each
-    other."""
+    other. A ``folded`` rank waits on its fold-in partner, not on a step's partner: it is no
+    witness."""
     waits = {rank: p2p_ledger.waiting_on(exc.pending.get(rank, ())) for rank in exc.hung}
     for rank, op in waits.items():
-        if op is None or op.peer is None:
+        if op is None or op.peer is None or rank in folded:
             continue
         other = waits.get(op.peer)
         if other is None or other.peer is None or other.peer == rank:
             continue
         return (
-            f"Partners that do not choose each other: rank {rank} waits on its partner "
+            f"{PAIRING_NOT_MUTUAL}: rank {rank} waits on its partner "
             f"{op.peer}, whose partner at the same step is {other.peer}. At every halving and "
             "doubling step the pairing must be mutual (if a's partner is b, b's partner is a), "
             "and the two must be responsible for the same range."
@@ -90,22 +104,44 @@ def blocks_diagnosis(data: torch.Tensor) -> list[str]:
     ]
     everyone: list[list[int]] = [[] for _ in range(n)]
     dist.all_gather_object(everyone, wrong)
+    return blocks_verdict(everyone)
+
+
+# What the blocks each rank holds wrong show, and the words each verdict uses
+# (tests/phase3/mistakes_ex3_2.py plants the mistakes that lead to each).
+BLOCKS_SAY = {
+    "nothing came back": (
+        "every rank holds its own block right and every other block wrong: nothing came back, "
+        "so the doubling did not run (after the halving, replay its steps in reverse order, "
+        "d = 1, 2, ..., p/2, each pair exchanging the range it kept for the range it gave up)"
+    ),
+    "some came back wrong": (
+        "every rank's own block (block r on rank r, what the halving leaves it) is right, "
+        "and only some blocks the doubling should bring back are wrong: replay the halving's "
+        "steps in reverse order (d = 1, 2, ..., p/2), each pair exchanging the range it kept "
+        "for the range it gave up at that step"
+    ),
+    "own block wrong": (
+        "hold a wrong own block (block r on rank r, what the halving leaves it): at each "
+        "halving step both partners must split the current range at the same middle, the "
+        "lower rank keep the lower half, send the other half and reduce what it receives into "
+        "the half it keeps"
+    ),
+}
+
+
+def blocks_verdict(everyone: list[list[int]]) -> list[str]:
+    """Which part of halving-doubling is wrong, from the blocks (of p) each rank holds wrong
+    after it on a power-of-two world (``everyone[r]``: rank r's wrong blocks)."""
+    n = len(everyone)
     if not any(everyone):
         return []
     own_wrong = [r for r, bad in enumerate(everyone) if r in bad]
-    if not own_wrong:
-        return [
-            "every rank's own block (block r on rank r, what the halving leaves it) is right, "
-            "and only blocks the doubling should bring back are wrong: replay the halving's "
-            "steps in reverse order (d = 1, 2, ..., p/2), each pair exchanging the range it "
-            "kept for the range it gave up at that step"
-        ]
-    return [
-        f"ranks {own_wrong} hold a wrong own block (block r on rank r, what the halving "
-        "leaves it): at each halving step both partners must split the current range at the "
-        "same middle, the lower rank keep the lower half, send the other half and reduce what "
-        "it receives into the half it keeps"
-    ]
+    if own_wrong:
+        return [f"ranks {own_wrong} {BLOCKS_SAY['own block wrong']}"]
+    if all(sorted(bad) == [b for b in range(n) if b != r] for r, bad in enumerate(everyone)):
+        return [BLOCKS_SAY["nothing came back"]]
+    return [BLOCKS_SAY["some came back wrong"]]
 
 
 def values_worker() -> list[str]:
@@ -189,29 +225,101 @@ def expected_traffic(rank: int, n: int, size: int) -> tuple[int, int, str]:
     return core, 2 * steps, f"a core rank sends 2(p-1)/p·S in 2·log2(p) = {2 * steps} messages"
 
 
+HD_WORLDS = (3, 4)  # 3 folds one pair in, 4 is a power of two
+HD_NUMEL = 1024  # float32
+
+
+def hd_traffic(n: int, size: int, plan: str = "right") -> list[tuple[int, int, int]]:
+    """Per rank (bytes sent, bytes received, messages sent) for a tensor of ``size`` bytes on
+    ``n`` ranks: halving-doubling (``plan`` "right"), or one of HD_TRAFFIC_MISTAKES."""
+    if plan == "ring":
+        numel = size // 4
+        chunks = [p.numel() * 4 for p in torch.tensor_split(torch.empty(numel), n)]
+        return [
+            (
+                2 * size - chunks[r] - chunks[(r + 1) % n],
+                2 * size - chunks[(r - 1) % n] - chunks[r],
+                2 * (n - 1),
+            )
+            for r in range(n)
+        ]
+    p = 1 << (n.bit_length() - 1)
+    steps = p.bit_length() - 1
+    core = {
+        "right": (2 * (p - 1) * size // p, 2 * steps),
+        "whole tensor per step": (steps * size, steps),
+        "halving only": ((p - 1) * size // p, steps),
+    }[plan]
+    extra = n - p
+    out = []
+    for rank in range(n):
+        if rank < 2 * extra and rank % 2 == 0:
+            out.append((size, size, 1))
+        elif rank < 2 * extra:
+            out.append((core[0] + size, core[0] + size, core[1] + 1))
+        else:
+            out.append((core[0], core[0], core[1]))
+    return out
+
+
+# The realistic mistakes whose traffic differs from halving-doubling's, and the words a failure
+# uses when exactly one gives every rank's bytes and messages on 3 and on 4 ranks
+# (tests/phase3/mistakes_ex3_2.py plants each and its neighbours).
+HD_TRAFFIC_MISTAKES: dict[str, str] = {
+    "ring": (
+        "every rank's counts are a ring's (2(n-1) messages of about S/n): halving-doubling's "
+        "point is log2(p) steps each way, each moving half of the range before"
+    ),
+    "whole tensor per step": (
+        "every step sent the whole tensor (recursive doubling): at each halving step a rank "
+        "sends the half of its range it gives up, and the doubling sends back what it kept"
+    ),
+    "halving only": (
+        "only the halving's messages went out: the doubling sends as many again, each pair "
+        "exchanging the range it kept for the range it gave up"
+    ),
+}
+
+
+def hd_traffic_verdict(seen: dict[int, list[dict[str, Any]]]) -> str | None:
+    """The failure of the bytes-and-messages test (None: halving-doubling's traffic), given
+    what every rank sent, received and how many messages, on each world size."""
+    got = {
+        n: [(r["sent"], r["received"], r["messages"]) for r in ranks] for n, ranks in seen.items()
+    }
+    size = HD_NUMEL * 4
+    fits = [
+        key for key in HD_TRAFFIC_MISTAKES if all(got[n] == hd_traffic(n, size, key) for n in got)
+    ]
+    if len(fits) == 1:
+        cause = f" On 3 and 4 ranks {HD_TRAFFIC_MISTAKES[fits[0]]}."
+    elif fits:
+        cause = f" The counts fit more than one mistake: {', or '.join(fits)}."
+    else:
+        cause = ""
+    for n, ranks in got.items():
+        for rank, (sent, received, messages) in enumerate(ranks):
+            want_sent, want_messages, why = expected_traffic(rank, n, size)
+            if (sent, received) != (want_sent, want_sent):
+                return (
+                    f"3.2 on {n} ranks, S = {size} bytes: rank {rank} should send and receive "
+                    f"{want_sent} bytes ({why}); it sent {sent} and received {received}."
+                    + (cause or f" ({sent / want_sent:.4g} times the bytes it should send)")
+                )
+            if messages != want_messages:
+                return (
+                    f"3.2 on {n} ranks: rank {rank} should send {want_messages} messages "
+                    f"({why}); it sent {messages}." + cause
+                )
+    return None
+
+
 @exercise("3.2")
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_bytes_and_messages_follow_the_halving_doubling_formula(world_size: int) -> None:
-    n = world_size
-    numel = 1024
-    size = numel * 4
-    for rank, seen in enumerate(small_world(bytes_worker, n, numel)):
-        sent, messages, why = expected_traffic(rank, n, size)
-        if seen["sent"] != sent or seen["received"] != sent:
-            fail_text = (
-                f"3.2 on {n} ranks, S = {size} bytes: rank {rank} should send and receive {sent} "
-                f"bytes ({why}); it sent {seen['sent']} and received {seen['received']}"
-            )
-            first_problems([fail_text], "3.2 bytes:")
-        if seen["messages"] != messages:
-            first_problems(
-                [
-                    f"rank {rank} should send {messages} messages ({why}); it sent "
-                    f"{seen['messages']} (a ring sends 2(n-1): halving-doubling's point is "
-                    "log2(p) steps each way)"
-                ],
-                f"3.2 on {n} ranks, message count:",
-            )
+def test_bytes_and_messages_follow_the_halving_doubling_formula() -> None:
+    seen = {n: small_world(bytes_worker, n, HD_NUMEL) for n in HD_WORLDS}
+    problem = hd_traffic_verdict(seen)
+    if problem:
+        fail(problem)
 
 
 def subgroup_worker() -> dict[str, Any]:

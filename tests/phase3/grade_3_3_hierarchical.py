@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from grading import exercise, impl
-from phase3_helpers import fail, first_problems, module, small_world
+from learner_calls import learner_world
+from phase3_helpers import fail, first_problems, module
+from phase3_helpers import small_world as world_of_ranks
 
 from course.topology import Topology
 from course.torchrun_runner import run_torchrun
@@ -22,6 +24,10 @@ from course.world import WorldError
 from solutions.phase3_multi_node.demos.hierarchical import check_hierarchical
 
 DEMO = "solutions.phase3_multi_node.demos.hierarchical"
+
+
+# an error a rank raises in given code is reported at the learner's call that caused it
+small_world = learner_world(world_of_ranks, "3.3")
 
 
 def simulated_worker(numel: int) -> dict[str, Any]:
@@ -84,6 +90,85 @@ def ring_verdict(nodes: int, per_node: int, numel: int) -> str:
     )
 
 
+def _ring_sends(numel: int, m: int, place: int) -> tuple[int, int]:
+    """Bytes that a rank at ``place`` of a ring of ``m`` ranks sends for ``numel`` float32
+    elements: (in the reduce-scatter, in the all-gather), chunks as torch.tensor_split cuts."""
+    if m == 1:
+        return 0, 0
+    chunks = [p.numel() * 4 for p in torch.tensor_split(torch.empty(numel), m)]
+    return numel * 4 - chunks[place], numel * 4 - chunks[(place + 1) % m]
+
+
+def hierarchical_sends(
+    nodes: int, k: int, numel: int, rank: int, plan: str = "right"
+) -> tuple[int, int]:
+    """(bytes inside the node, bytes to other nodes) that ``rank`` sends in a world of ``nodes``
+    nodes of ``k`` ranks laid out as torchrun lays them, for the right three steps or for
+    ``plan``, one of HIERARCHICAL_MISTAKES."""
+    node, local = divmod(rank, k)
+    chunk = torch.tensor_split(torch.empty(numel), k)[local].numel()
+    rs, ag = _ring_sends(numel, k, local)
+    if plan == "groups swapped":
+        across = torch.tensor_split(torch.empty(numel), nodes)[node].numel()
+        return sum(_ring_sends(across, k, local)), sum(_ring_sends(numel, nodes, node))
+    if plan == "flat ring":
+        sent = sum(_ring_sends(numel, nodes * k, rank))
+        crosses = (rank + 1) % (nodes * k) // k != node
+        return (0, sent) if crosses else (sent, 0)
+    inter = {
+        "skip all-reduce": 0,
+        "whole tensor across": sum(_ring_sends(numel, nodes, node)),
+    }.get(plan, sum(_ring_sends(chunk, nodes, node)))
+    return rs + (0 if plan == "skip all-gather" else ag), inter
+
+
+# The realistic mistakes of hierarchical_all_reduce that show in where its bytes go, and the
+# words a failure uses when exactly one of them gives every rank's bytes inside and across
+# nodes on both sizes of a layout (tests/phase3/mistakes_ex3_3.py plants each and its
+# neighbours).
+HIERARCHICAL_MISTAKES: dict[str, str] = {
+    "skip all-reduce": (
+        "no byte crossed nodes: the all-reduce across nodes (step 2, on "
+        "topology.inter_node_group) never ran"
+    ),
+    "skip all-gather": (
+        "each rank sent only its reduce-scatter inside the node: the all-gather over "
+        "topology.intra_node_group (step 3) never ran"
+    ),
+    "groups swapped": (
+        "the reduce-scatter and the all-gather ran across nodes and the all-reduce inside the "
+        "node: the steps' groups are swapped, so S/N crossed where S/k should"
+    ),
+    "whole tensor across": (
+        "the whole tensor crossed nodes, where only the rank's chunk should: step 2 "
+        "all-reduces the chunk that step 1 returned, not the tensor"
+    ),
+    "flat ring": (
+        "every rank sent what one flat ring over the whole world sends: ring_all_reduce "
+        "without group=, not the three steps on the topology's groups"
+    ),
+}
+
+
+def hierarchical_cause(results: list[dict[str, Any]]) -> str:
+    """The mistake every rank's bytes fit, when exactly one of HIERARCHICAL_MISTAKES does (on
+    every result given: every rank, every size); the list when several do; "" otherwise."""
+    fits = [
+        key
+        for key in HIERARCHICAL_MISTAKES
+        if all(
+            (r["hierarchical"]["intra_node"], r["hierarchical"]["inter_node"])
+            == hierarchical_sends(r["nodes"], r["per_node"], r["nbytes"] // 4, r["rank"], key)
+            for r in results
+        )
+    ]
+    if len(fits) == 1:
+        return f"every rank's bytes fit one mistake: {HIERARCHICAL_MISTAKES[fits[0]]}"
+    if fits:
+        return f"every rank's bytes fit more than one mistake: {', or '.join(fits)}"
+    return ""
+
+
 def cross_node_problems(results: list[dict[str, Any]], label: str) -> list[str]:
     """Compare each rank's traffic with the formulas; the same for simulated and real nodes."""
     problems = []
@@ -133,21 +218,34 @@ def cross_node_problems(results: list[dict[str, Any]], label: str) -> list[str]:
     return problems
 
 
+def layout_problems(results: list[dict[str, Any]], label: str) -> list[str]:
+    """What the graders say about one layout (every rank's results on every size): the mistake
+    the bytes single out first, when they do, then each problem."""
+    problems: list[str] = []
+    for numel in dict.fromkeys(r["nbytes"] for r in results):
+        problems += cross_node_problems([r for r in results if r["nbytes"] == numel], label)
+    cause = hierarchical_cause(results) if problems else ""
+    return ([cause] if cause else []) + problems
+
+
+SIMULATED_LAYOUTS = ((2, 2), (2, 3), (3, 2))  # nodes x ranks per node: N != k in two of them
+SIMULATED_NUMELS = (600, 601)  # 601 divides by neither k nor N
+
+
 @exercise("3.3")
-@pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
+@pytest.mark.parametrize("nodes, per_node", SIMULATED_LAYOUTS, ids=["2x2", "2x3", "3x2"])
 def test_hierarchical_on_simulated_nodes(nodes: int, per_node: int) -> None:
     module("hierarchical_allreduce")  # an import error is reported as such, before any world
-    problems = []
-    for numel in (600, 601):  # 601 divides by neither k nor N
+    results = []
+    for numel in SIMULATED_NUMELS:
         try:
-            results = small_world(simulated_worker, nodes * per_node, numel, nodes=nodes)
+            results += small_world(simulated_worker, nodes * per_node, numel, nodes=nodes)
         except WorldError as exc:
             if getattr(exc, "exc_type", "") != "NotImplementedError":  # a TODO speaks for itself
                 exc.args = (f"{ring_verdict(nodes, per_node, numel)}\n{exc}",)
             raise
-        problems += cross_node_problems(results, f"{nodes}x{per_node}")
     first_problems(
-        problems,
+        layout_problems(results, f"{nodes}x{per_node}"),
         f"3.3 hierarchical_all_reduce on {nodes} simulated nodes of {per_node} ranks "
         "(float32, integer-valued):",
     )
@@ -187,6 +285,6 @@ def test_hierarchical_on_two_torchrun_agents() -> None:
     if sorted(r["rank"] for r in results) != [0, 1, 2, 3] or {n for _, n in nodes} != {0, 1}:
         fail(f"3.3 expected ranks 0-3 on nodes 0 and 1, got {sorted(nodes)}")
     first_problems(
-        cross_node_problems(results, "torchrun"),
+        layout_problems(results, "torchrun"),
         "3.3 hierarchical_all_reduce on two torchrun agents (2 nodes x 2 ranks, loopback):",
     )

@@ -60,6 +60,82 @@ LOSS = nn.functional.cross_entropy
 # ----------------------------------------------------------------------------- bucket assignment
 
 
+AssignmentCase = tuple[list[int], list[torch.dtype], list[int]]  # sizes, kinds, limits
+
+
+def bucket_variant(
+    sizes: list[int],
+    limits: list[int],
+    kinds: list[torch.dtype],
+    *,
+    order: str = "reverse",
+    kinds_apart: bool = True,
+    limit: str = "per kind",
+    close: str = ">=",
+    open_last: bool = True,
+) -> list[list[int]]:
+    """torch's assignment (the defaults), or one with the choices a learner can get wrong:
+    ``order`` "forward" walks registration order; ``kinds_apart=False`` lets kinds share a
+    bucket; ``limit`` "first only" uses limits[0] throughout, "over all kinds" indexes the
+    limits by the buckets closed of any kind; ``close`` ">" closes only past the limit;
+    ``open_last=False`` puts the buckets still open at the end first."""
+    walk = reversed(range(len(sizes))) if order == "reverse" else range(len(sizes))
+    open_buckets: dict[Any, list[int]] = {}
+    open_bytes: dict[Any, int] = {}
+    closed: dict[Any, int] = {}
+    result: list[list[int]] = []
+    for index in walk:
+        kind = kinds[index] if kinds_apart else None
+        bucket = open_buckets.setdefault(kind, [])
+        bucket.append(index)
+        open_bytes[kind] = open_bytes.get(kind, 0) + sizes[index]
+        count = {"per kind": closed.get(kind, 0), "first only": 0, "over all kinds": len(result)}
+        cap = limits[min(count[limit], len(limits) - 1)]
+        if open_bytes[kind] >= cap if close == ">=" else open_bytes[kind] > cap:
+            result.append(bucket)
+            open_buckets[kind], open_bytes[kind] = [], 0
+            closed[kind] = closed.get(kind, 0) + 1
+    still_open = [b for b in open_buckets.values() if b]
+    return result + still_open if open_last else still_open + result
+
+
+# The realistic mistakes of assign_buckets, as choices of bucket_variant, and the words a
+# failure uses when exactly one of them gives the learner's buckets on every graded case
+# (tests/phase3/mistakes_ex3_4.py plants each and its neighbours).
+BUCKET_MISTAKES: dict[str, tuple[str, dict[str, Any]]] = {
+    "registration order": (
+        "you walked the parameters in registration order: backward produces the last layer's "
+        "gradients first, so torch fills buckets from index n-1 down to 0",
+        {"order": "forward"},
+    ),
+    "kinds share buckets": (
+        "parameters of different dtypes share one open bucket: each dtype fills its own, side "
+        "by side",
+        {"kinds_apart": False},
+    ),
+    "first limit only": (
+        "every bucket closed at limits[0]: the k-th bucket of a kind uses limits[k] (torch's "
+        "first bucket is small, so that the first all-reduce starts early)",
+        {"limit": "first only"},
+    ),
+    "limits over all kinds": (
+        "the limit was chosen by the number of buckets closed of every dtype: each dtype counts "
+        "its own buckets",
+        {"limit": "over all kinds"},
+    ),
+    "closes past the limit": (
+        "a bucket closed only once its bytes exceeded its limit: it closes as soon as they reach "
+        "it (>=)",
+        {"close": ">"},
+    ),
+    "open buckets first": (
+        "the buckets still open at the end come first: they follow the closed ones, which come "
+        "in closing order",
+        {"open_last": False},
+    ),
+}
+
+
 def torch_assignment(
     sizes: list[int], dtypes: list[torch.dtype], limits: list[int]
 ) -> list[list[int]]:
@@ -74,7 +150,7 @@ def torch_assignment(
     return [list(b) for b in result]
 
 
-def assignment_cases() -> list[tuple[list[int], list[torch.dtype], list[int]]]:
+def assignment_cases() -> list[AssignmentCase]:
     rng = random.Random(34)
     cases = [([80, 800, 160, 4800, 240, 2400], [torch.float64] * 6, [2097, 2097])]
     for trial in range(60):
@@ -89,56 +165,78 @@ def assignment_cases() -> list[tuple[list[int], list[torch.dtype], list[int]]]:
     return cases
 
 
-@exercise("3.4")
-def test_assign_buckets_matches_torchs_bucket_assignment() -> None:
-    assign = buckets_module().assign_buckets
-    for sizes, dtypes, limits in assignment_cases():
-        want = torch_assignment(sizes, dtypes, limits)
-        got = [list(b) for b in assign(sizes, limits, dtypes)]
-        single = len(set(dtypes)) == 1
-        # torch lists the buckets still open at the end in hash-map order: compare those as sets
-        same = got == want if single else sorted(map(tuple, got)) == sorted(map(tuple, want))
-        if same:
-            continue
-        forward = [[i for i in b] for b in _forward_order(sizes, limits)] if single else None
-        hint = ""
+def same_assignment(got: Any, want: list[list[int]], dtypes: list[torch.dtype]) -> bool:
+    """As the grader compares: torch lists the buckets still open at the end in hash-map order,
+    so with more than one dtype the buckets are compared as a set."""
+    try:
+        mine = [list(b) for b in got]
+    except TypeError:
+        return False
+    if len(set(dtypes)) == 1:
+        return mine == want
+    return sorted(map(tuple, mine)) == sorted(map(tuple, want))
+
+
+def assignment_verdict(cases: list[AssignmentCase], got: list[Any]) -> str | None:
+    """The failure of assign_buckets given its buckets on every graded case (None: all right).
+
+    It names a mistake only when exactly one of BUCKET_MISTAKES gives the learner's buckets on
+    every case; otherwise it says what it saw: a bucket holding two dtypes, or the right
+    buckets in another order."""
+    wrong = [
+        i
+        for i, ((sizes, dtypes, limits), mine) in enumerate(zip(cases, got, strict=True))
+        if not same_assignment(mine, torch_assignment(sizes, dtypes, limits), dtypes)
+    ]
+    if not wrong:
+        return None
+    sizes, dtypes, limits = cases[wrong[0]]
+    want = torch_assignment(sizes, dtypes, limits)
+    mine = [list(b) for b in got[wrong[0]]]
+    single = len(set(dtypes)) == 1
+    fits = [
+        key
+        for key, (_, choices) in BUCKET_MISTAKES.items()
+        if all(
+            same_assignment(g, bucket_variant(s, lim, d, **choices), d)
+            for (s, d, lim), g in zip(cases, got, strict=True)
+        )
+    ]
+    if len(fits) == 1:
+        hint = f" On all {len(cases)} cases {BUCKET_MISTAKES[fits[0]][0]}."
+    elif fits:
+        hint = f" The buckets fit more than one mistake: {', or '.join(fits)}."
+    else:
+        hint = f" ({len(wrong)} of {len(cases)} cases differ.)"
         mixed_bucket = next(
-            (b for b in got if len({dtypes[i] for i in b if 0 <= i < len(dtypes)}) > 1), None
+            (b for b in mine if len({dtypes[i] for i in b if 0 <= i < len(dtypes)}) > 1), None
         )
         if mixed_bucket is not None:
             kinds_in = sorted({str(dtypes[i]).split(".")[-1] for i in mixed_bucket})
-            hint = (
-                f" Bucket {mixed_bucket} holds {' and '.join(kinds_in)}: a bucket is one flat "
-                "buffer of one dtype, so each kind fills its own open bucket, side by side."
+            hint += (
+                f" Bucket {mixed_bucket} holds {' and '.join(kinds_in)}, and a bucket is one "
+                "flat buffer of one dtype."
             )
-        elif forward is not None and got == forward:
-            hint = (
-                " You walked the parameters in registration order: backward produces the last "
-                "layer's gradients first, so torch fills buckets from index n-1 down to 0."
-            )
-        elif single and sorted(map(tuple, got)) == sorted(map(tuple, want)):
-            hint = " The right buckets, in the wrong order: closed buckets first, in closing order."
-        fail(
-            f"3.4 assign_buckets(sizes={sizes}, limits={limits}"
-            + ("" if single else f", kinds={[str(d).split('.')[-1] for d in dtypes]}")
-            + f"): expected {want} (torch's _compute_bucket_assignment_by_size on the parameters "
-            f"in reverse registration order), got {got}.{hint} A bucket closes as soon as its "
-            "bytes reach its limit; the k-th bucket of a kind uses limits[k] (the last repeats)."
-        )
+        elif single and sorted(map(tuple, mine)) == sorted(map(tuple, want)):
+            hint += " These are torch's buckets, in another order."
+    return (
+        f"3.4 assign_buckets(sizes={sizes}, limits={limits}"
+        + ("" if single else f", kinds={[str(d).split('.')[-1] for d in dtypes]}")
+        + f"): expected {want} (torch's _compute_bucket_assignment_by_size on the parameters "
+        f"in reverse registration order), got {mine}.{hint} A bucket closes as soon as its "
+        "bytes reach its limit; the k-th bucket of a kind uses limits[k] (the last repeats)."
+    )
 
 
-def _forward_order(sizes: list[int], limits: list[int]) -> list[list[int]]:
-    """What a walk in registration order gives (the usual mistake)."""
-    result: list[list[int]] = []
-    bucket: list[int] = []
-    nbytes = 0
-    for index, size in enumerate(sizes):
-        bucket.append(index)
-        nbytes += size
-        if nbytes >= limits[min(len(result), len(limits) - 1)]:
-            result.append(bucket)
-            bucket, nbytes = [], 0
-    return result + ([bucket] if bucket else [])
+@exercise("3.4")
+def test_assign_buckets_matches_torchs_bucket_assignment() -> None:
+    assign = buckets_module().assign_buckets
+    cases = assignment_cases()
+    problem = assignment_verdict(
+        cases, [assign(sizes, limits, dtypes) for sizes, dtypes, limits in cases]
+    )
+    if problem:
+        fail(problem)
 
 
 # default cap: the first bucket is 1 MiB, so this model (720 KB float64 layers) needs two
@@ -274,31 +372,71 @@ def _overlap_problems(events: EventRecorder, names: list[list[str]], model: nn.M
     return problems
 
 
+# What a bucket handed to dist.all_reduce holds after each realistic mistake (this rank's
+# gradients g, world size w), and the words a failure uses when exactly one fits
+# (tests/phase3/mistakes_ex3_4.py plants each and its neighbours).
+CONTENT_SAY = {
+    "divided after the sum": (
+        "holding this rank's gradients as they are: divide by the world size while copying "
+        "into the bucket (before the sum, as torch does), not after, so fp16 sums cannot overflow"
+    ),
+    "divided twice": (
+        "holding its gradients divided by the world size twice: divide once, while copying "
+        "into the bucket"
+    ),
+    "another bucket": "holding another bucket's gradients: all-reduce the buckets in bucket order",
+}
+
+
 def _content_problems(
     contents: list[torch.Tensor],
     names: list[list[str]],
     grads: dict[str, torch.Tensor],
     world_size: int,
 ) -> list[str]:
+    """What the all-reduces were handed, compared with each bucket's gradients / world size."""
+    local = [torch.cat([grads[n].flatten() for n in bucket]) for bucket in names]
     for number, (handed, bucket) in enumerate(zip(contents, names, strict=False)):
-        local = torch.cat([grads[n].flatten() for n in bucket])
-        if handed.shape != local.shape:
+        mine = local[number]
+        if handed.shape == mine.shape and torch.allclose(
+            handed, mine / world_size, rtol=1e-15, atol=0.0
+        ):
+            continue
+        others = [
+            j
+            for j, other in enumerate(local)
+            if j != number
+            and other.shape == handed.shape
+            and torch.allclose(handed, other / world_size, rtol=1e-15, atol=0.0)
+        ]
+        if others:
+            return [f"all-reduce {number} was handed bucket {others[0]}'s gradients / {world_size}, "
+                    f"{CONTENT_SAY['another bucket']}"]  # fmt: skip
+        if handed.shape != mine.shape:
+            same_size = [j for j, other in enumerate(local) if other.shape == handed.shape]
             return [
                 f"all-reduce {number} got {handed.numel()} elements; bucket {number} "
-                f"({', '.join(bucket)}) has {local.numel()}: all-reduce the buckets in bucket order"
+                f"({', '.join(bucket)}) has {mine.numel()}"
+                + (
+                    f"; bucket {same_size[0]} has that many, but other values than its "
+                    f"gradients / {world_size}"
+                    if same_size
+                    else ""
+                )
             ]
-        if torch.equal(handed, local) and world_size > 1:
+        if world_size > 1 and torch.equal(handed, mine):
             return [
-                f"bucket {number} was handed to all-reduce holding this rank's gradients as they "
-                "are: divide by the world size while copying into the bucket (before the sum, as "
-                "torch does), not after, so fp16 sums cannot overflow"
+                f"bucket {number} was handed to all-reduce {CONTENT_SAY['divided after the sum']}"
             ]
-        if not torch.allclose(handed, local / world_size, rtol=1e-15, atol=0.0):
-            return [
-                f"bucket {number} ({', '.join(bucket)}) was handed to all-reduce holding "
-                f"something else than its gradients / {world_size}, in bucket order "
-                f"(max difference {float((handed - local / world_size).abs().max()):.2e})"
-            ]
+        if world_size > 1 and torch.allclose(handed, mine / world_size**2, rtol=1e-15, atol=0.0):
+            return [f"bucket {number} was handed to all-reduce {CONTENT_SAY['divided twice']}"]
+        ratio = float(handed @ mine) / max(float(mine @ mine), 1e-300)
+        return [
+            f"bucket {number} ({', '.join(bucket)}) was handed to all-reduce holding "
+            f"something else than its gradients / {world_size} (max difference "
+            f"{float((handed - mine / world_size).abs().max()):.2e}; best fit: {ratio:.4g} times "
+            "its gradients)"
+        ]
     return []
 
 
@@ -321,34 +459,90 @@ def test_buckets_are_all_reduced_once_each_as_soon_as_ready() -> None:
             )
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-12, atol=0.0)
+
+
+# What a .grad read back at the end of backward holds after each realistic mistake, given the
+# group's average (torch's DDP), this rank's own gradient and the world size; the words a
+# failure uses when exactly one fits (tests/phase3/mistakes_ex3_4.py plants each and its
+# neighbours: the division counted 0, 1 or 2 times, the bucket read before or after wait()).
+GRAD_MISTAKES: dict[str, tuple[str, Any]] = {
+    "summed, not averaged": (
+        "holds the sum over the ranks, not their average: multiply each gradient by 1/world "
+        "while copying it into its bucket",
+        lambda average, local, world: average * world,
+    ),
+    "divided twice": (
+        "holds the average divided by the world size once more: divide once, while copying "
+        "into the bucket (the all-reduce then sums)",
+        lambda average, local, world: average / world,
+    ),
+    "read before wait": (
+        "holds this rank's own gradient / world, as the bucket held it before the sum: "
+        "wait() for every bucket's work before reading its buffer back into .grad",
+        lambda average, local, world: local / world,
+    ),
+    "read before wait, undivided": (
+        "holds this rank's own gradient as it is: the bucket was read back before its "
+        "all-reduce was waited for (wait() first), and nothing divided it by the world size",
+        lambda average, local, world: local,
+    ),
+}
+
+
+def grad_verdict(
+    name: str,
+    grad: torch.Tensor | None,
+    average: torch.Tensor,
+    local: torch.Tensor,
+    world: int,
+) -> str | None:
+    """What is wrong with ``name``'s .grad when backward returns (None: it is the average).
+
+    A mistake is named only when exactly one of GRAD_MISTAKES gives this .grad; otherwise the
+    message says how far it is from the average and from this rank's own gradient."""
+    if grad is None:
+        return f"{name}.grad is None when backward returns: write the averages into .grad"
+    if float((grad - average).abs().max()) <= TOLERANCE:
+        return None
+    fits = [
+        key for key, (_, what) in GRAD_MISTAKES.items() if _close(grad, what(average, local, world))
+    ]
+    if len(fits) == 1:
+        return f"{name}.grad {GRAD_MISTAKES[fits[0]][0]}"
+    if fits:
+        return f"{name}.grad fits more than one mistake: {', or '.join(fits)}"
+    ratio = float(grad.flatten() @ average.flatten()) / max(float(average.norm()) ** 2, 1e-300)
+    return (
+        f"{name}.grad is not the group's average when backward returns (all-reduces finish "
+        f"only when waited for): max difference {float((grad - average).abs().max()):.2e} "
+        f"from the average (best fit: {ratio:.4g} times it), "
+        f"{float((grad - local).abs().max()):.2e} from this rank's own gradient"
+    )
+
+
 def deferred_worker() -> list[str]:
     """All-reduces complete only when waited for: reading a bucket early reads local values."""
     ddp_cls = ddp_module().DistributedDataParallel
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ours = ddp_cls(chain_mlp(rank), bucket_cap_mb=0.002)
     theirs = TorchDDP(chain_mlp(rank), bucket_cap_mb=0.002)
+    alone = chain_mlp(0)  # rank 0's weights, which both DDPs broadcast: this rank's own gradient
+    alone.load_state_dict(ours.module.state_dict())
     x, y = batch(0, 8, 10, 5)
     with AllReduceRecorder(EventRecorder(), deferred=True):
         LOSS(ours(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
     LOSS(theirs(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    LOSS(alone(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
     want = {n: p.grad for n, p in theirs.module.named_parameters()}
+    local = {n: p.grad for n, p in alone.named_parameters()}
     for name, p in ours.module.named_parameters():
-        expected = want[name]
-        assert expected is not None
-        if p.grad is None:
-            return [f"{name}.grad is None when backward returns: write the averages into .grad"]
-        if float((p.grad - expected).abs().max()) <= TOLERANCE:
-            continue
-        if torch.allclose(p.grad, expected * world_size, rtol=1e-12, atol=0.0):
-            return [
-                f"{name}.grad holds the sum over the {world_size} ranks, not their average: "
-                "multiply each gradient by 1/world while copying it into its bucket"
-            ]
-        return [
-            f"{name}.grad is not the group's average when backward returns, with all-reduces "
-            "that finish only when waited for: wait() for every bucket's work before reading "
-            "its buffer back into .grad"
-        ]
+        expected, own = want[name], local[name]
+        assert expected is not None and own is not None
+        problem = grad_verdict(name, p.grad, expected, own, world_size)
+        if problem:
+            return [problem]
     return []
 
 

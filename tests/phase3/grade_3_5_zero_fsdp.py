@@ -47,6 +47,7 @@ from fsdp_helpers import (
     window_run,
 )
 from grading import defined_at, exercise
+from learner_calls import at_learner_call
 from phase3_helpers import fail, first_problems, small_world
 from torch import nn
 from zero_helpers import needs_partition
@@ -85,6 +86,7 @@ def runs(world: int) -> list[dict[str, Any]]:
         try:
             _RUNS[world] = small_world(fsdp_worker, world, world)
         except BaseException as exc:
+            at_learner_call(exc, "3.5")
             _RUNS[world] = exc
     result = _RUNS[world]
     if isinstance(result, BaseException):
@@ -162,9 +164,15 @@ def computed_unwaited(run: WindowRun) -> str | None:
             return (
                 f"unit {event.unit}'s {where} began while its all-gather was still in flight "
                 "(issued, not waited for): the unit about to compute must be waited for "
-                "(wait_gather) before its parameters are read"
+                "(wait_gather) before its parameters are read" + before_site()
             )
     return None
+
+
+def before_site() -> str:
+    """Where the learner's Prefetcher.before is: the order of gathers, waits and computes is its
+    doing once FsdpUnit's methods behave alone (require_units has checked them first)."""
+    return defined_at(fsdp_module().Prefetcher.before)
 
 
 def window_value_lines(results: list[dict[str, Any]]) -> list[str]:
@@ -237,7 +245,7 @@ def window_problems(run: WindowRun) -> list[str]:
                 why = f"unit {event.unit} itself was not gathered when its {where} began"
             problems.append(
                 f"at unit {event.unit}'s {where}, units {list(event.gathered)} held memory; with "
-                f"prefetch {window} expected {list(want)}: {why}"
+                f"prefetch {window} expected {list(want)}: {why}" + before_site()
             )
             break
     if window == 0 or problems:
@@ -274,7 +282,7 @@ def window_problems(run: WindowRun) -> list[str]:
                     f"for a unit only when it is about to compute (at unit {after}'s own start)"
                 )
             if problems:
-                return problems
+                return [problems[0] + before_site()]
     return problems
 
 

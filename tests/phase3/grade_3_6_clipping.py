@@ -28,6 +28,7 @@ ValueError. ``counted_here`` is also tried alone on every rank of a (dp, cp, tp,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ from clip_helpers import (
     torch_clip,
 )
 from grading import defined_at, exercise, load
+from learner_calls import at_learner_call
 from phase3_helpers import fail, first_problems, small_world
 
 from course.topology import RankGrid, Topology
@@ -66,6 +68,7 @@ def runs() -> list[list[dict[str, Any]]]:
         try:
             _RUNS = small_world(clip_worker, 4)
         except BaseException as exc:
+            at_learner_call(exc, "3.6")
             _RUNS = exc
     if isinstance(_RUNS, BaseException):
         raise _RUNS
@@ -179,17 +182,12 @@ def layout_problems(layout: Layout, results: list[list[dict[str, Any]]]) -> list
             )
             continue
         norms = [r["norm"] for r in got]
-        if not all(close(n, want) for n in norms):
-            named = named_mistakes(layout, norm_type, norms, grads)
-            if named is None:
-                cause, function = unexplained(norm_type, norms, want), "global_grad_norm"
-            else:
-                cause, function = f": {named.text()}", named.function
-            problems.append(
-                f"{name}: {evidence(norms)}; one process's clip_grad_norm_ returns {want:.6g}"
-                + cause
-                + blamed(function)
-            )
+        wrong = norm_problem(
+            layout, norm_type, norms, grads, norms_elsewhere(layout, norm_type, results)
+        )
+        if wrong is not None:
+            text, function = wrong
+            problems.append(text + blamed(function))
             continue
         differs = [
             (rank, piece.name)
@@ -209,6 +207,49 @@ def layout_problems(layout: Layout, results: list[list[dict[str, Any]]]) -> list
                 + at("global_grad_norm")
             )
     return problems
+
+
+def norms_elsewhere(
+    layout: Layout, norm_type: float, results: list[list[dict[str, Any]]]
+) -> list[tuple[Layout, list[float]]]:
+    """Every rank's norm of ``norm_type`` on each other graded layout (where none raised)."""
+    out = []
+    for other in LAYOUTS:
+        if other == layout:
+            continue
+        got = [
+            next(r for r in per_rank if r.get("layout") == other and r["norm_type"] == norm_type)
+            for per_rank in results
+        ]
+        if all("norm" in r for r in got):
+            out.append((other, [r["norm"] for r in got]))
+    return out
+
+
+def norm_problem(
+    layout: Layout,
+    norm_type: float,
+    norms: list[float],
+    grads: dict[str, torch.Tensor],
+    elsewhere: Sequence[tuple[Layout, Sequence[float]]] = (),
+) -> tuple[str, str] | None:
+    """The words for the norms every rank returned on ``layout`` (None: right), and the function
+    of the code under test they point at: the mistakes that give these values on every rank
+    (and, where one does, the values returned on the other layouts, ``elsewhere``), one named
+    when only one fits, the ones that fit listed when several do."""
+    want = torch_clip(norm_type)[0]
+    if all(close(n, want) for n in norms):
+        return None
+    named = named_mistakes(layout, norm_type, norms, grads, elsewhere)
+    if named is None:
+        cause, function = unexplained(norm_type, norms, want), "global_grad_norm"
+    else:
+        cause, function = f": {named.text()}", named.function
+    return (
+        f"{norm_name(norm_type)}: {evidence(norms)}; one process's clip_grad_norm_ returns "
+        f"{want:.6g}" + cause,
+        function,
+    )
 
 
 def unexplained(norm_type: float, norms: list[float], want: float) -> str:

@@ -30,7 +30,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from grading import exercise, impl, world
+from grading import defined_at, exercise, impl, world
+from learner_calls import at_learner_call
 from parallel_3d_helpers import (
     BLOCKS,
     ELEMENT,
@@ -81,6 +82,7 @@ def runs(dp: int, tp: int, pp: int) -> list[Run3D]:
             exc.args = (f"{label(dp, tp, pp)}: {HANG_ADVICE}{exc}",)
             _RUNS[key] = exc
         except BaseException as exc:  # a rank's error: every test of this layout reports it
+            at_learner_call(exc, "3.6")
             _RUNS[key] = exc
     result = _RUNS[key]
     if isinstance(result, BaseException):
@@ -113,32 +115,55 @@ def report(problems: list[str], header: str) -> None:
 # ----------------------------------------------------------------------------- pure pieces
 
 
+REPLICA_DP_SIZES = (1, 2, 3, 4)  # 3 and 4: a replica's slice is neither 1 row nor half the batch
+
+
+def replica_batch_problem(batch: torch.Tensor, got: list[Any], dp: int) -> str | None:
+    """What is wrong with ``replica_batch(batch, r, dp)`` for r = 0..dp-1, returned as
+    ``got[r]`` (None: nothing). A cause is named only when every replica's slice shows it."""
+    n = batch.shape[0]
+    size = n // dp
+    wants = [batch[r * size : (r + 1) * size] for r in range(dp)]
+    wrong = [
+        r for r, (g, w) in enumerate(zip(got, wants, strict=True))
+        if not (isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w))
+    ]  # fmt: skip
+    if not wrong:
+        return None
+    r = wrong[0]
+    if not all(isinstance(g, torch.Tensor) for g in got):
+        return (
+            f"3.6 replica_batch({n} samples, dp_rank={r}, dp_size={dp}) returned "
+            f"{type(got[r]).__name__}; expected a tensor of rows {r * size}..{(r + 1) * size - 1}"
+        )
+    rows = [g[:, 0].div(2).long().tolist() if g.dim() == 2 else g.tolist() for g in got]
+    if all(g.shape == batch.shape and torch.equal(g, batch) for g in got):
+        why = (
+            "every replica got the whole batch: each would compute the whole batch's "
+            "gradient, dp times the work for the same update"
+        )
+    elif all(row == rows[0] == list(range(size)) for row in rows):
+        why = "every replica got replica 0's samples: the others' are never trained on"
+    else:
+        why = (
+            f"replicas must take disjoint, equal, contiguous slices in dp-rank order (dp ranks "
+            f"{wrong} of {dp} got other rows)"
+        )
+    return (
+        f"3.6 replica_batch({n} samples, dp_rank={r}, dp_size={dp}) returned samples "
+        f"{rows[r]}; expected {list(range(r * size, (r + 1) * size))}: " + why
+    )
+
+
 @exercise("3.6")
 def test_replica_batch_gives_each_replica_its_own_contiguous_slice() -> None:
     p3d = parallel_3d_module()
     batch = torch.arange(24.0).reshape(12, 2)
-    for dp in (1, 2, 3, 4):
-        size = 12 // dp
-        for dp_rank in range(dp):
-            got = p3d.replica_batch(batch, dp_rank, dp)
-            want = batch[dp_rank * size : (dp_rank + 1) * size]
-            if got.shape == want.shape and torch.equal(got, want):
-                continue
-            rows = got[:, 0].div(2).long().tolist() if got.dim() == 2 else got.tolist()
-            if got.shape[0] == 12:
-                why = (
-                    "every replica got the whole batch: each would compute the whole batch's "
-                    "gradient, dp times the work for the same update"
-                )
-            elif rows == list(range(size)) and dp_rank:
-                why = "every replica got replica 0's samples: the others' are never trained on"
-            else:
-                why = "replicas must take disjoint, equal, contiguous slices in dp-rank order"
-            fail(
-                f"3.6 replica_batch(12 samples, dp_rank={dp_rank}, dp_size={dp}) returned "
-                f"samples {rows}; expected {list(range(dp_rank * size, (dp_rank + 1) * size))}: "
-                + why
-            )
+    for dp in REPLICA_DP_SIZES:
+        got = [p3d.replica_batch(batch, dp_rank, dp) for dp_rank in range(dp)]
+        problem = replica_batch_problem(batch, got, dp)
+        if problem:
+            fail(problem)
 
 
 @exercise("3.6")
@@ -247,7 +272,7 @@ def replicas_diverge(results: list[Run3D], step: int) -> str | None:
                     f"ranks {first} and {rank} hold the same shard in different replicas but "
                     f"their parameters differ after step {step}: every replica must apply the "
                     "same update, the gradients averaged over the dp group, before the "
-                    "optimizer step"
+                    "optimizer step" + defined_at(parallel_3d_module().Parallel3D.train_step)
                 )
     return None
 
@@ -463,8 +488,10 @@ def comm_problems(run: Run3D, rank: int, dp: int, tp: int, pp: int) -> list[str]
                 f"(dp {groups['dp']}, tp {groups['tp']}, pp {groups['pp']}): every collective "
                 "needs group= from the topology"
             )
+    misplaced = False  # the gradients' average was seen on another of its groups, and named
     for op, nbytes, _, _ in by_kind["pp"]:
         if op not in ("send", "isend", "recv", "irecv"):
+            misplaced = misplaced or nbytes == run.grad_bytes
             problems.append(
                 f"rank {rank}: {op} of {nbytes} bytes on its pp group {groups['pp']}: stages "
                 "hold different blocks, so nothing is reduced across them (average on the dp "
@@ -472,6 +499,7 @@ def comm_problems(run: Run3D, rank: int, dp: int, tp: int, pp: int) -> list[str]
             )
     tp_ops = Counter((op, nbytes) for op, nbytes, _, _ in by_kind["tp"])
     if groups["tp"] != groups["dp"] and tp_ops.get(("all_reduce", run.grad_bytes)):
+        misplaced = True
         problems.append(
             f"rank {rank}: all-reduced its {run.grad_bytes} bytes of gradients on its tp group "
             f"{groups['tp']}: tp ranks hold different shards of each weight (and identical "
@@ -505,9 +533,13 @@ def comm_problems(run: Run3D, rank: int, dp: int, tp: int, pp: int) -> list[str]
             f"rank {rank}: {sorted(set(others))} on the dp group: the gradient average is an "
             "all-reduce (sum, then divide by the group's size)"
         )
-    elif dp_bytes not in allowed and not any(
-        kind == "outside" and nbytes == run.grad_bytes
-        for kind, (_, nbytes, _, _) in ((_kind(r, run, world, act), r) for r in run.records)
+    elif (
+        dp_bytes not in allowed
+        and not misplaced
+        and not any(
+            kind == "outside" and nbytes == run.grad_bytes
+            for kind, (_, nbytes, _, _) in ((_kind(r, run, world, act), r) for r in run.records)
+        )
     ):  # an average on the wrong group was named above
         if dp_bytes == 0:
             why = "no gradient average on the dp group: replicas would drift apart"

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 import torch
-from grading import exercise, learner_line
+from grading import defined_at, exercise, learner_line
 from ps_helpers import (
     TOLERANCE,
     closed_by_server,
@@ -221,11 +221,23 @@ def gate_lead(mode: str, staleness: int, applied: int = 2, workers: int = 3) -> 
 def gate_mistake(mode: str, staleness: int) -> str:
     """The mistake ``ready_to_serve`` makes in ``mode``, asked directly (see :func:`gate_lead`);
     "" when its answers are right."""
-    want = staleness if mode == "ssp" else 0
     try:
         lead = gate_lead(mode, staleness)
     except Exception as exc:
         return f"ready_to_serve raised {type(exc).__name__}: {exc}{learner_line(exc)}"
+    said = gate_words(mode, staleness, lead)
+    return said + defined_at(ps_module().ParameterServer.ready_to_serve) if said else ""
+
+
+# the (mode, staleness) a run asks ready_to_serve about, in the order the tests below run: the
+# staleness of 2 makes "sync honoured it" (a lead of 2) differ from an off-by-one (a lead of 1)
+GATE_CASES = (("sync", 2), ("ssp", 0), ("ssp", 2))
+
+
+def gate_words(mode: str, staleness: int, lead: int | None) -> str:
+    """What a lead of ``lead`` clocks (None: not one threshold) says about ``ready_to_serve`` in
+    ``mode`` with ``staleness`` set; "" when it is the right lead."""
+    want = staleness if mode == "ssp" else 0
     if lead == want:
         return ""
     if lead is None:
@@ -236,6 +248,8 @@ def gate_mistake(mode: str, staleness: int) -> str:
     )
     if mode == "sync" and lead == staleness:
         return f"{told}: sync honoured the staleness setting, which only ssp may use"
+    if mode == "ssp" and lead == 0 and staleness > 0:
+        return f"{told}: ssp ignored its staleness setting (a lead of 0, as in sync)"
     if lead == want + 1:
         return f"{told}: the comparison is off by one"
     if lead == want - 1:

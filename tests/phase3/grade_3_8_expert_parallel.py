@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 from grading import exercise, impl, step_aside_unless_mine, world
+from learner_calls import at_learner_call
 from moe_helpers import (
     CASE_2D,
     CASES,
@@ -93,6 +94,7 @@ def cached(key: Any, start: Any, owners: dict[str, str] | None = None) -> Any:
             exc.args = (f"3.8 expert parallelism ({key}): {HANG_ADVICE}{exc}",)
             _RUNS[key] = exc
         except BaseException as exc:
+            at_learner_call(exc, "3.8")
             _RUNS[key] = exc
     result = _RUNS[key]
     if isinstance(result, BaseException):
@@ -144,11 +146,7 @@ def route_problem(got: Any, logits: torch.Tensor, k: int, gradient: bool = True)
         return f"experts has dtype {experts.dtype}; expected int64 expert indices"
     if not torch.equal(experts, want_experts):
         if torch.equal(experts.sort(-1).values, want_experts.sort(-1).values):
-            return (
-                "each token has the right experts but not most probable first: order the k "
-                f"choices by decreasing probability (expected {want_experts[:2].tolist()}..., "
-                f"got {experts[:2].tolist()}...)"
-            )
+            return order_words(experts, want_experts)
         lowest = want_probs.topk(k, dim=-1, largest=False).indices
         if torch.equal(experts, lowest):
             return "experts are the k LEAST probable: the router keeps the most probable ones"
@@ -164,20 +162,42 @@ def route_problem(got: Any, logits: torch.Tensor, k: int, gradient: bool = True)
                 f"chosen probabilities by their total); sums seen: "
                 f"{[round(float(s), 4) for s in weights.detach().sum(-1)[:4]]}"
             )
+        sums = [round(float(x), 4) for x in weights.detach().sum(-1)[:4]]
+        ratio = weights.detach() / want_weights.detach()
+        same = bool((ratio - ratio[0, 0]).abs().max() <= 1e-9)
         return (
             f"weights {weights.detach()[:2].tolist()}... differ from the chosen probabilities "
-            f"rescaled to sum to 1 per token, {want_weights.detach()[:2].tolist()}..."
+            f"rescaled to sum to 1 per token, {want_weights.detach()[:2].tolist()}...; each "
+            f"token's weights sum to {sums}..., not 1"
+            + (f", every weight {float(ratio[0, 0]):.4g} times the right one" if same else "")
         )
     if gradient and (not weights.requires_grad or not probs.requires_grad):
-        which = "weights" if not weights.requires_grad else "probs"
+        which = (
+            "neither weights nor probs carry a gradient"
+            if not weights.requires_grad and not probs.requires_grad
+            else f"{'weights' if not weights.requires_grad else 'probs'} carry no gradient"
+        )
         return (
-            f"{which} carry no gradient: the router learns through them, so compute them from "
-            "the logits without detaching (only the expert indices need no gradient)"
+            f"{which}: the router learns through them, so compute them from the logits "
+            "without detaching (only the expert indices need no gradient)"
         )
     return None
 
 
-def expected_keep(choices: list[torch.Tensor], num_experts: int, capacity: int) -> list[torch.Tensor]:
+def order_words(experts: torch.Tensor, want: torch.Tensor) -> str:
+    """Each token has the right k experts in another order: which order they came in."""
+    seen = f"(expected {want[:2].tolist()}..., got {experts[:2].tolist()}...)"
+    fix = "order the k choices by decreasing probability, as topk returns them"
+    if torch.equal(experts, want.flip(-1)):
+        return f"each token's experts are ordered least probable first {seen}: {fix}"
+    if torch.equal(experts, want.sort(-1).values):
+        return f"each token's experts are in increasing expert index {seen}: {fix}"
+    return f"each token has the right experts but not most probable first {seen}: {fix}"
+
+
+def expected_keep(
+    choices: list[torch.Tensor], num_experts: int, capacity: int
+) -> list[torch.Tensor]:
     """First come first served over the group, rank then token order."""
     taken = [0] * num_experts
     out = []
@@ -239,13 +259,15 @@ def keep_problems(
         if not isinstance(got, torch.Tensor) or got.shape != mask.shape or got.dtype != torch.bool:
             have = (tuple(got.shape), got.dtype) if isinstance(got, torch.Tensor) else type(got)
             problems.append(
-                f"rank {rank}: returned {have}; expected a bool tensor of shape "
-                f"{tuple(mask.shape)}"
+                f"rank {rank}: returned {have}; expected a bool tensor of shape {tuple(mask.shape)}"
             )
     if problems:
         return problems
-    wrong = [r for r, (got, mask) in enumerate(zip(masks, want, strict=True))
-             if not torch.equal(got.cpu(), mask)]
+    wrong = [
+        r
+        for r, (got, mask) in enumerate(zip(masks, want, strict=True))
+        if not torch.equal(got.cpu(), mask)
+    ]
     if not wrong:
         return []
     variants = [keep_variants(choices, r, num_experts, capacity) for r in range(len(masks))]
@@ -257,8 +279,10 @@ def keep_problems(
     if len(fits) == 1:
         return [f"ranks {wrong}: {fits[0]}"]
     if fits:  # these choices cannot tell the mistakes apart: name each that fits
-        return [f"ranks {wrong}: one of {len(fits)} mistakes that give these masks: "
-                + "; or ".join(fits)]
+        return [
+            f"ranks {wrong}: one of {len(fits)} mistakes that give these masks: "
+            + "; or ".join(fits)
+        ]
     return [
         f"rank {r}: kept {masks[r].int().tolist()}; expected {want[r].int().tolist()} (each "
         "expert accepts the group's choices first come first served: rank 0's before rank "
@@ -288,25 +312,54 @@ def aux_variants(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -
     }
 
 
-def aux_problem(got: Any, probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> str | None:
+def aux_problem(
+    got: Any, probs: torch.Tensor, experts: torch.Tensor, num_experts: int
+) -> str | None:
+    """What is wrong with ``load_balancing_loss(probs, experts, num_experts)``'s result ``got``
+    (None: nothing): its value, then its gradient with respect to ``probs``."""
+    if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        return f"returned {type(got).__name__}; expected a scalar tensor"
+    grad: torch.Tensor | None = None
+    if probs.requires_grad and got.requires_grad:
+        (grad,) = torch.autograd.grad(got, probs, retain_graph=True)
+    return aux_verdict(float(got.detach()), grad, probs, experts, num_experts)
+
+
+def aux_verdict(
+    value: float,
+    grad: torch.Tensor | None,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+) -> str | None:
+    """The words for a loss of ``value`` whose gradient with respect to ``probs`` is ``grad``
+    (None: the loss carries none; only judged when ``probs`` requires one)."""
     tokens, k = experts.shape
     counts = torch.bincount(experts.flatten(), minlength=num_experts).double()
     want = float(num_experts * (counts / (tokens * k) * probs.detach().mean(0)).sum())
-    if not isinstance(got, torch.Tensor) or got.numel() != 1:
-        return f"returned {type(got).__name__}; expected a scalar tensor"
-    value = float(got.detach())
     if not math.isclose(value, want, rel_tol=1e-10, abs_tol=1e-12):
-        for why, variant in aux_variants(probs, experts, num_experts).items():
-            if math.isclose(value, variant, rel_tol=1e-10, abs_tol=1e-12):
-                return f"{value:.6f} instead of {want:.6f}: {why}"
+        fits = [
+            why
+            for why, variant in aux_variants(probs, experts, num_experts).items()
+            if math.isclose(value, variant, rel_tol=1e-10, abs_tol=1e-12)
+        ]
+        if len(fits) == 1:
+            return f"{value:.6f} instead of {want:.6f}: {fits[0]}"
+        ratio = f"{value / want:.6g} times the right value" if want else "the right value is 0"
+        if fits:
+            return (
+                f"{value:.6f} instead of {want:.6f} ({ratio}); on these {tokens} tokens, "
+                f"k={k}, one of {len(fits)} mistakes: " + "; or ".join(fits)
+            )
         return (
-            f"{value:.6f} instead of {want:.6f} = num_experts x sum_e f_e x P_e (f_e: fraction "
-            "of the T x k choices that named e; P_e: mean probability of e over the tokens)"
+            f"{value:.6f} instead of {want:.6f} ({ratio}; {tokens} tokens, k={k}, "
+            f"{num_experts} experts): no usual mistake of the fraction f_e (a count of the "
+            f"T x k = {tokens * k} choices), the mean probability P_e (over the {tokens} "
+            "tokens) or the factor num_experts gives this value"
         )
     if probs.requires_grad:
-        if not got.requires_grad:
+        if grad is None:
             return "the loss carries no gradient: the router learns through the mean probabilities"
-        (grad,) = torch.autograd.grad(got, probs, retain_graph=True)
         want_grad = (num_experts * counts / (tokens * k) / tokens).expand(tokens, -1)
         if max_diff(grad, want_grad) > 1e-10:
             return (
@@ -316,41 +369,106 @@ def aux_problem(got: Any, probs: torch.Tensor, experts: torch.Tensor, num_expert
     return None
 
 
+def aux_inputs() -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(probs requiring a gradient, each token's top-k experts, num_experts) of every graded
+    load-balancing case (AUX_CASES)."""
+    g = torch.Generator().manual_seed(17)
+    out = []
+    for tokens, num_experts, k in AUX_CASES:
+        logits = torch.randn(tokens, num_experts, generator=g, dtype=torch.float64) * 2
+        probs = torch.softmax(logits, -1).requires_grad_()
+        out.append((probs, probs.detach().topk(k, dim=-1).indices, num_experts))
+    return out
+
+
+def aux_message(
+    got: Any, probs: torch.Tensor, experts: torch.Tensor, num_experts: int
+) -> str | None:
+    """The failure of one load-balancing case (None: right)."""
+    problem = aux_problem(got, probs, experts, num_experts)
+    tokens, k = experts.shape
+    return (
+        f"3.8 load_balancing_loss({tokens} tokens, {num_experts} experts, k={k}): {problem}"
+        if problem
+        else None
+    )
+
+
 # ----------------------------------------------------------------------------- part 1, alone
+
+
+# (tokens, num_experts, k): k, the expert count and the token count pairwise different in the
+# first, so that a mistake off by one of them does not pass for a mistake off by another
+ROUTE_CASES = ((6, 4, 2), (6, 4, 1), (5, 8, 3), (3, 4, 4))
+# (tokens per rank, num_experts, k, capacity): the first has k != E != group size (3)
+KEEP_CASES = (
+    ([6, 7, 5], 4, 2, 6),
+    ([6, 7, 5], 4, 1, 3),
+    ([9, 4], 3, 2, 5),
+    ([3, 3, 3, 3], 4, 2, 20),
+    ([5, 6], 4, 2, 0),
+)
+AUX_CASES = ((7, 4, 2), (9, 4, 1), (6, 8, 3))  # (tokens, num_experts, k)
+
+
+def route_inputs() -> list[tuple[torch.Tensor, int]]:
+    """The logits (requiring a gradient) and k of every graded route case."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for tokens, num_experts, k in ROUTE_CASES:
+        logits = torch.randn(tokens, num_experts, generator=g, dtype=torch.float64)
+        out.append((logits.requires_grad_(), k))
+    return out
+
+
+def route_message(got: Any, logits: torch.Tensor, k: int) -> str | None:
+    """The failure of one route case (None: right)."""
+    problem = route_problem(got, logits, k)
+    tokens, num_experts = logits.shape
+    return (
+        f"3.8 route(logits of {tokens} tokens x {num_experts} experts, k={k}): {problem}"
+        if problem
+        else None
+    )
 
 
 @exercise("3.8")
 def test_route_keeps_the_k_most_probable_experts_with_weights_summing_to_one() -> None:
     routing = routing_module()
-    g = torch.Generator().manual_seed(5)
-    for tokens, num_experts, k in [(6, 4, 2), (6, 4, 1), (5, 8, 3), (3, 4, 4)]:
-        logits = torch.randn(tokens, num_experts, generator=g, dtype=torch.float64)
-        logits.requires_grad_()
+    for logits, k in route_inputs():
         got = routing.route(logits, k)
-        problem = route_problem(got, logits, k)
+        problem = route_message(got, logits, k)
         if problem:
-            fail(f"3.8 route(logits of {tokens} tokens x {num_experts} experts, k={k}): {problem}")
+            fail(problem)
 
 
-def group_choices(g: torch.Generator, tokens: list[int], num_experts: int, k: int) -> list[torch.Tensor]:
+def group_choices(
+    g: torch.Generator, tokens: list[int], num_experts: int, k: int
+) -> list[torch.Tensor]:
     return [
         torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(t)])
         for t in tokens
     ]
 
 
+def keep_inputs() -> list[list[torch.Tensor]]:
+    """Every rank's (T, k) choices of every graded capacity case."""
+    g = torch.Generator().manual_seed(11)
+    return [group_choices(g, tokens, e, k) for tokens, e, k, _ in KEEP_CASES]
+
+
+def keep_header(tokens: list[int], num_experts: int, k: int, capacity: int, census: Any) -> str:
+    return (
+        f"3.8 keep_within_capacity for each rank of a group of {len(tokens)} with "
+        f"{tokens} tokens, k={k}, {num_experts} experts, capacity {capacity} (census "
+        f"{census.tolist()}):"
+    )
+
+
 @exercise("3.8")
 def test_capacity_keeps_each_experts_first_choices_over_the_whole_group() -> None:
     routing = routing_module()
-    g = torch.Generator().manual_seed(11)
-    for tokens, num_experts, k, capacity in [
-        ([6, 7, 5], 4, 2, 6),
-        ([6, 7, 5], 4, 1, 3),
-        ([9, 4], 3, 2, 5),
-        ([3, 3, 3, 3], 4, 2, 20),
-        ([5, 6], 4, 2, 0),
-    ]:
-        choices = group_choices(g, tokens, num_experts, k)
+    for (tokens, num_experts, k, capacity), choices in zip(KEEP_CASES, keep_inputs(), strict=True):
         census = torch.stack([torch.bincount(c.flatten(), minlength=num_experts) for c in choices])
         masks = [
             routing.keep_within_capacity(choices[rank].clone(), census.clone(), rank, capacity)
@@ -368,29 +486,17 @@ def test_capacity_keeps_each_experts_first_choices_over_the_whole_group() -> Non
                     "deterministic (every rank decides alone and the decisions must fit)"
                 ]
         if problems:
-            first_problems(
-                problems,
-                f"3.8 keep_within_capacity for each rank of a group of {len(tokens)} with "
-                f"{tokens} tokens, k={k}, {num_experts} experts, capacity {capacity} (census "
-                f"{census.tolist()}):",
-            )
+            first_problems(problems, keep_header(tokens, num_experts, k, capacity, census))
 
 
 @exercise("3.8")
 def test_load_balancing_loss_is_switch_transformers_with_k_choices() -> None:
     routing = routing_module()
-    g = torch.Generator().manual_seed(17)
-    for tokens, num_experts, k in [(7, 4, 2), (9, 4, 1), (6, 8, 3)]:
-        logits = torch.randn(tokens, num_experts, generator=g, dtype=torch.float64) * 2
-        probs = torch.softmax(logits, -1).requires_grad_()
-        experts = probs.detach().topk(k, dim=-1).indices
+    for probs, experts, num_experts in aux_inputs():
         got = routing.load_balancing_loss(probs, experts, num_experts)
-        problem = aux_problem(got, probs, experts, num_experts)
+        problem = aux_message(got, probs, experts, num_experts)
         if problem:
-            fail(
-                f"3.8 load_balancing_loss({tokens} tokens, {num_experts} experts, k={k}): "
-                f"{problem}"
-            )
+            fail(problem)
     even = torch.full((4, 4), 0.25, dtype=torch.float64)
     spread = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])
     value = float(routing.load_balancing_loss(even, spread, 4))
@@ -410,9 +516,10 @@ def routing_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[st
     dense = case_model(case)
     for rank, (run, want) in enumerate(zip(runs, ref.ranks, strict=True)):
         assert run.experts is not None and run.weights is not None
-        if not torch.equal(run.experts, want.experts_tensor) or max_diff(
-            run.weights, want.weights.detach()
-        ) > TOLERANCE:
+        if (
+            not torch.equal(run.experts, want.experts_tensor)
+            or max_diff(run.weights, want.weights.detach()) > TOLERANCE
+        ):
             logits = dense.router(case_tokens(case, rank)).detach()
             got = (run.experts, run.weights, run.probs)
             named = route_problem(got, logits, case.k, gradient=False)
@@ -422,8 +529,9 @@ def routing_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[st
     choices = [r.experts_tensor for r in ref.ranks]
     return [
         f"kept choices (capacity {ref.capacity}): {why}"
-        for why in keep_problems([run.keep for run in runs], choices, case.num_experts,
-                                 ref.capacity)
+        for why in keep_problems(
+            [run.keep for run in runs], choices, case.num_experts, ref.capacity
+        )
     ]
 
 
@@ -435,7 +543,9 @@ def output_variants(case: Case, ref: Reference, rank: int) -> dict[str, torch.Te
     tokens, k = len(want.experts), case.k
     weights = want.weights.detach()
     with torch.no_grad():
-        outs = [[dense.experts[e](x[t : t + 1])[0] for e in row] for t, row in enumerate(want.experts)]
+        outs = [
+            [dense.experts[e](x[t : t + 1])[0] for e in row] for t, row in enumerate(want.experts)
+        ]
         raw = torch.stack([want.probs[t, row].detach() for t, row in enumerate(want.experts)])
 
     def mix(w: torch.Tensor, every: bool = False) -> torch.Tensor:
@@ -635,9 +745,7 @@ def check_cases(ep: int, idle: bool | None, check: Any, what: str) -> None:
     None) whose routing matched one process; a routing mismatch is reported instead."""
     runs = ep_runs(ep)
     refs = references(ep)
-    chosen = [
-        i for i, case in enumerate(CASES[ep]) if idle is None or bool(case.idle) == idle
-    ]
+    chosen = [i for i, case in enumerate(CASES[ep]) if idle is None or bool(case.idle) == idle]
     messages = []
     for i in chosen:
         case = CASES[ep][i]
@@ -809,6 +917,106 @@ def _ratio(got: torch.Tensor, want: torch.Tensor) -> float | None:
     return s if max_diff(got, s * want) <= 1e-9 * max(1.0, float(want.abs().max())) else None
 
 
+def ratio_words(what: str, s: float | None, ep: int, dp: int, summed_on: str) -> str:
+    """Why ``what`` (after its all-reduce on ``summed_on``) is ``s`` times the right gradient:
+    the divisor each fitting mistake used, all of them when several fit (at ep = dp, dividing by
+    either group's size gives the same numbers), else the ratio alone."""
+    world = ep * dp
+    if s is None:
+        return (
+            f"{what} is not a multiple of the right one (copies of one parameter must end with "
+            "the same gradient on every replica: the mean of the world's losses)"
+        )
+    divisors = {
+        "no division at all (the sum)": 1,
+        f"the dp group's size ({dp})": dp,
+        f"the ep group's size ({ep})": ep,
+    }
+    fits = [name for name, d in divisors.items() if math.isclose(s, world / d, rel_tol=1e-9)]
+    fix = (
+        f"after backward and the all-reduce on the {summed_on} it holds the sum over all "
+        f"{world} ranks' losses: divide by the world size, {world}"
+    )
+    if not fits:
+        return f"{what} is {s:g} times the right one; {fix}"
+    if len(fits) == 1 and fits[0].startswith("no division"):
+        return f"{what} is {s:g} times the right one, {fits[0]}: {fix}"
+    said = " or by ".join(f for f in fits if not f.startswith("no division"))
+    same = " (equal here, so these numbers cannot tell which)" if len(fits) > 1 else ""
+    return f"{what} is {s:g} times the right one: it was divided by {said}{same}; {fix}"
+
+
+def sync_groups_problem(
+    by_group: dict[str, int],
+    router_bytes: int,
+    expert_bytes: int,
+    ep_ranks: tuple[int, ...],
+    dp_ranks: tuple[int, ...],
+) -> str | None:
+    """What the bytes ``sync_moe_gradients`` all-reduced on each group (``world``, ``ep``,
+    ``dp``, or another collective or group by name) say (None: the router's on the world and
+    the experts' on the dp group). Each group's bytes are read as so many router gradients and
+    so many expert gradients (the two sizes differ), and each misplaced one is named."""
+    want = {"world": router_bytes, "dp": expert_bytes}
+    if by_group == want:
+        return None
+    held: dict[str, tuple[int, int]] = {}  # group: (router copies, expert copies)
+    for group, nbytes in by_group.items():
+        fits = [
+            (r, e)
+            for r in range(3)
+            for e in range(3)
+            if r * router_bytes + e * expert_bytes == nbytes
+        ]
+        if len(fits) == 1:
+            held[group] = fits[0]
+    said = (
+        f"sync_moe_gradients all-reduced {by_group} bytes by group; expected the router's "
+        f"{router_bytes} bytes on the world and the experts' {expert_bytes} on the dp group "
+        f"{dp_ranks}"
+    )
+    if len(held) != len(by_group):
+        return said  # some group's bytes are no whole number of either gradient: as seen
+    notes = []
+    router = {g: r for g, (r, _) in held.items() if r}
+    experts = {g: e for g, (_, e) in held.items() if e}
+    if "ep" in experts:
+        notes.append(
+            f"the experts' gradients were all-reduced on the ep group {ep_ranks}: those ranks "
+            "hold DIFFERENT experts, whose gradients must never be added together; an expert's "
+            "copies sit on its dp group"
+        )
+    if "world" in experts:
+        notes.append(
+            "the experts' gradients were all-reduced over every rank: that adds different "
+            "experts' gradients together; only the dp group holds copies of the same experts"
+        )
+    if not experts:
+        notes.append(
+            f"the experts' gradients were not all-reduced: their copies on the dp group "
+            f"{dp_ranks} saw other tokens"
+        )
+    for group in ("dp", "ep"):
+        if group in router:
+            ranks = dp_ranks if group == "dp" else ep_ranks
+            where = (
+                f"also on the {group} group {ranks}, after the world: that sums it again"
+                if "world" in router
+                else f"on the {group} group {ranks} only"
+            )
+            notes.append(
+                f"the router's gradient was all-reduced {where}: the router is replicated on "
+                "every rank and each rank saw other tokens, so its gradient is reduced over the "
+                "world, once"
+            )
+    if not router:
+        notes.append("the router's gradient was not all-reduced: reduce it over the world")
+    twice = [g for g, n in {**router, **experts}.items() if n > 1]
+    if twice:
+        notes.append(f"a gradient was all-reduced twice on the {twice[0]} group")
+    return said + ("; " + "; ".join(notes) if notes else "")
+
+
 @exercise("3.8")
 def test_2d_layout_gradients_are_averaged_on_the_right_groups() -> None:
     runs = runs_2d()
@@ -841,47 +1049,18 @@ def test_2d_layout_gradients_are_averaged_on_the_right_groups() -> None:
                 by_group[_group_name(ranks, run)] += nbytes
             else:
                 by_group[f"{op} on {_group_name(ranks, run)}"] += nbytes
-        if by_group != Counter({"world": run.router_bytes, "dp": run.expert_bytes}):
-            notes = []
-            if by_group.get("ep"):
-                notes.append(
-                    f"gradients were all-reduced on the ep group {run.ep_ranks}: those ranks "
-                    "hold DIFFERENT experts, whose gradients must never be added together; "
-                    "an expert's copies sit on its dp group"
-                )
-            if by_group.get("world", 0) > run.router_bytes:
-                notes.append(
-                    "the experts' gradients were all-reduced over every rank: that adds "
-                    "different experts' gradients together; only the dp group holds copies of "
-                    "the same experts"
-                )
-            if by_group.get("dp", 0) not in (0, run.expert_bytes) or (
-                by_group.get("dp") and not by_group.get("world")
-            ):
-                notes.append(
-                    f"the dp group {run.dp_ranks} carried {by_group.get('dp', 0)} bytes; only "
-                    f"the experts' {run.expert_bytes} bytes belong there: the router is "
-                    "replicated on every rank and each rank saw other tokens, so its gradient "
-                    "is reduced over the world"
-                )
-            problems.append(
-                f"rank {rank}: sync_moe_gradients all-reduced {dict(by_group)} bytes by group; "
-                f"expected the router's {run.router_bytes} bytes on the world and the experts' "
-                f"{run.expert_bytes} on the dp group {run.dp_ranks}"
-                + ("; " + "; ".join(notes) if notes else "")
-            )
+        said = sync_groups_problem(
+            dict(by_group), run.router_bytes, run.expert_bytes, run.ep_ranks, run.dp_ranks
+        )
+        if said:
+            problems.append(f"rank {rank}: {said}")
             continue
         if (diff := max_diff(run.router_grad, router_want)) > TOLERANCE:
             s = _ratio(run.router_grad, router_want)
-            why = (
-                f" ({s:g} times the right one: divide the sum over the world by the world "
-                f"size, {world_size})"
-                if s is not None
-                else ""
-            )
             problems.append(
                 f"rank {rank}: the router's gradient differs by {diff:.3e} from that of the "
-                f"mean of the {world_size} ranks' losses{why}"
+                f"mean of the {world_size} ranks' losses: "
+                + ratio_words("the router's gradient", s, LAYOUT_EP, LAYOUT_DP, "world")
             )
         for expert, grads in run.expert_grads.items():
             for name, grad in grads.items():
@@ -890,20 +1069,10 @@ def test_2d_layout_gradients_are_averaged_on_the_right_groups() -> None:
                 if (diff := max_diff(grad, want)) <= TOLERANCE:
                     continue
                 s = _ratio(grad, want)
-                if s is not None and math.isclose(s, LAYOUT_EP, rel_tol=1e-9):
-                    why = (
-                        f"it is ep = {LAYOUT_EP} times too large: it was divided by the dp "
-                        f"group's size ({LAYOUT_DP}), but after backward it already summed the "
-                        f"{LAYOUT_EP} ranks of its expert-parallel group; the mean is over all "
-                        f"{world_size} ranks' losses: divide by the world size"
-                    )
-                elif s is not None:
-                    why = f"it is {s:g} times the right one"
-                else:
-                    why = "copies of one expert must end with the same gradient on every replica"
                 problems.append(
                     f"rank {rank}: expert {expert}'s {name} gradient differs by {diff:.3e} from "
-                    f"that of the mean of the {world_size} ranks' losses: {why}"
+                    f"that of the mean of the {world_size} ranks' losses: "
+                    + ratio_words("the expert's gradient", s, LAYOUT_EP, LAYOUT_DP, "dp group")
                 )
                 break
     first_problems(problems, f"3.8 {CASE_2D.name}: gradients after sync_moe_gradients")

@@ -197,16 +197,22 @@ class SplitsLedger:
             if recv is not None and send is not None and len(recv) == len(send) == n:
                 self._verify(gather, group, n, send, recv, bool(recv_given), inp)
             row_bytes = math.prod(inp.shape[1:]) * inp.element_size()
-            ranks = None if group is None or group is dist.group.WORLD else tuple(
-                dist.get_process_group_ranks(group)
+            ranks = (
+                None
+                if group is None or group is dist.group.WORLD
+                else tuple(dist.get_process_group_ranks(group))
             )
             self.calls.append(
-                A2ACall(ranks, me, send or [], recv or [], row_bytes, str(inp.dtype),
-                        bool(recv_given))
+                A2ACall(
+                    ranks, me, send or [], recv or [], row_bytes, str(inp.dtype), bool(recv_given)
+                )
             )
             result = original(*args, **kwargs)
-            if inp.dtype == torch.long and inp.dim() == 1 and inp.numel() % n == 0 and not (
-                bound.get("async_op")
+            if (
+                inp.dtype == torch.long
+                and inp.dim() == 1
+                and inp.numel() % n == 0
+                and not (bound.get("async_op"))
             ):
                 self.rows_per_peer = inp.detach().view(n, -1).sum(dim=1).tolist()
             return result

@@ -10,14 +10,14 @@ differs from gloo's; every rank must hold the same bits in both cases.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
 
 import pytest
 import torch
 import torch.distributed as dist
-from grading import load, world
+from grading import defined_at, load, world
 
 from course.comm_counter import CommCounter, CommRecord
 from course.world import RankDied, RankFailed, WorldHung
@@ -365,3 +365,34 @@ class P2PTrace:
             elif kind == "wait":
                 worst = max(worst, len(pending))
         return worst
+
+
+def factor_neighbours(
+    settings: Mapping[str, Any],
+    right: Mapping[str, Any],
+    factors: Mapping[str, Sequence[Any]],
+    measure: Callable[[dict[str, Any]], Any],
+) -> list[tuple[str, Any]]:
+    """The mistakes one factor away from ``settings`` (a mistake written as one value per factor
+    of its function, ``right`` the right values): each factor the mistake got wrong set to each
+    of its other wrong values, measured (issue 49's neighbours, generated from the factor list
+    rather than by hand: the mistakes a namer could mistake this one for)."""
+    out = []
+    for factor, values in factors.items():
+        if settings[factor] == right[factor]:
+            continue
+        for value in values:
+            if value in (settings[factor], right[factor]):
+                continue
+            changed = {**settings, factor: value}
+            label = ", ".join(f"{f}={v}" for f, v in changed.items() if v != right[f])
+            out.append((label, measure(changed)))
+    return out
+
+
+def with_sites(found: dict[str, str], cls: type) -> dict[str, str]:
+    """Each remark about a method of the learner's ``cls`` (keyed by the method's name) with
+    where that method is defined: a unit method tried alone that misbehaved is pointed at by
+    its own line, never at another class's method of the same name (``ZeroUnit.gather`` for an
+    ``FsdpUnit`` remark that mentions an all-gather) or at the test's line."""
+    return {method: text + defined_at(getattr(cls, method, None)) for method, text in found.items()}

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from grading import learner_line, load
+from grading import defined_at, learner_line, load
+from phase3_helpers import with_sites
 from torch import nn
 
 from course.comm_counter import CommCounter
@@ -130,16 +131,11 @@ def unit_problems(stage: int, group: Any) -> dict[str, str]:
             f"{dist.get_world_size()}, failed inside torch: it expected an input of "
             f"{sizes[1] if sizes else '?'} elements, the output's size times the WORLD's "
             f"{dist.get_world_size()} ranks, so the reduce-scatter ran on the whole world; every "
-            "collective of a unit needs group=self.group"
+            "collective of a unit needs group=self.group" + defined_at(type(unit).reduce_scatter)
         ) from None
-    want = total[rank * size : (rank + 1) * size] / world
-    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-12, atol=0):
-        summed = got.shape == want.shape and torch.allclose(got, want * world, rtol=1e-12, atol=0)
-        found["reduce_scatter"] = (
-            f"ZeroUnit.reduce_scatter returned {tuple(got.shape)} values on group rank {rank}; "
-            f"expected slice {rank} ({size} elements) of the mean over the {world} ranks"
-            + (": it is the sum, divide by the group size" if summed else "")
-        )
+    wrong = reduce_scatter_problem(got, total, rank, dist.get_rank(), world, dist.get_world_size())
+    if wrong:
+        found["reduce_scatter"] = wrong
     with torch.no_grad():
         unit.shard.copy_(torch.arange(size, dtype=torch.float64) + 1000 * (rank + 1))
     expected = torch.cat(
@@ -152,7 +148,7 @@ def unit_problems(stage: int, group: Any) -> dict[str, str]:
                 "ZeroUnit.all_gather_params left flat_param without every rank's shard in "
                 "group-rank order (rank r's shard at [r·S, (r+1)·S))"
             )
-        return found
+        return with_sites(found, type(unit))
     unit.flat_param.untyped_storage().resize_(0)  # freed by hand: gather() alone is tried
     unit.gather()
     storage = unit.flat_param.untyped_storage()
@@ -170,7 +166,64 @@ def unit_problems(stage: int, group: Any) -> dict[str, str]:
             f"{unit.flat_param.untyped_storage().nbytes()} bytes: it must shrink the storage to "
             "0 bytes (the parameters stay views of it)"
         )
-    return found
+    return with_sites(found, type(unit))
+
+
+def reduce_scatter_problem(
+    got: Any, total: torch.Tensor, rank: int, global_rank: int, group_size: int, world_size: int
+) -> str | None:
+    """What is wrong with ``ZeroUnit.reduce_scatter``'s slice ``got`` on group rank ``rank``
+    (global rank ``global_rank``) of a group of ``group_size`` in a world of ``world_size``,
+    ``total`` the sum of the group's flat gradients (None: nothing). A cause is named when the
+    values are exactly what it gives: the sum, the mean over the world instead of the group,
+    the slice of the global rank, the whole buffer."""
+    size = total.numel() // group_size
+    want = total[rank * size : (rank + 1) * size] / group_size
+    if (
+        isinstance(got, torch.Tensor)
+        and got.shape == want.shape
+        and torch.allclose(got, want, rtol=1e-12, atol=0)
+    ):
+        return None
+    shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+    said = (
+        f"ZeroUnit.reduce_scatter returned {shape} values on group rank {rank}; expected slice "
+        f"{rank} ({size} elements) of the mean over the {group_size} ranks"
+    )
+    if not isinstance(got, torch.Tensor):
+        return said
+
+    def equals(other: torch.Tensor) -> bool:
+        return got.shape == other.shape and torch.allclose(got, other, rtol=1e-12, atol=0)
+
+    mine = total[rank * size : (rank + 1) * size]
+    if equals(mine):
+        return f"{said}: it is the sum, divide by the group size"
+    if world_size != group_size and equals(mine / world_size):
+        return (
+            f"{said}: it is the sum divided by the WORLD's size ({world_size}), not the group's "
+            f"({group_size}): take the size from the group (dist.get_world_size(group))"
+        )
+    if global_rank != rank and equals(
+        total[global_rank * size : (global_rank + 1) * size] / group_size
+    ):
+        return (
+            f"{said}: it is the slice of the GLOBAL rank {global_rank}: slices follow the group "
+            "rank (dist.get_rank(group))"
+        )
+    if equals(total / group_size):
+        return f"{said}: it is the whole mean buffer, not this rank's slice of it"
+    return f"{said} ({differs_text(got, want)})"
+
+
+def differs_text(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Which elements differ and by what ratio, or the shapes when they differ."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    bad = (got - want).abs().gt(1e-12 * want.abs().clamp(min=1)).nonzero().flatten()
+    ratio = got[bad[:1]] / want[bad[:1]] if len(bad) and bool(want[bad[0]] != 0) else None
+    shown = f", {float(ratio):.4g} times the right value there" if ratio is not None else ""
+    return f"{len(bad)} of {want.numel()} elements differ, the first at {int(bad[0])}{shown}"
 
 
 def _flat(params: Any, values: dict[str, torch.Tensor], names: dict[int, str]) -> torch.Tensor:
@@ -201,14 +254,20 @@ def slice_diagnosis(
                 stale = True
             for other in range(world):
                 olo, ohi = other * size, min((other + 1) * size, g.numel())
-                if other != r and ohi - olo == hi - lo and torch.allclose(
-                    g[lo:hi], w[olo:ohi], rtol=0, atol=TOLERANCE
+                if (
+                    other != r
+                    and ohi - olo == hi - lo
+                    and torch.allclose(g[lo:hi], w[olo:ohi], rtol=0, atol=TOLERANCE)
                 ):
                     moved = True
     own_right = all(
         torch.allclose(
-            _flat(u.layout.params, got, names)[rank * u.layout.shard_numel :][: u.layout.shard_numel],
-            _flat(u.layout.params, want, names)[rank * u.layout.shard_numel :][: u.layout.shard_numel],
+            _flat(u.layout.params, got, names)[rank * u.layout.shard_numel :][
+                : u.layout.shard_numel
+            ],
+            _flat(u.layout.params, want, names)[rank * u.layout.shard_numel :][
+                : u.layout.shard_numel
+            ],
             rtol=0,
             atol=TOLERANCE,
         )
