@@ -217,9 +217,19 @@ def _blocked(item: pytest.Item, report: pytest.TestReport, reason: str) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     """A judged failure of an exercise (values, counts, order: ``pytest.fail``) without a line of
-    the learner's gets one: the function its first lines name (tests/learner_sites.py)."""
+    the learner's gets one: the function its first lines name (tests/learner_sites.py); a rank's
+    error raised in given code or a test helper is put at the learner's call that caused it
+    (tests/learner_calls.py, issue 49)."""
     try:
         return (yield)
+    except Exception as exc:  # a rank's error raised in given code: at the learner's call
+        RankFailed, _, _ = _world_errors()
+        ex = _exercise_of(item)
+        if isinstance(exc, RankFailed) and ex is not None and not _is_reference(item):
+            from learner_calls import at_learner_call
+
+            at_learner_call(exc, ex.id)
+        raise
     except pytest.fail.Exception as exc:
         ex = _exercise_of(item)
         if ex is not None and not _is_reference(item):

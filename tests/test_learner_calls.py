@@ -1,12 +1,10 @@
 """A rank's error raised in given code is reported at the learner's call (issue 49, item 6):
-tests/phase3/learner_calls.py, on the frames a rank reports (no process is started)."""
+tests/learner_calls.py (applied to every exercise's worlds by tests/conftest.py), on the frames a
+rank reports (no process is started)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent / "phase3"))
 
 from learner_calls import learner_call_note
 

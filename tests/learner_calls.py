@@ -19,7 +19,7 @@ from learner_sites import _todo_functions
 
 from course.world import RankFailed
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 GIVEN_ERRORS = ("RuntimeError", "TypeError", "IndexError", "ValueError", "KeyError")
 
 
@@ -88,8 +88,9 @@ def at_learner_call(exc: BaseException, exercise_id: str) -> None:
     """Put the learner's call first in a rank's error raised in given code (in place)."""
     if isinstance(exc, RankFailed):
         note = learner_call_note(exc, exercise_id)
-        if note:
-            exc.args = (f"{note}\n{exc.args[0] if exc.args else exc}",)
+        text = str(exc.args[0]) if exc.args else str(exc)
+        if note and not text.startswith(note):  # once, however many wrappers it crosses
+            exc.args = (f"{note}\n{text}",)
 
 
 def learner_world(world: Any, exercise_id: str) -> Any:
