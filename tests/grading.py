@@ -11,6 +11,7 @@ import functools
 import importlib
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -117,23 +118,23 @@ def learner_line(exc: BaseException) -> str:
     ``exc`` on its way, for a grader that turns a caught exception into its own message; "" when
     it came through none of the course's modules.
 
-    The innermost line inside a function that holds an exercise's ``# TODO`` block wins: a shape
-    error raised deep in given code (``from_weights``) or torch is the learner's call's doing, and
-    that call is the line to open (issue 49). Without such a frame, the innermost line of the
-    course's modules (a template, a solution, or the given code beside them)."""
-    import traceback
+    The innermost line inside a function that holds an exercise's ``# TODO`` block wins
+    (:func:`learner_todo_line`): a shape error raised deep in given code (``from_weights``) or
+    torch is the learner's call's doing, and that call is the line to open (issue 49). Without
+    such a frame, the innermost line of the course's modules (a template, a solution, or the
+    given code beside them)."""
+    course = _course_frames(exc)
+    if not course:
+        return ""
+    rel, frame = course[0]
+    return learner_todo_line(exc) or f" (at {rel}:{frame.lineno} in {frame.name})"
 
+
+def learner_todo_line(exc: BaseException) -> str:
+    """`` (at <file>:<line> in <function>)`` of the innermost frame of ``exc`` inside a function
+    holding a ``# TODO <id>:`` block (a learner's function, or the reference's); "" if none."""
     root = Path(__file__).resolve().parents[1]
-    course: list[tuple[Path, traceback.FrameSummary]] = []
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = Path(frame.filename).resolve()
-        try:
-            rel = path.relative_to(root)
-        except ValueError:
-            continue
-        if rel.parts[0].startswith("phase") or rel.parts[0] == "solutions":
-            course.append((rel, frame))
-    for rel, frame in course:
+    for rel, frame in _course_frames(exc):
         path = root / rel
         try:
             spans = _todo_spans(path, path.stat().st_mtime)
@@ -141,10 +142,31 @@ def learner_line(exc: BaseException) -> str:
             continue
         if frame.lineno is not None and any(a <= frame.lineno <= b for a, b in spans):
             return f" (at {rel}:{frame.lineno} in {frame.name})"
-    if course:
-        rel, frame = course[0]
-        return f" (at {rel}:{frame.lineno} in {frame.name})"
     return ""
+
+
+def _course_frames(exc: BaseException) -> list[tuple[Path, _Frame]]:
+    """(path relative to the repository, frame) of ``exc``'s frames in the course's modules (a
+    phase folder or solutions/), innermost first; a frame's name is its qualified name."""
+    root = Path(__file__).resolve().parents[1]
+    found: list[tuple[Path, _Frame]] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        try:
+            rel = Path(code.co_filename).resolve().relative_to(root)
+        except ValueError:
+            rel = None
+        if rel is not None and (rel.parts[0].startswith("phase") or rel.parts[0] == "solutions"):
+            found.append((rel, _Frame(tb.tb_lineno, getattr(code, "co_qualname", code.co_name))))
+        tb = tb.tb_next
+    return found[::-1]
+
+
+@dataclass(frozen=True)
+class _Frame:
+    lineno: int
+    name: str
 
 
 @functools.cache

@@ -43,6 +43,9 @@ def small_mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
 
 
+PARAMETER_TENSORS = 4  # small_mlp(): two Linear layers, a weight and a bias each
+
+
 def batch(samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(samples, 6, generator=g, dtype=torch.float64), torch.randint(
@@ -112,8 +115,54 @@ def check_sizes(got: list[int], want: list[int], what: str) -> None:
 # ----------------------------------------------------------------------------- one process
 
 
+# micro-batches of 4 first: from 10 samples they are 4 + 4 + 2, where the plain mean, the sum
+# and every other weighting of the micro-batches' means differ (at 1 the plain mean is right and
+# a sum is also a sum of samples' losses; at 10 and 12 there is one micro-batch)
+MICRO_BATCH_SIZES = (4, 1, 10, 12)
+SAMPLES = 10
+
+
+def micro_batch_means(micro_batch_size: int) -> tuple[float, list[float]]:
+    """The batch's mean loss under the reference model, and each micro-batch's mean loss."""
+    x, y = batch(SAMPLES)
+    reference = small_mlp()
+    with torch.no_grad():
+        want = nn.functional.cross_entropy(reference(x), y).item()
+        means = [
+            nn.functional.cross_entropy(reference(x[i : i + micro_batch_size]),
+                                        y[i : i + micro_batch_size]).item()
+            for i in range(0, SAMPLES, micro_batch_size)
+        ]  # fmt: skip
+    return want, means
+
+
+def loss_verdict(micro_batch_size: int, loss: Any) -> str | None:
+    """What is wrong with accumulate_gradients' returned loss, None when it is the batch's mean.
+    A weighting is named only when the loss is that weighting's and the batch's mean is not."""
+    want, means = micro_batch_means(micro_batch_size)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        loss = loss.item()  # judged by its value, as before: the contract's type is float
+    if not isinstance(loss, (int, float)):
+        return f"returned {loss!r} ({type(loss).__name__}); expected the batch's mean loss, {want}"
+    if loss == pytest.approx(want, rel=1e-12):
+        return None
+    if loss == pytest.approx(sum(means) / len(means), rel=1e-9):
+        advice = (
+            ": that is the plain mean of the micro-batches' means, which over-weights the "
+            f"short last one; weight each by its samples / {SAMPLES}"
+        )
+    elif loss == pytest.approx(sum(means), rel=1e-9):
+        advice = ": that is the sum of the micro-batches' means, each unweighted"
+    else:
+        advice = (
+            f": {loss / want:.4g} times it; weight each micro-batch's mean by its samples / "
+            f"{SAMPLES}"
+        )
+    return f"returned loss {loss}, the batch's mean loss is {want}{advice}"
+
+
 @exercise("2.1")
-@pytest.mark.parametrize("micro_batch_size", [1, 4, 10, 12])
+@pytest.mark.parametrize("micro_batch_size", MICRO_BATCH_SIZES)
 def test_accumulated_gradient_equals_one_big_batch(micro_batch_size: int) -> None:
     accumulation = accumulation_module()
     x, y = batch(10)  # micro-batches of 4 leave a short last one of 2
@@ -124,19 +173,9 @@ def test_accumulated_gradient_equals_one_big_batch(micro_batch_size: int) -> Non
     loss = accumulation.accumulate_gradients(model, nn.functional.cross_entropy, micro_batches)
     where = f"2.1 accumulate_gradients, micro-batches of {micro_batch_size} from 10 samples"
     check_sizes(sizes, expected_sizes(10, micro_batch_size), where)
-    want = nn.functional.cross_entropy(reference(x), y).item()
-    if loss != pytest.approx(want, rel=1e-12):
-        with torch.no_grad():
-            means = [nn.functional.cross_entropy(reference(a), b).item() for a, b in micro_batches]
-        advice = ""
-        if loss == pytest.approx(sum(means) / len(means), rel=1e-9):
-            advice = (
-                ": that is the plain mean of the micro-batches' means, which over-weights the "
-                "short last one; weight each by its samples / 10"
-            )
-        elif loss == pytest.approx(sum(means), rel=1e-9):
-            advice = ": that is the sum of the micro-batches' means, each unweighted"
-        fail(f"{where}: returned loss {loss}, the batch's mean loss is {want}{advice}")
+    verdict = loss_verdict(micro_batch_size, loss)
+    if verdict:
+        fail(f"{where}: {verdict}")
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         if p.grad is None:
             fail(f"{where}: {name} has no gradient after accumulation")
@@ -195,13 +234,22 @@ def accumulation_dp_worker(
     }
 
 
-def all_reduce_advice(made: int, steps: int, micro_batches: int, per_step: int = 1) -> str:
-    """What a wrong count of all-reduces says, from the count itself."""
+def all_reduce_advice(
+    made: int, steps: int, micro_batches: int, per_step: int = 1, tensors: int = 0
+) -> str:
+    """What a wrong count of all-reduces says, from the count itself; ``tensors``: the model's
+    parameter tensors (a count that is one per tensor per step, or per micro-batch, says so)."""
     if made == 0:
         return "none at all: the gradients were never averaged across the ranks"
     if made == steps * micro_batches * per_step:
         return "that is one per micro-batch: average once per step, after the last micro-batch"
-    return "average once per step, after the last micro-batch"
+    if tensors and made in (steps * tensors, steps * micro_batches * tensors):
+        when = "step" if made == steps * tensors else "micro-batch"
+        return (
+            f"that is one per parameter tensor ({tensors}) each {when}: average once per step, "
+            "all of the gradients in one all-reduce (phase 1's average_gradients)"
+        )
+    return f"that is {made / steps:g} per step: average once per step, after the last micro-batch"
 
 
 def check_data_parallel(results: list[dict[str, Any]], steps: int, label: str) -> None:
@@ -211,7 +259,7 @@ def check_data_parallel(results: list[dict[str, Any]], steps: int, label: str) -
             fail(
                 f"{label}: {steps} optimizer steps of 2 micro-batches made "
                 f"{result['all_reduces']} all-reduces on rank {rank}; expected {steps}: "
-                + all_reduce_advice(result["all_reduces"], steps, 2)
+                + all_reduce_advice(result["all_reduces"], steps, 2, tensors=PARAMETER_TENSORS)
             )
         wants = full_batch_steps(12, steps, 100 * result["index"])
         where = f"{label}, rank {rank}, 2 ranks x (4 + 2 samples)"

@@ -74,26 +74,55 @@ def expected_split(num_layers: int, world_size: int) -> list[int]:
 @exercise("2.4")
 def test_split_is_as_even_as_possible_with_the_extra_layers_first() -> None:
     split_sizes = mp().split_sizes
-    for num_layers in range(1, 13):
-        for world_size in range(1, num_layers + 1):
-            sizes = split_sizes(num_layers, world_size)
-            want = expected_split(num_layers, world_size)
-            if sizes == want:
-                continue
-            why = (
-                "the counts must add up to the layer count, each at least 1, differing by at "
-                "most one"
-            )
-            if isinstance(sizes, list) and sorted(sizes) == sorted(want):
-                why = (
-                    "the counts are right but in the wrong places: the first "
-                    f"num_layers % world_size = {num_layers % world_size} ranks take the extra "
-                    "layer, so every rank agrees on where each layer lives"
-                )
-            fail(
-                f"2.4: split_sizes({num_layers}, {world_size}) returned {sizes}, expected {want}: "
-                f"{why}"
-            )
+    got = {(n, w): split_sizes(n, w) for n, w in SPLIT_CASES}
+    verdict = split_verdict(got)
+    if verdict:
+        fail(verdict)
+
+
+SPLIT_CASES = [(n, w) for n in range(1, 13) for w in range(1, n + 1)]
+
+
+def split_verdict(got: dict[tuple[int, int], Any]) -> str | None:
+    """The first (layers, ranks) whose split_sizes is not torch-style even with the extras first;
+    "right counts in the wrong places" is said only when, on every case, the counts are the
+    right ones in some order."""
+    wrong = [case for case in SPLIT_CASES if got[case] != expected_split(*case)]
+    if not wrong:
+        return None
+    placed_wrong = all(
+        isinstance(got[c], list) and sorted(got[c]) == sorted(expected_split(*c)) for c in wrong
+    )
+    # the case to show: the first wrong one, or when the counts themselves are wrong somewhere,
+    # the first case that shows it
+    shown = wrong[0] if placed_wrong else next(
+        (c for c in wrong if not isinstance(got[c], list)
+         or sorted(got[c]) != sorted(expected_split(*c))),
+        wrong[0],
+    )  # fmt: skip
+    num_layers, world_size = shown
+    sizes, want = got[shown], expected_split(num_layers, world_size)
+    if placed_wrong:
+        why = (
+            "the counts are right but in the wrong places: the first "
+            f"num_layers % world_size = {num_layers % world_size} ranks take the extra "
+            "layer, so every rank agrees on where each layer lives"
+        )
+    elif not isinstance(sizes, list) or not all(isinstance(x, int) for x in sizes):
+        why = f"a list of {world_size} ints is expected; it returned a {type(sizes).__name__}"
+    elif sum(sizes) != num_layers or len(sizes) != world_size:
+        why = f"{len(sizes)} counts adding up to {sum(sizes)}, for {world_size} ranks and {num_layers} layers"
+    elif min(sizes) < 1:
+        why = "a rank holds no layer"
+    else:
+        why = (
+            f"the counts differ by {max(sizes) - min(sizes)}; as even as possible, they differ "
+            "by at most one"
+        )
+    return (
+        f"2.4: split_sizes({num_layers}, {world_size}) returned {sizes}, expected {want}: {why}"
+        f" ({len(wrong)} of {len(SPLIT_CASES)} (layers, ranks) cases wrong)"
+    )
 
 
 @exercise("2.4")

@@ -36,7 +36,7 @@ from cp_helpers import (
     step_blocks,
     todo_record,
 )
-from grading import exercise, impl, learner_line, step_aside_unless_mine
+from grading import defined_at, exercise, impl, learner_line, step_aside_unless_mine
 from phase2_group_helpers import crossing_message, demo_module, fail, module, small_world
 from subgroups import split_into_groups
 
@@ -79,38 +79,64 @@ def case_tensors(cp: int, causal: bool, zigzag: bool) -> list[torch.Tensor]:
 # ============================================================================ in this process
 
 
+ZIGZAG_CP_SIZES = range(1, 7)  # the graded sizes of zigzag_chunk_ids
+
+
+def zigzag_verdict(got_by_cp: dict[int, list[tuple[int, ...]]]) -> str | None:
+    """What is wrong with zigzag_chunk_ids(rank, cp) for rank = 0..cp-1, given for every graded
+    cp; None when it is torch's head-tail layout on every one. A cause is named only when every
+    cp singles it out (at cp=1 most layouts coincide): the same pairs in the other order, or two
+    neighbouring chunks per rank (the contiguous split). Otherwise the first wrong cp is
+    described: which chunks are held twice, or the unbalanced work."""
+    want_by_cp = {cp: [expected_chunks(r, cp, True) for r in range(cp)] for cp in got_by_cp}
+    wrong = [cp for cp, got in got_by_cp.items() if got != want_by_cp[cp]]
+    if not wrong:
+        return None
+    swapped = all(
+        got == [tuple(reversed(pair)) for pair in want_by_cp[cp]] for cp, got in got_by_cp.items()
+    )
+    contiguous = all(
+        got == [(2 * r, 2 * r + 1) for r in range(cp)] for cp, got in got_by_cp.items()
+    )
+    cp = wrong[0]
+    got, want = got_by_cp[cp], want_by_cp[cp]
+    where = f"2.7 zigzag_chunk_ids for cp={cp}"
+    if swapped:
+        return (
+            f"{where}: chunk order swapped (at every cp): rank 0 holds {want[0]} with the earlier "
+            f"chunk first (torch's head-tail layout, and the order your local q, k, v are laid "
+            f"out in); yours lists {got[0]}"
+        )
+    held = sorted(chunk for pair in got for chunk in pair)
+    if held != list(range(2 * cp)):
+        twice = sorted({c for c in held if held.count(c) > 1})
+        missing = sorted(set(range(2 * cp)) - set(held))
+        return (
+            f"{where}: every chunk 0..{2 * cp - 1} must be held by exactly one rank; yours "
+            f"gives {got}: chunks {twice} held more than once, {missing} by no rank"
+        )
+    work = [sum(chunk + 0.5 for chunk in pair) for pair in got]
+    if len(set(work)) > 1:
+        return (
+            f"{where}: each chunk is held once, but the causal work is not balanced: "
+            f"ranks hold {got}, doing {work} blocks of causal attention (a chunk c attends "
+            f"c earlier chunks and half of its own)"
+            + (": two neighbouring chunks per rank is the contiguous split" if contiguous else "")
+            + ": pair an early chunk with a late one so every rank's sum is the same"
+        )
+    return f"{where}: rank r should hold {want} (r = 0..{cp - 1}); yours gives {got}"
+
+
 @exercise("2.7")
 def test_zigzag_layout_pairs_an_early_chunk_with_a_late_one() -> None:
     layout = layout_module()
-    for cp in range(1, 7):
-        got = [tuple(layout.zigzag_chunk_ids(rank, cp)) for rank in range(cp)]
-        want = [expected_chunks(rank, cp, True) for rank in range(cp)]
-        if got == want:
-            continue
-        where = f"2.7 zigzag_chunk_ids for cp={cp}"
-        if got == [tuple(reversed(pair)) for pair in want]:
-            fail(
-                f"{where}: chunk order swapped: rank 0 holds {want[0]} with the earlier chunk "
-                f"first (torch's head-tail layout, and the order your local q, k, v are laid "
-                f"out in); yours lists {got[0]}"
-            )
-        held = sorted(chunk for pair in got for chunk in pair)
-        if held != list(range(2 * cp)):
-            twice = sorted({c for c in held if held.count(c) > 1})
-            missing = sorted(set(range(2 * cp)) - set(held))
-            fail(
-                f"{where}: every chunk 0..{2 * cp - 1} must be held by exactly one rank; yours "
-                f"gives {got}: chunks {twice} held more than once, {missing} by no rank"
-            )
-        work = [sum(chunk + 0.5 for chunk in pair) for pair in got]
-        if len(set(work)) > 1:
-            fail(
-                f"{where}: each chunk is held once, but the causal work is not balanced: "
-                f"ranks hold {got}, doing {work} blocks of causal attention (a chunk c attends "
-                f"c earlier chunks and half of its own): pair an early chunk with a late one so "
-                "every rank's sum is the same"
-            )
-        fail(f"{where}: rank r should hold {want} (r = 0..{cp - 1}); yours gives {got}")
+    got = {
+        cp: [tuple(layout.zigzag_chunk_ids(rank, cp)) for rank in range(cp)]
+        for cp in ZIGZAG_CP_SIZES
+    }
+    verdict = zigzag_verdict(got)
+    if verdict:
+        fail(verdict)
 
 
 @exercise("2.7")
@@ -133,52 +159,68 @@ def test_shard_and_unshard_follow_the_layout() -> None:
             fail(f"2.7 unshard_sequence(cp={cp}, zigzag={zigzag}) did not restore the order")
 
 
-@exercise("2.7")
-def test_block_rule_skips_the_future_and_masks_the_diagonal() -> None:
+BLOCK_RULE_CASES = [(q, k, c) for c in (False, True) for q in range(6) for k in range(6)]
+
+
+def right_block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    """The kind of the block (query chunk, key chunk): FULL, DIAGONAL or SKIP."""
+    if not causal or k_chunk < q_chunk:
+        return "FULL"
+    return "DIAGONAL" if k_chunk == q_chunk else "SKIP"
+
+
+def block_rule_verdict(got: dict[tuple[int, int, bool], Any]) -> str | None:
+    """What is wrong with block_kind over every pair of 6 chunks, causal or not (``got``: the
+    kind it returned, by (q chunk, k chunk, causal)); None when all are right. The rule is called
+    mirrored only when it is exactly that: every causal block off the diagonal has the other of
+    FULL and SKIP, and everything else is right."""
     from phase2_advanced.ring_attention_blocks import BlockKind
 
-    layout = layout_module()
     wrong = []
-    for causal in (False, True):
-        for q_chunk in range(6):
-            for k_chunk in range(6):
-                got = layout.block_kind(q_chunk, k_chunk, causal=causal)
-                want = {"full": BlockKind.FULL, "diagonal": BlockKind.DIAGONAL,
-                        "skip": BlockKind.SKIP}[
-                    "full" if not causal or k_chunk < q_chunk
-                    else "diagonal" if k_chunk == q_chunk else "skip"
-                ]  # fmt: skip
-                if got is not want:
-                    wrong.append((q_chunk, k_chunk, causal, got, want))
+    for q_chunk, k_chunk, causal in BLOCK_RULE_CASES:
+        kind = got[(q_chunk, k_chunk, causal)]
+        name = kind.name if isinstance(kind, BlockKind) else repr(kind)
+        want = right_block_kind(q_chunk, k_chunk, causal)
+        if name != want:
+            wrong.append((q_chunk, k_chunk, causal, name, want))
     if not wrong:
-        return
+        return None
     lines = []
-    for q_chunk, k_chunk, causal, got, want in wrong[:4]:
+    for q_chunk, k_chunk, causal, name, want in wrong[:4]:
         why = {
-            BlockKind.FULL: "every key of it is at or before every query"
+            "FULL": "every key of it is at or before every query"
             if causal
             else "without a causal mask every query sees every key",
-            BlockKind.DIAGONAL: "the same positions: query i sees keys j <= i only",
-            BlockKind.SKIP: "every key of it is after every query",
+            "DIAGONAL": "the same positions: query i sees keys j <= i only",
+            "SKIP": "every key of it is after every query",
         }[want]
         lines.append(
-            f"block_kind({q_chunk}, {k_chunk}, causal={causal}) should be {want.name} ({why}); "
-            f"it returned {getattr(got, 'name', got)}"
+            f"block_kind({q_chunk}, {k_chunk}, causal={causal}) should be {want} ({why}); "
+            f"it returned {name}"
         )
-    mirrored = all(
-        (got is BlockKind.SKIP and want is BlockKind.FULL)
-        or (got is BlockKind.FULL and want is BlockKind.SKIP)
-        for _, _, causal, got, want in wrong
-        if causal
-    ) and all(causal for _, _, causal, _, _ in wrong)
+    swap = {"FULL": "SKIP", "SKIP": "FULL"}
+    mirrored = {(q, k, c, n) for q, k, c, n, _ in wrong} == {
+        (q, k, True, swap[right_block_kind(q, k, True)])
+        for q, k, c in BLOCK_RULE_CASES
+        if c and q != k
+    }
     advice = (
-        "\n  Every causal mistake swaps FULL and SKIP: the rule is mirrored (key chunks after the "
-        "query chunk are the future, never used)"
+        "\n  Every causal block off the diagonal has the other of FULL and SKIP: the rule is "
+        "mirrored (key chunks after the query chunk are the future, never used)"
         if mirrored
         else ""
     )
     more = f"\n  ({len(wrong)} of 72 wrong) " + "\n  ".join(lines[1:]) if len(wrong) > 1 else ""
-    fail(f"2.7 causal block rule: {lines[0]}{more}{advice}")
+    return f"2.7 causal block rule: {lines[0]}{more}{advice}"
+
+
+@exercise("2.7")
+def test_block_rule_skips_the_future_and_masks_the_diagonal() -> None:
+    layout = layout_module()
+    got = {(q, k, c): layout.block_kind(q, k, causal=c) for q, k, c in BLOCK_RULE_CASES}
+    verdict = block_rule_verdict(got)
+    if verdict:
+        fail(verdict + defined_at(layout.block_kind))
 
 
 def _partials(dtype: torch.dtype, magnitude: float, seed: int) -> list[torch.Tensor]:
@@ -218,62 +260,85 @@ def merge_variants(
     return outs, torch.log(torch.exp(la - m) + torch.exp(lb - m))
 
 
+MERGE_CASES = [
+    ("float64, scores of order 1", F64, 1.0, 1e-12),
+    ("float64, lse in the thousands", F64, 30.0, 1e-9),
+    ("float32, lse in the hundreds", torch.float32, 10.0, 2e-5),
+]
+
+
+def merge_verdict(
+    label: str, magnitude: float, atol: float, got_out: torch.Tensor, got_lse: torch.Tensor
+) -> str | None:
+    """What is wrong with merge_partials' (out, lse) on the case ``label`` (its partials drawn
+    with ``magnitude``, seed 7), None when both are attention over both key sets. A mistake is
+    named only when the result matches that mistake's and no other's."""
+    dtype = next(d for name, d, _, _ in MERGE_CASES if name == label)
+    out_a, lse_a, out_b, lse_b, out, lse = _partials(dtype, magnitude, seed=7)
+    size = float(torch.maximum(lse_a.abs(), lse_b.abs()).max())
+    where = f"2.7 merge_partials, {label} (largest |lse| {size:.0f})"
+    finite = bool(torch.isfinite(got_out).all() and torch.isfinite(got_lse).all())
+    if not finite and size > 80:
+        return (
+            f"{where}: the merged result has inf or nan: exp of an lse this large "
+            f"overflows ({'float32 above 88' if dtype == torch.float32 else 'float64 above 709'}"
+            "): subtract the larger lse before exponentiating (the max shift), so every "
+            "exponent is <= 0"
+        )
+    tolerance = atol * max(1.0, float(lse.abs().max()))
+    if not close(got_lse, lse, tolerance):
+        lse_variants = {
+            ": yours is the larger of the two lse; add the log of the summed weights": torch.maximum(
+                lse_a, lse_b
+            ).to(F64),
+            ": yours is lse_a + lse_b; the union's lse is the log of the summed exps": (
+                lse_a + lse_b
+            ).to(F64),
+            ": yours is the log of the shifted sum, log(exp(lse_a - m) + exp(lse_b - m)), "
+            "without the shift m added back": merge_variants(out_a, lse_a, out_b, lse_b)[1],
+        }
+        fits = [why for why, variant in lse_variants.items() if close(got_lse, variant, tolerance)]
+        return (
+            f"{where}: the merged lse should be the lse over both key sets "
+            f"({difference(got_lse, lse)}){fits[0] if len(fits) == 1 else ''}"
+        )
+    if not close(got_out, out, atol):
+        named = [
+            why
+            for why, variant in merge_variants(out_a, lse_a, out_b, lse_b)[0].items()
+            if close(got_out, variant, atol)
+        ]
+        return (
+            f"{where}: the merged output should be attention over both key sets "
+            f"({difference(got_out, out)}); the lse is right, so look at the weights: "
+            + (
+                named[0]
+                if len(named) == 1
+                else "this fits each of: " + "; ".join(named)
+                if named
+                else "each side's out weighs by its share of the summed exponentials, "
+                "exp(its lse - the merged lse)"
+            )
+        )
+    return None
+
+
 @exercise("2.7")
 def test_merge_of_two_partials_equals_attention_over_both_key_sets() -> None:
     cp = cp_module()
-    cases = [
-        ("float64, scores of order 1", F64, 1.0, 1e-12),
-        ("float64, lse in the thousands", F64, 30.0, 1e-9),
-        ("float32, lse in the hundreds", torch.float32, 10.0, 2e-5),
-    ]
-    for label, dtype, magnitude, atol in cases:
+    for label, dtype, magnitude, atol in MERGE_CASES:
         out_a, lse_a, out_b, lse_b, out, lse = _partials(dtype, magnitude, seed=7)
         got_out, got_lse = cp.merge_partials(out_a, lse_a, out_b, lse_b)
-        size = float(torch.maximum(lse_a.abs(), lse_b.abs()).max())
-        where = f"2.7 merge_partials, {label} (largest |lse| {size:.0f})"
-        finite = bool(torch.isfinite(got_out).all() and torch.isfinite(got_lse).all())
-        if not finite and size > 80:
-            fail(
-                f"{where}: the merged result has inf or nan: exp of an lse this large "
-                f"overflows ({'float32 above 88' if dtype == torch.float32 else 'float64 above 709'}"
-                "): subtract the larger lse before exponentiating (the max shift), so every "
-                "exponent is <= 0"
-            )
+        verdict = merge_verdict(label, magnitude, atol, got_out, got_lse)
+        if verdict:
+            fail(verdict)
         tolerance = atol * max(1.0, float(lse.abs().max()))
-        if not close(got_lse, lse, tolerance):
-            advice = ""
-            if close(got_lse, torch.maximum(lse_a, lse_b).to(F64), tolerance):
-                advice = ": yours is the larger of the two lse; add the log of the summed weights"
-            elif close(got_lse, (lse_a + lse_b).to(F64), tolerance):
-                advice = ": yours is lse_a + lse_b; the union's lse is the log of the summed exps"
-            elif close(got_lse, merge_variants(out_a, lse_a, out_b, lse_b)[1], tolerance):
-                advice = (
-                    ": yours is the log of the shifted sum, log(exp(lse_a - m) + exp(lse_b - m)), "
-                    "without the shift m added back"
-                )
-            fail(
-                f"{where}: the merged lse should be the lse over both key sets "
-                f"({difference(got_lse, lse)}){advice}"
-            )
-        if not close(got_out, out, atol):
-            named = [
-                why
-                for why, variant in merge_variants(out_a, lse_a, out_b, lse_b)[0].items()
-                if close(got_out, variant, atol)
-            ]
-            fail(
-                f"{where}: the merged output should be attention over both key sets "
-                f"({difference(got_out, out)}); the lse is right, so look at the weights: "
-                + (
-                    named[0]
-                    if named
-                    else "each side's out weighs by its share of the summed exponentials, "
-                    "exp(its lse - the merged lse)"
-                )
-            )
         swapped_out, swapped_lse = cp.merge_partials(out_b, lse_b, out_a, lse_a)
         if not (close(swapped_out, out, atol) and close(swapped_lse, lse, tolerance)):
-            fail(f"{where}: merging (b, a) should give what merging (a, b) gives; it does not")
+            fail(
+                f"2.7 merge_partials, {label}: merging (b, a) should give what merging (a, b) "
+                "gives; it does not"
+            )
 
 
 # ============================================================================ ring attention worlds
@@ -681,17 +746,27 @@ def test_ring_attention_gradients_equal_sdpa(cp: int) -> None:
         )
     name = "dK" if wrong["dK"] else "dV"
     causal, zigzag, rank = wrong[name][0]
-    q, _, _, grad = case_tensors(cp, causal, zigzag)
-    ref = refs[(causal, zigzag)]
+    got = results[rank]["cases"][(causal, zigzag)]["grads"][1 if name == "dK" else 2]
+    pattern = _pattern_advice({(c, z) for c, z, _ in wrong[name]})
+    site = defined_at(getattr(cp_module(), "ring_attention_backward", None))
+    fail(dkdv_verdict(cp, causal, zigzag, rank, name, got, pattern) + site)
+
+
+def dkdv_verdict(
+    cp: int, causal: bool, zigzag: bool, rank: int, name: str, got: torch.Tensor, pattern: str = ""
+) -> str:
+    """The failure for rank ``rank``'s wrong ``name`` ("dK" or "dV") on one case, dQ being right:
+    what it holds, when it is a known mistake's sum, else how far off it is and ``pattern`` (what
+    the set of wrong cases points at)."""
+    q, k, v, grad = case_tensors(cp, causal, zigzag)
+    ref = reference(q, k, v, grad, causal)
     index = 0 if name == "dK" else 1
     homes = [own_queries_share(ref, q, grad, r, cp, zigzag)[index] for r in range(cp)]
-    got = results[rank]["cases"][(causal, zigzag)]["grads"][1 + index]
     full = ref.dk if name == "dK" else ref.dv
     advice = _dkdv_advice(got, name, full, homes, rank, cp, zigzag)
-    pattern = _pattern_advice({(c, z) for c, z, _ in wrong[name]})
     if pattern and advice.startswith(f"{name} differs"):
         advice = f"{name} differs ({difference(got, shard(full, rank, cp, zigzag))}); {pattern}"
-    fail(f"{case_name(cp, causal, zigzag)}, rank {rank}: dQ is right, but {advice}")
+    return f"{case_name(cp, causal, zigzag)}, rank {rank}: dQ is right, but {advice}"
 
 
 @exercise("2.7")
