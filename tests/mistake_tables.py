@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,7 @@ def load_table_module(exercise: str) -> ModuleType | None:
     spec = importlib.util.spec_from_file_location(f"_mistakes_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it is made
     spec.loader.exec_module(module)
     return module
 
@@ -135,8 +137,6 @@ def tables_of(exercise: str) -> tuple[NamerTable, ...]:
 
 def main() -> None:
     """Print every exercise's tables (or why it has none) as markdown."""
-    import sys
-
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     from exercises import EXERCISES
 

@@ -25,6 +25,7 @@ from lm_namers import (
     BalanceMeasured,
     HeldKind,
     LayoutFacts,
+    LossCase,
     RegionCase,
     all_gather_problem,
     balance_problem,
@@ -174,12 +175,18 @@ def test_a_reduce_scatter_done_as_an_all_reduce_is_named_by_its_bytes() -> None:
 def test_collectives_no_mistake_explains_are_described_by_shape_and_values() -> None:
     shares = [SHARES[q] for q in GROUP]
     other = all_gather_problem(torch.cat(shares, 1) + 1, shares, SHARES)
-    assert other and "the right shape, other values" in other
+    assert other and "120 of 120 elements differ, by up to 1" in other  # what differs, not
+    assert "no known mistake gives this" in other  # what should have been computed
     shape = all_gather_problem(torch.zeros(1, 2, 3), shares, SHARES)
     assert shape and "shape (1, 2, 3), expected (4, 6, 5)" in shape
     wholes = [WHOLES[q] for q in GROUP]
     odd = reduce_scatter_problem(torch.zeros(4, 3, 5), wholes, WHOLES, 1, 1)
     assert odd and "contiguous share of the sequence" in odd
+    assert "0 times the expected values" in odd and "expected (4, 3, 5)" not in odd  # same shape
+    partly = (wholes[0] + wholes[1]).chunk(2, dim=1)[1].clone()
+    partly[:, 2] += 1  # the last token of the share only
+    told = reduce_scatter_problem(partly, wholes, WHOLES, 1, 1)
+    assert told and "20 of 60 elements differ" in told and "sequence positions 2 of 0-2" in told
     extra = [CommRecord("all_gather", 960, None, GROUP), CommRecord("all_gather", 960, None, GROUP)]
     bytes_ = communication_problem(extra, GROUP, 4, 480, "an all-gather")
     assert bytes_ and "2 x all_gather of 1920 bytes" in bytes_ and "all-reduce" not in bytes_
@@ -267,27 +274,43 @@ def test_count_mistakes_are_named_only_when_every_layout_agrees() -> None:
 
 
 SIZES = {"dp": 2, "cp": 3, "tp": 4, "dp_cp": 6, "world": 24}
+ONE = {"dp": 1, "cp": 1, "tp": 1, "dp_cp": 1, "world": 1}
+LOSS_CASES = [LossCase("1 rank", 30.0, 11, 16, 11, ONE),
+              LossCase("dp2 x cp3 x tp4", 30.0, 11, 16, 53, SIZES)]  # fmt: skip
 
 
-def test_loss_share_mistakes_get_their_names() -> None:
-    summed, local, targets, total = 30.0, 11, 16, 53
-    right = summed * 6 / total
-    assert loss_problem(right, summed, local, targets, total, SIZES) is None
-    cases = {
-        "mean over this rank's own valid targets": summed / local,
-        "a local mean times dp x cp": summed / local * 6,
-        "not scaled for the average": summed / total,
-        "scaled by the world size (24)": summed * 24 / total,
-        "scaled by the dp size (2)": summed * 2 / total,
-        "divided by this rank's 16 targets, masked ones counted": summed / targets,
-        "(masked ones counted) and scaled by dp x cp": summed / targets * 6,
-    }
-    for name, value in cases.items():
-        message = loss_problem(value, summed, local, targets, total, SIZES)
-        assert message and name in message, (name, message)
-        assert not [o for o in cases if o != name and o in message], (name, message)
-    odd = loss_problem(right * 1.37, summed, local, targets, total, SIZES)
-    assert odd and "1.37 times that" in odd
+def test_loss_share_mistakes_are_named_only_when_every_case_agrees() -> None:
+    right = [c.want for c in LOSS_CASES]
+    assert loss_problem(right, LOSS_CASES) is None
+    # on one rank, masked targets counted with or without the dp x cp scale are the same
+    # number: only the second case tells them apart
+    plain = loss_problem([30 / 16, 30 / 16], LOSS_CASES)
+    scaled = loss_problem([30 / 16, 30 / 16 * 6], LOSS_CASES)
+    assert plain and plain[0] == 0 and "masked ones counted: divide" in plain[1]
+    assert "and scaled by dp x cp" not in plain[1]
+    assert scaled and "(masked ones counted) and scaled by dp x cp" in scaled[1]
+    assert "masked ones counted: divide" not in scaled[1]
+    # the world size on one case and the dp size on the other fit no single mistake
+    mixed = loss_problem([right[0], 30 * 24 / 53], LOSS_CASES)
+    assert mixed and "scaled by the world size" in mixed[1]
+    both = loss_problem([right[0] * 2, 30 * 24 / 53], LOSS_CASES)
+    assert both and "scaled by" not in both[1] and "2 times the expected value" in both[1]
+
+
+def test_loss_share_values_no_mistake_gives_are_described_by_their_ratio() -> None:
+    right = [c.want for c in LOSS_CASES]
+    odd = loss_problem([right[0], right[1] * 1.37], LOSS_CASES)
+    assert odd and odd[0] == 1 and "1.37 times the expected value" in odd[1]
+    assert (
+        "nor does one size of the layout (dp 2, cp 3, tp 4" in odd[1]
+        and "right on 1 rank" in odd[1]
+    )
+    by_tp = loss_problem([right[0], right[1] / 4], LOSS_CASES)
+    assert (
+        by_tp and "0.25 times" in by_tp[1] and "divided by the tp size (1, 4 in these" in by_tp[1]
+    )
+    near = loss_problem([right[0], right[1] * (1 + 1e-6)], LOSS_CASES)
+    assert near and "off by" in near[1] and "times the expected" not in near[1]
 
 
 # ----------------------------------------------------------------------------- balance
@@ -433,7 +456,9 @@ def test_a_division_by_the_world_size_is_named_as_such_not_a_tp_sum() -> None:
     c = recipe_coefficients(right_recipe(kind, True), grid, 1)
     got = _after([x * 2 / 4 for x in c])  # right ranks, divided by 4 instead of 2
     message = finish_problem(kind, True, grid, 1, got, INPUTS)
-    assert message and "divided by the world size" in message and "sum it over the tp" not in message
+    assert (
+        message and "divided by the world size" in message and "sum it over the tp" not in message
+    )
 
 
 def test_the_untied_embedding_summed_with_the_head_is_named() -> None:
@@ -478,8 +503,9 @@ def test_training_advice_lists_only_what_the_layout_can_have() -> None:
     assert "tie" not in causes and "tp" not in causes and "dp x cp" in causes
     no_tp = " ".join(parameter_causes("norm", LayoutFacts(cp=2)))
     assert "tp" not in no_tp and "cp" in no_tp
-    pipeline = " ".join(parameter_causes("embedding/head", LayoutFacts(pp=2, tied=True,
-                                                                       tie_across_ranks=True)))
+    pipeline = " ".join(
+        parameter_causes("embedding/head", LayoutFacts(pp=2, tied=True, tie_across_ranks=True))
+    )
     assert "tied embedding" in pipeline and "dp x cp" not in pipeline
     sp = " ".join(parameter_causes("norm", LayoutFacts(tp=2, sp=True)))
     assert "summed over tp" in sp and "not summed over tp" not in sp

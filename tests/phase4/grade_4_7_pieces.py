@@ -15,12 +15,17 @@ realistic mistakes; otherwise the message says what was measured and lists the c
   parallelism: values, the gradients that reach the input, and the collectives of both passes;
 * ``count_valid_tokens`` with uneven masks on dp2 x cp2 and cp2 x tp2;
 * ``loss_share`` in this process (value and gradient), on a topology that answers sizes only;
-* ``balance_loss_share`` on dp2 x cp2 and cp2 x tp2 (with and without sequence parallelism):
-  every rank's share and its gradient, against one process and against the usual mistakes;
-* ``finish_gradients`` on synthetic gradients: dp2 x cp2 with experts on ep2, dp2 x tp2 with and
-  without sequence parallelism (ZeRO slices among them), pp2 x dp2 with a tied embedding and with
-  an untied embedding and head; which ranks' parts each result sums is read off the result;
-  again with a hand-made all-reduce (only the data-parallel sums may go through it);
+* ``balance_loss_share`` on dp2 x cp2, cp4 and cp2 x tp2 (with and without sequence
+  parallelism), top-3 of 5 experts: every rank's share and its gradient, against one process and
+  against the usual mistakes (k, E, dp, cp, tp differ in some layout, so a share off by one of
+  them is told from a share off by another);
+* ``finish_gradients`` on synthetic gradients: dp2 x cp2 with experts on ep2, dp2 x tp2 with
+  sequence parallelism (ZeRO slices among them) and without (experts on ep2: the world is not
+  dp x cp), pp2 x tp2 with sequence parallelism (tp x dp x cp is not the world), pp2 x dp2 with
+  a tied embedding and with an untied embedding and head, pp4 with a tie, dp4 x pp2 for the
+  tie's bits; which ranks' parts each result sums is read off the result, and a cause is named
+  only when it explains every case; again with a hand-made all-reduce (only the data-parallel
+  sums may go through it);
 * ``gradient_placements`` in this process, for every kind of gradient, tied or not.
 
 A later check that needs an earlier one (the regions need the collectives, the hand-made run
@@ -30,7 +35,9 @@ before any process starts (a reference check: the refusals are given code).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, NoReturn
 
 import pytest
@@ -40,16 +47,22 @@ from grading import current_test, defined_at, exercise, impl, learner_line, load
 from lm_helpers import DENSE, FAILED_PIECES, MOE, at, lm_parallel, piece_failed
 from lm_namers import (
     BalanceMeasured,
+    FinishEntry,
     HeldKind,
+    LossCase,
     RegionCase,
     all_gather_problem,
     balance_problem,
     communication_problem,
     count_problem,
+    finish_consistent,
+    finish_deviations,
     finish_problem,
+    finish_right,
     hand_made_problem,
     loss_problem,
     placements_problem,
+    positions_fitting,
     positions_problem,
     reduce_scatter_problem,
     region_problem,
@@ -197,10 +210,27 @@ def blocked_by(functions: list[str]) -> None:
 # ----------------------------------------------------------------------------- positions
 
 
+POSITION_CASES = ((16, 1), (16, 2), (24, 2), (16, 4))  # (seq_len, cp), graded in this order
+
+
+def positions_message(got: Sequence[Sequence[Any]]) -> str | None:
+    """The words of token_positions' failure: ``got[i][r]`` is cp rank r's positions in
+    ``POSITION_CASES[i]``; the first case with wrong values is told (a wrong dtype alone only
+    when every value is right), a mistake named only if it fits every case; None when all are
+    right."""
+    allowed = positions_fitting(POSITION_CASES, got)
+    problems = [positions_problem(seq, cp, per_rank, allowed)
+                for (seq, cp), per_rank in zip(POSITION_CASES, got, strict=True)]  # fmt: skip
+    told = [p for p in problems if p]
+    values = [p for p in told if "returned the right positions" not in p]
+    return f"4.7 {(values or told)[0]}" if told else None
+
+
 @exercise("4.7")
 def test_token_positions_are_the_tokens_true_places_under_zigzag() -> None:
     lm = lm_parallel()
-    for seq, cp in ((16, 1), (16, 2), (24, 2), (16, 4)):
+    returned = []
+    for seq, cp in POSITION_CASES:
         got = []
         for rank in range(cp):
             try:
@@ -214,9 +244,10 @@ def test_token_positions_are_the_tokens_true_places_under_zigzag() -> None:
                     f"4.7 token_positions(seq_len={seq}, cp_rank={rank}, cp={cp}) raised "
                     f"{type(exc).__name__}: {exc}{learner_line(exc)}",
                 )
-        problem = positions_problem(seq, cp, got)
-        if problem:
-            fail_piece("token_positions", f"4.7 {problem}{at('token_positions')}")
+        returned.append(got)
+    message = positions_message(returned)
+    if message:
+        fail_piece("token_positions", f"{message}{at('token_positions')}")
 
 
 # ----------------------------------------------------------------------------- sequence parallel
@@ -272,28 +303,42 @@ def _collective_problem(function: str, rank: int, got: Any, records: list[Any],
     return communication_problem(records, group, WORLD, (n - 1) / n * _whole_bytes(), kind)
 
 
+SEQUENCE_COLLECTIVES = (  # (function, the part's key, what it is handed), graded in this order
+    ("all_gather_sequence", "all_gather", f"shares {list(SP_SHAPE)}"),
+    ("reduce_scatter_sequence", "reduce_scatter",
+     f"[{SP_SHAPE[0]}, {SP_TP * SP_SHAPE[1]}, {SP_SHAPE[2]}] partial sums"),
+)  # fmt: skip
+
+
+def collective_message(function: str, results: Sequence[tuple[Any, list[Any], bool]]) -> str | None:
+    """The words of one sequence collective's failure: ``results[rank]`` is (what it returned,
+    the collectives it issued, whether the tensor handed in was left unchanged); the learner's
+    line goes after the first line. None when every rank is right."""
+    problems = []
+    for rank, (got, records, unchanged) in enumerate(results):
+        problem = _collective_problem(function, rank, got, records, unchanged)
+        if problem:
+            problems.append((rank, problem))
+    if not problems:
+        return None
+    shape = next(s for f, _, s in SEQUENCE_COLLECTIVES if f == function)
+    return f"4.7 {function} of {shape} on {_layout_words()}:\n  " + "\n  ".join(
+        merge_ranks(problems)[:3]
+    )
+
+
 @exercise("4.7")
 def test_sequence_collectives_gather_and_reduce_scatter_along_the_sequence() -> None:
     parts = world_part("sequence_collectives")
     messages, wrong = [], []
-    for function, key, shape in (
-        ("all_gather_sequence", "all_gather", f"shares {list(SP_SHAPE)}"),
-        ("reduce_scatter_sequence", "reduce_scatter",
-         f"[{SP_SHAPE[0]}, {SP_TP * SP_SHAPE[1]}, {SP_SHAPE[2]}] partial sums"),
-    ):  # fmt: skip
+    for function, key, _ in SEQUENCE_COLLECTIVES:
         results = [part[key] for part in parts]
         stop_if_stopped(function, [r[0] for r in results], [r[1] for r in results])
-        problems = []
-        for rank, (got, records, unchanged) in enumerate(results):
-            problem = _collective_problem(function, rank, got, records, unchanged)
-            if problem:
-                problems.append((rank, problem))
-        if problems:
+        message = collective_message(function, results)
+        if message:
             wrong.append(function)
-            messages.append(
-                f"4.7 {function} of {shape} on {_layout_words()}:{at(function)}\n  "
-                + "\n  ".join(merge_ranks(problems)[:3])
-            )
+            first, _, rest = message.partition("\n")
+            messages.append(f"{first}{at(function)}\n{rest}")
     if messages:
         fail_piece(wrong, "\n".join(messages))
 
@@ -306,44 +351,88 @@ def test_tensor_parallel_regions_enter_and_leave_with_the_right_collectives(sp: 
         blocked_by(["all_gather_sequence", "reduce_scatter_sequence"])
     parts = world_part("regions")
     messages, wrong = [], []
-    for which, function in (("enter", "enter_tensor_parallel"), ("leave", "leave_tensor_parallel")):
+    for which, function in REGION_FUNCTIONS:
         results = [part[f"{which}_{sp}"] for part in parts]
         stop_if_stopped(function, [r[0] for r in results], [r[1] for r in results])
-        tokens_in, tokens_out = region_shapes(which, sp)
-        problems = []
-        for rank, ((out, grad), records) in enumerate(results):
-            group = _tp_group(rank)
-            case = RegionCase(
-                which, sp, group.index(rank),
-                [sp_input(q, tokens_in) for q in group], [sp_weight(q, tokens_out) for q in group],
-                [sp_input(q, tokens_in) for q in range(WORLD)],
-                [sp_weight(q, tokens_out) for q in range(WORLD)],
-            )  # fmt: skip
-            problem = region_problem(case, out, grad)
-            outside = communication_problem(records, group, WORLD, float("inf"), "")
-            if problem and outside:
-                problem = f"{problem} ({outside})"
-            elif not problem:
-                n = len(group)
-                budget = 2 * (n - 1) / n * _whole_bytes()  # one collective each way, or f / g
-                problem = communication_problem(
-                    records, group, WORLD, budget, "the region's collectives (forward and backward)"
-                )
-            if problem:
-                problems.append((rank, problem))
-        if problems:
+        message = region_message(which, sp, results)
+        if message:
             wrong.append(function)
-            messages.append(
-                f"4.7 {function}({'x' if which == 'enter' else 'y'}, group, sequence_parallel={sp}) "
-                f"on {_layout_words()}, then "
-                f"sum(output * weight) backpropagated:{at(function)}\n  "
-                + "\n  ".join(merge_ranks(problems)[:3])
-            )
+            first, _, rest = message.partition("\n")
+            messages.append(f"{first}{at(function)}\n{rest}")
     if messages:
         fail_piece(wrong, "\n".join(messages))
 
 
+REGION_FUNCTIONS = (("enter", "enter_tensor_parallel"), ("leave", "leave_tensor_parallel"))
+
+
+def region_message(which: str, sp: bool, results: Sequence[Any]) -> str | None:
+    """The words of one region function's failure in one mode: ``results[rank]`` is ((its
+    output, the gradient that reached its input), the collectives of both passes); the
+    learner's line goes after the first line. None when every rank is right."""
+    function = dict(REGION_FUNCTIONS)[which]
+    tokens_in, tokens_out = region_shapes(which, sp)
+    problems = []
+    for rank, ((out, grad), records) in enumerate(results):
+        group = _tp_group(rank)
+        case = RegionCase(
+            which, sp, group.index(rank),
+            [sp_input(q, tokens_in) for q in group], [sp_weight(q, tokens_out) for q in group],
+            [sp_input(q, tokens_in) for q in range(WORLD)],
+            [sp_weight(q, tokens_out) for q in range(WORLD)],
+        )  # fmt: skip
+        problem = region_problem(case, out, grad)
+        outside = communication_problem(records, group, WORLD, float("inf"), "")
+        if problem and outside:
+            problem = f"{problem} ({outside})"
+        elif not problem:
+            n = len(group)
+            budget = 2 * (n - 1) / n * _whole_bytes()  # one collective each way, or f / g
+            problem = communication_problem(
+                records, group, WORLD, budget, "the region's collectives (forward and backward)"
+            )
+        if problem:
+            problems.append((rank, problem))
+    if not problems:
+        return None
+    return (
+        f"4.7 {function}({'x' if which == 'enter' else 'y'}, group, sequence_parallel={sp}) "
+        f"on {_layout_words()}, then sum(output * weight) backpropagated:\n  "
+        + "\n  ".join(merge_ranks(problems)[:3])
+    )
+
+
 # ----------------------------------------------------------------------------- counts and loss
+
+
+def count_message(
+    results: Mapping[str, Sequence[tuple[Any, int]]],
+    wires: Mapping[str, Sequence[Sequence[tuple[str, str]]]],
+) -> str | None:
+    """The words of count_valid_tokens' failure, None when it passes: ``results[label][rank]``
+    is (what the rank returned, its own count), ``wires[label][rank]`` the (collective, dtype)
+    pairs it sent."""
+    problem = count_problem(results, {label: count_grid(label) for label in COUNT_LAYOUTS})
+    if problem:
+        label, rank, want, why = problem
+        got, mine = results[label][rank]
+        return (
+            f"4.7 count_valid_tokens on {label} (uneven masks): rank {rank}, holding {mine} "
+            f"valid targets, returned {got!r}; the global batch holds {want}: {why}"
+        )
+    for label in COUNT_LAYOUTS:
+        for rank, sent in enumerate(wires[label]):
+            inexact = [(op, dtype) for op, dtype in sent if dtype in INEXACT_COUNTS]
+            if inexact:
+                op, dtype = inexact[0]
+                return (
+                    f"4.7 count_valid_tokens on {label}: every rank returned the right count, "
+                    f"but rank {rank}'s {op} carried it as {dtype}, which holds whole numbers "
+                    f"exactly only up to {INEXACT_COUNTS[dtype]:,}: a global batch of 4,096 "
+                    "sequences of 8,192 tokens holds 33,554,432 targets, and the count, the "
+                    "loss's divisor, would be off. Which dtype carries every count exactly?"
+                )
+    return None
 
 
 @exercise("4.7")
@@ -354,30 +443,10 @@ def test_count_valid_tokens_counts_the_whole_batch_once() -> None:
         per_rank = [part[label] for part in parts]
         stop_if_stopped("count_valid_tokens", [r[0] for r in per_rank])
         results[label] = per_rank
-    problem = count_problem(results, {label: count_grid(label) for label in COUNT_LAYOUTS})
-    if problem:
-        label, rank, want, why = problem
-        got, mine = results[label][rank]
-        fail_piece(
-            "count_valid_tokens",
-            f"4.7 count_valid_tokens on {label} (uneven masks): rank {rank}, holding {mine} "
-            f"valid targets, returned {got!r}; the global batch holds {want}: {why}"
-            f"{at('count_valid_tokens')}",
-        )
-    for label in COUNT_LAYOUTS:
-        for rank, part in enumerate(parts):
-            inexact = [(op, dtype) for op, dtype in part[label + WIRE] if dtype in INEXACT_COUNTS]
-            if inexact:
-                op, dtype = inexact[0]
-                fail_piece(
-                    "count_valid_tokens",
-                    f"4.7 count_valid_tokens on {label}: every rank returned the right count, "
-                    f"but rank {rank}'s {op} carried it as {dtype}, which holds whole numbers "
-                    f"exactly only up to {INEXACT_COUNTS[dtype]:,}: a global batch of 4,096 "
-                    "sequences of 8,192 tokens holds 33,554,432 targets, and the count, the "
-                    "loss's divisor, would be off. Which dtype carries every count exactly?"
-                    f"{at('count_valid_tokens')}",
-                )
+    wires = {label: [part[label + WIRE] for part in parts] for label in COUNT_LAYOUTS}
+    message = count_message(results, wires)
+    if message:
+        fail_piece("count_valid_tokens", f"{message}{at('count_valid_tokens')}")
 
 
 # floating dtypes a count may not travel in, and the largest whole number each holds exactly
@@ -406,29 +475,64 @@ class SizesOnly:
 
 
 LOSS_GRIDS = (RankGrid(1), RankGrid(2, 4, cp=3))  # one rank; dp2 x cp3 x tp4 (24 ranks)
+LOSS_VALID = (None, 53)  # the global count handed in (None: this rank's own, the only rank)
+
+
+def loss_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits [2, 8, 256] (float64) and targets (the first row masked from position 3)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 8, 256, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 256, (2, 8), generator=g)
+    targets[0, 3:] = IGNORE_INDEX
+    return logits, targets
+
+
+def loss_cases() -> list[LossCase]:
+    """Every loss_share check: its layout and the numbers one process's share comes from."""
+    logits, targets = loss_inputs()
+    local_valid = int((targets != IGNORE_INDEX).sum())
+    summed = float(F.cross_entropy(logits.view(-1, 256), targets.view(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum"))  # fmt: skip
+    cases = []
+    for grid, valid in zip(LOSS_GRIDS, LOSS_VALID, strict=True):
+        sizes = {n: len(grid.group_of(n, 0)) for n in ("dp", "cp", "tp", "dp_cp")}
+        sizes["world"] = grid.world_size
+        label = " x ".join(f"{n}{sizes[n]}" for n in ("dp", "cp", "tp") if sizes[n] > 1) or "1 rank"
+        cases.append(LossCase(label, summed, local_valid, targets.numel(),
+                              local_valid if valid is None else valid, sizes))  # fmt: skip
+    return cases
+
+
+def loss_call(case: LossCase) -> str:
+    return (
+        f"loss_share(logits [2, 8, 256], targets with {case.local_valid} of "
+        f"{case.local_targets} valid, global_valid={case.global_valid}) on {case.label} "
+        f"(dp x cp = {case.sizes['dp_cp']})"
+    )
+
+
+def loss_message(values: Sequence[float]) -> str | None:
+    """The words of loss_share's failure from its value in every case, None when all are right."""
+    cases = loss_cases()
+    problem = loss_problem(values, cases)
+    if problem is None:
+        return None
+    i, why = problem
+    return (
+        f"4.7 {loss_call(cases[i])} returned {values[i]:.10g}; expected {cases[i].want:.10g}: {why}"
+    )
 
 
 @exercise("4.7")
 def test_loss_share_is_the_ranks_sum_over_the_global_count() -> None:
     lm = lm_parallel()
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(2, 8, 256, generator=g, dtype=torch.float64)
-    targets = torch.randint(0, 256, (2, 8), generator=g)
-    targets[0, 3:] = IGNORE_INDEX
-    local_valid = int((targets != IGNORE_INDEX).sum())
-    summed = float(F.cross_entropy(logits.view(-1, 256), targets.view(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum"))  # fmt: skip
-    for grid, global_valid in zip(LOSS_GRIDS, (local_valid, 53), strict=True):
-        sizes = {n: len(grid.group_of(n, 0)) for n in ("dp", "cp", "tp", "dp_cp")}
-        sizes["world"] = grid.world_size
-        layout = " x ".join(f"{n}{sizes[n]}" for n in ("dp", "cp", "tp") if sizes[n] > 1) or "1 rank"
-        call = (
-            f"loss_share(logits [2, 8, 256], targets with {local_valid} of 16 valid, "
-            f"global_valid={global_valid}) on {layout} (dp x cp = {sizes['dp_cp']})"
-        )
+    logits, targets = loss_inputs()
+    returned = []
+    for grid, case in zip(LOSS_GRIDS, loss_cases(), strict=True):
+        call = loss_call(case)
         leaf = logits.clone().requires_grad_()
         try:
-            got = lm.loss_share(leaf, targets.clone(), global_valid, SizesOnly(grid))
+            got = lm.loss_share(leaf, targets.clone(), case.global_valid, SizesOnly(grid))
         except NotImplementedError:
             piece_failed("loss_share", current_test())
             raise
@@ -442,18 +546,18 @@ def test_loss_share_is_the_ranks_sum_over_the_global_count() -> None:
         except Exception as exc:
             fail_piece("loss_share", f"4.7 {call} raised {type(exc).__name__}: {exc}"
                        f"{learner_line(exc)}")  # fmt: skip
-        want = summed * sizes["dp_cp"] / global_valid
         if not isinstance(got, torch.Tensor) or got.dim() != 0:
-            what = f"shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            what = (
+                f"shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            )
             fail_piece("loss_share", f"4.7 {call} returned {what}; expected a 0-dim tensor "
                        f"(the runtime backpropagates it){at('loss_share')}")  # fmt: skip
-        problem = loss_problem(float(got.detach()), summed, local_valid, 16, global_valid, sizes)
-        if problem:
-            fail_piece(
-                "loss_share",
-                f"4.7 {call} returned {float(got.detach()):.10g}; expected {want:.10g}: "
-                f"{problem}{at('loss_share')}",
-            )
+        returned.append((leaf, got))
+    message = loss_message([float(got.detach()) for _, got in returned])
+    if message:
+        fail_piece("loss_share", f"{message}{at('loss_share')}")
+    for case, (leaf, got) in zip(loss_cases(), returned, strict=True):
+        call = loss_call(case)
         if not got.requires_grad:
             fail_piece("loss_share", f"4.7 {call} returned the right value without a gradient "
                        "(detached, or built from Python numbers): the runtime backpropagates it"
@@ -461,7 +565,7 @@ def test_loss_share_is_the_ranks_sum_over_the_global_count() -> None:
         got.backward()
         reference = logits.clone().requires_grad_()
         (F.cross_entropy(reference.view(-1, 256), targets.view(-1), ignore_index=IGNORE_INDEX,
-                         reduction="sum") * sizes["dp_cp"] / global_valid).backward()  # fmt: skip
+                         reduction="sum") * case.sizes["dp_cp"] / case.global_valid).backward()  # fmt: skip
         if not same(leaf.grad, reference.grad):
             fail_piece("loss_share", f"4.7 {call}: the right value, but its gradient with "
                        "respect to the logits is not that of the summed cross-entropy x dp x cp "
@@ -471,8 +575,6 @@ def test_loss_share_is_the_ranks_sum_over_the_global_count() -> None:
 @exercise("4.7")
 def test_balance_loss_shares_add_up_to_one_process_balance_loss() -> None:
     parts = world_part("balance_loss_share")
-    want, _ = balance_reference()
-    probs, experts = routing()
     measured = {}
     for layout in BALANCE_LAYOUTS:
         results = [part[layout.label][0] for part in parts]
@@ -483,14 +585,23 @@ def test_balance_loss_shares_add_up_to_one_process_balance_loss() -> None:
             [r[0] for r in results], [r[1] for r in results],
             None if any(g is None for g in groups) else groups,  # type: ignore[arg-type]
         )  # fmt: skip
+    message = balance_message(measured)
+    if message:
+        fail_piece("balance_loss_share", f"{message}{at('balance_loss_share')}")
+
+
+def balance_message(measured: Mapping[str, BalanceMeasured]) -> str | None:
+    """The words of balance_loss_share's failure over every layout, None when it passes."""
+    want, _ = balance_reference()
+    probs, experts = routing()
     problem = balance_problem(BALANCE_LAYOUTS, measured, probs, experts, EXPERTS, BATCH, want)
-    if problem:
-        label, why = problem
-        fail_piece(
-            "balance_loss_share",
-            f"4.7 balance_loss_share on {label} ({BATCH} sequences of {SEQ} tokens, "
-            f"{EXPERTS} experts, top-{K}): {why}{at('balance_loss_share')}",
-        )
+    if problem is None:
+        return None
+    label, why = problem
+    return (
+        f"4.7 balance_loss_share on {label} ({BATCH} sequences of {SEQ} tokens, "
+        f"{EXPERTS} experts, top-{K}): {why}"
+    )
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -509,23 +620,74 @@ def kind_words(kind: HeldKind) -> str:
     return words + (", a ZeRO slice averaged during backward" if kind.reduced else "")
 
 
-def finish_problems(case: str, results: list[tuple[dict[str, torch.Tensor], bool]]) -> list[str]:
-    """Every rank's wrong gradients in ``case`` (per rank: name -> gradient, and whether it
-    called a collective on the world group), worded."""
+def finish_entries(case: str, results: Sequence[Any]) -> list[tuple[str, FinishEntry]]:
+    """Every rank's gradients of ``case`` (per rank: name -> gradient, and whether it called a
+    collective on the world group) as (the gradient's words, FinishEntry); none for a rank that
+    stopped."""
     spec = FINISH_CASES[case]
     grid = finish_grid(case)
-    problems = []
-    for rank, (got, on_world) in enumerate(results):
+    out = []
+    for rank, result in enumerate(results):
+        if not isinstance(result, tuple):
+            continue  # a TODO or an error: reported on its own
+        got, on_world = result
         for entry in spec["held"]:
             name, _, tp_rep, tied, expert, reduced = entry
             real = held_name(name, grid, rank, expert)
             kind = HeldKind(real, tp_rep, tied, expert, reduced)
-            problem = finish_problem(
-                kind, spec["sp"], grid, rank, got[real], entry_inputs(case, entry), on_world
-            )
-            if problem:
-                problems.append(f"rank {rank}'s {real} ({kind_words(kind)}): {problem}")
-    return problems
+            out.append((
+                f"rank {rank}'s {real} ({kind_words(kind)})",
+                FinishEntry(kind, spec["sp"], grid, rank, got[real], entry_inputs(case, entry),
+                            on_world),
+            ))  # fmt: skip
+    return out
+
+
+def finish_problems(
+    case: str, results: Sequence[Any], everything: Mapping[str, Sequence[Any]] | None = None
+) -> list[str]:
+    """Every rank's wrong gradients in ``case``, worded; ``everything`` (case -> results) is the
+    evidence of the other cases: a mistake is named only if it explains them too."""
+    entries = finish_entries(case, results)
+    wrong = [(words, e) for words, e in entries if not finish_right(e)]
+    if not wrong:
+        return []
+    allowed = None if everything is None else partial(_finish_evidence, everything)
+    deviations = None if everything is None else partial(_finish_deviations, everything)
+    words, e = wrong[0]  # worded in full; the others only counted
+    problem = finish_problem(
+        e.kind, e.sp, e.grid, e.rank, e.got, e.inputs, e.on_world, allowed, deviations
+    )
+    return [f"{words}: {problem}"] + [f"{words}: wrong" for words, _ in wrong[1:]]
+
+
+def _finish_evidence(everything: Mapping[str, Sequence[Any]]) -> set[str]:
+    """The mistakes that explain every gradient of every case."""
+    return finish_consistent(e for c in everything for _, e in finish_entries(c, everything[c]))
+
+
+def _finish_deviations(everything: Mapping[str, Sequence[Any]]) -> list[str]:
+    """The one-group changes of one step that explain every gradient of every case."""
+    return finish_deviations(e for c in everything for _, e in finish_entries(c, everything[c]))
+
+
+def finish_message(everything: Mapping[str, Sequence[Any]]) -> str | None:
+    """The first failing case's words (the cases run in order, a later one steps aside while an
+    earlier fails), None when every case passes."""
+    for case in FINISH_CASES:
+        message = finish_case_message(case, everything)
+        if message:
+            return message
+    return None
+
+
+def finish_case_message(case: str, everything: Mapping[str, Sequence[Any]]) -> str | None:
+    problems = finish_problems(case, everything[case], everything)
+    if not problems:
+        return None
+    return f"4.7 finish_gradients, {case} (groups {_groups_words(case)}): {problems[0]}" + (
+        f"\n  and {len(problems) - 1} more wrong gradients" if len(problems) > 1 else ""
+    )
 
 
 def _groups_words(case: str) -> str:
@@ -543,13 +705,12 @@ def test_finish_gradients_reduces_each_gradient_on_its_groups(case: str) -> None
     parts = world_part("finish_gradients")
     results = [part[case] for part in parts]
     stop_if_stopped("finish_gradients", results)
-    problems = finish_problems(case, results)
-    if problems:
+    everything = {c: [part[c] for part in parts] for c in FINISH_CASES}
+    message = finish_case_message(case, everything)
+    if message:
+        first, _, more = message.partition("\n")
         fail_piece(
-            "finish_gradients",
-            f"4.7 finish_gradients, {case} (groups {_groups_words(case)}): {problems[0]}"
-            f"{at('finish_gradients')}"
-            + (f"\n  and {len(problems) - 1} more wrong gradients" if len(problems) > 1 else ""),
+            "finish_gradients", f"{first}{at('finish_gradients')}" + (f"\n{more}" if more else "")
         )
 
 
@@ -640,9 +801,11 @@ def test_finish_gradients_sums_a_tie_so_both_copies_keep_the_same_bits() -> None
     stop_if_stopped("finish_gradients", results)
     grid = RankGrid.for_world(TIE_WORLD, TIE_DEGREES["dp"], 1, TIE_DEGREES["pp"])
     expected = tie_expected(grid)
-    case = "4.7 finish_gradients, dp4 x pp2 with a tied embedding (embedding group: " + " ".join(
-        str(g) for g in grid.groups("embedding")
-    ) + ")"
+    case = (
+        "4.7 finish_gradients, dp4 x pp2 with a tied embedding (embedding group: "
+        + " ".join(str(g) for g in grid.groups("embedding"))
+        + ")"
+    )
     for rank, got in enumerate(results):
         if not torch.allclose(got["grad"], expected, rtol=1e-12, atol=1e-12):
             error = (got["grad"] - expected).abs().max().item()
@@ -789,7 +952,7 @@ def test_your_3_6_global_norm_reduces_over_every_axis_of_the_topology() -> None:
             f"{', '.join(f'{g:.6g}' for g in got)} for the {p:g}-norm, one process's is "
             f"{want:.6g}{where}. The topology has four axes (course.topology.AXES: pp, dp, cp, "
             "tp) and their groups together span the world: reduce over each of them (3.6's "
-            "grader may have run with cp = 1, where a missing cp reduction cannot show)"
+            "grader may have run with cp = 1, where a missing cp reduction cannot show)",
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,9 @@ from phase3_multi_node.clip_placement import GradShard
 from phase4_production.lm_support import HeldGradient
 
 ROOT = Path(__file__).resolve().parents[2]
-SEQ, BATCH, EXPERTS, K = 16, 4, 4, 2
+# top-3 of 5 experts: k, E, the batch and the layouts' dp, cp and tp sizes differ, so a share
+# off by one of them is told from a share off by another (issue 49)
+SEQ, BATCH, EXPERTS, K = 16, 4, 5, 3
 SP_SHAPE = (4, 3, 5)  # [batch, tokens of one tp rank's share, width]
 SP_DEGREES = {"dp": 2, "tp": 2}  # the sequence collectives' and regions' layout: tp groups of 2
 SP_TP = SP_DEGREES["tp"]
@@ -90,6 +92,7 @@ def count_grid(label: str) -> RankGrid:
     return RankGrid.for_world(WORLD, d.get("dp", 1), d.get("tp", 1), cp=d.get("cp", 1))
 
 
+@cache
 def routing() -> tuple[torch.Tensor, torch.Tensor]:
     """Router probabilities [BATCH, SEQ, EXPERTS] (float64) and top-K choices."""
     g = torch.Generator().manual_seed(11)
@@ -110,6 +113,7 @@ def balance_reference() -> tuple[float, torch.Tensor]:
 
 BALANCE_LAYOUTS = (
     BalanceLayout("dp2 x cp2", 2, 2, 1, False),
+    BalanceLayout("cp4", 1, 4, 1, False),  # k = 3, cp = 4, dp = 1: pairwise different
     BalanceLayout("cp2 x tp2 with sequence parallelism", 1, 2, 2, True),
     BalanceLayout("cp2 x tp2 without sequence parallelism", 1, 2, 2, False),
 )
@@ -148,9 +152,18 @@ FINISH_CASES: dict[str, dict[str, Any]] = {
             ("blocks.0.mlp.gate_up.weight", (8,), False, False, False, True),
         ],
     },
-    "dp2 x tp2, no sequence parallelism": {
-        "degrees": {"dp": 2, "tp": 2},
+    "dp2 x tp2, no sequence parallelism, experts on ep2": {  # the world is not dp x cp
+        "degrees": {"dp": 2, "tp": 2, "ep": 2},
         "sp": False,
+        "held": [
+            ("blocks.0.attention_norm.weight", (6,), True, False, False, False),
+            ("blocks.0.mlp.down.weight", (2, 3), False, False, False, False),
+            ("blocks.1.mlp.experts.E.fc1.weight", (2, 3), True, False, True, False),
+        ],
+    },
+    "pp2 x tp2, sequence parallel": {  # tp x dp x cp = 2, not the world: tp sums differ
+        "degrees": {"tp": 2, "pp": 2},
+        "sp": True,
         "held": [
             ("blocks.0.attention_norm.weight", (6,), True, False, False, False),
             ("blocks.0.mlp.down.weight", (2, 3), False, False, False, False),
@@ -175,6 +188,7 @@ FINISH_CASES: dict[str, dict[str, Any]] = {
 }
 
 
+@cache
 def finish_grid(case: str) -> RankGrid:
     d = FINISH_CASES[case]["degrees"]
     return RankGrid.for_world(
@@ -193,9 +207,14 @@ def held_name(name: str, grid: RankGrid, rank: int, expert: bool) -> str:
 
 def entry_inputs(case: str, entry: HeldSpec) -> list[torch.Tensor]:
     """Every rank's gradient of one entry before finish_gradients, rank order."""
+    return list(_entry_inputs(case, entry))
+
+
+@cache
+def _entry_inputs(case: str, entry: HeldSpec) -> tuple[torch.Tensor, ...]:
     grid = finish_grid(case)
     name, shape, *_ = entry
-    return [gradient_value(q, held_name(name, grid, q, entry[4]), shape) for q in range(WORLD)]
+    return tuple(gradient_value(q, held_name(name, grid, q, entry[4]), shape) for q in range(WORLD))
 
 
 def held_for(case: str, topology: Topology) -> list[HeldGradient]:
@@ -326,9 +345,7 @@ def _regions() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for sp in (True, False):
         for which in ("enter", "leave"):
-            out[f"{which}_{sp}"] = counted(
-                partial(_region, lsp, which, sp, top.tp_group, top.rank)
-            )
+            out[f"{which}_{sp}"] = counted(partial(_region, lsp, which, sp, top.tp_group, top.rank))
     return out
 
 
@@ -373,7 +390,9 @@ def group_names(records: list[Any], grid: RankGrid, rank: int) -> frozenset[str]
         if record.group_ranks is None:
             names.add("world")
             continue
-        found = [n for n in ("cp", "tp", "dp", "dp_cp") if grid.group_of(n, rank) == record.group_ranks]
+        found = [
+            n for n in ("cp", "tp", "dp", "dp_cp") if grid.group_of(n, rank) == record.group_ranks
+        ]
         if not found:
             return None
         names.add(found[0])
@@ -387,7 +406,9 @@ def _finish() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for case, spec in FINISH_CASES.items():
         d = spec["degrees"]
-        top = topology(d.get("dp", 1), d.get("tp", 1), d.get("pp", 1), d.get("cp", 1), d.get("ep", 1))
+        top = topology(
+            d.get("dp", 1), d.get("tp", 1), d.get("pp", 1), d.get("cp", 1), d.get("ep", 1)
+        )
         held = held_for(case, top)
         done, records = counted(partial(lm.finish_gradients, held, top, spec["sp"]))
         on_world = any(r.group_ranks is None for r in records)
