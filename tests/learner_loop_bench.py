@@ -13,24 +13,33 @@ command, as a learner meets it, in two scratch copies of the working tree (``.ve
   first message is the first line naming that raise (printed live by tests/preflight.py when the
   test that meets it fails).
 
-For exercise 4.7, whose functions are judged by their values rather than stopped by a raise, a
-third table plants one realistic wrong VALUE in each function of the completed templates
-(:data:`WRONG_4_7`: contiguous positions, a count over dp only, a missing dp x cp factor, ...)
-and times the first failure the run streams (tests/preflight.py's line "the first failure, in
-...") and the whole grading; beside it, the collection alone (``--collect-only``). Issue 41's
-goals on 2 quiet cores: the first real failure within 10 s, collection within 5 s.
+**The first real failure, every exercise** (issue 49, item 7): a raise is found by the first
+test that calls the function; a wrong value only by a test that checks it. So a fourth table
+plants, in every exercise's first TODO function of the completed templates, one realistic wrong
+VALUE (tests/wrong_values.py: a count rounded down, the buffers left out, a remainder on the
+last rank, a missing all-reduce, ...), grades the exercise as a learner runs it, and times the
+first failure the run streams (tests/preflight.py's line "the first failure, in ...", whose test
+the table names) and the whole grading. A plant that no test fails is reported, and the run
+exits 1. Goal on 2 quiet cores: within 10 s, every exercise. For exercise 4.7, whose functions
+are all judged by their values, a third table plants one wrong value in each of its ten
+functions (:data:`WRONG_4_7`: contiguous positions, a count over dp only, a missing dp x cp
+factor, ...); beside it, the collection alone (``--collect-only``). Issue 41's goals on 2 quiet
+cores: the first real failure within 10 s, collection within 5 s.
 
 Each time is from starting the interpreter to the line (or to its exit), with
 ``python -m pytest`` run directly (``uv run`` adds the time it takes to check the environment,
 about 0.05 s here). Repeats of the two cases alternate; the table shows medians, the slowest
 repeat beside them, and the machine's load.
 
-    uv run python -m tests.learner_loop_bench                   # 3.1 2.7 3.8 2.5 4.2, 3 repeats
-    uv run python -m tests.learner_loop_bench --exercises 3.1 --repeats 1
+    uv run python -m tests.learner_loop_bench           # the loop of 3.1 2.7 3.8 2.5 4.2 4.7 and
+                                                        # every exercise's wrong value, 3 repeats
     uv run python -m tests.learner_loop_bench --record tests/results/learner_loop.json
-    uv run python -m tests.learner_loop_bench --exercises 4.7 --repeats 1   # with the 4.7 table
+    uv run python -m tests.learner_loop_bench --exercises 2.6 --repeats 1   # one exercise
+    uv run python -m tests.learner_loop_bench --wrong-only --repeats 1      # every wrong value
     uv run python -m tests.learner_loop_bench --collection --record tests/results/collection.json
 
+``--record`` writes every table and value the README quotes, so it runs the default set (on 2
+quiet cores, about half an hour with 3 repeats).
 ``--collection`` times only each phase's collection (``--collect-only``), quiet and then beside
 one CPU hog per core (issue 51: on a busy machine a grader that imports torch's DTensor or
 TorchDynamo at collection paid for it many times over).
@@ -41,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -57,13 +67,18 @@ if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
 
 from exercises import BY_ID  # noqa: E402
-from first_failure import PLANTED, Plant, make_scratch, planted, plants  # noqa: E402
+from first_failure import PLANTED, make_scratch, planted  # noqa: E402
+from wrong_values import WRONG_VALUES, first_plant, planted_wrong, substituted  # noqa: E402
 
 from course.results import Table, write_results  # noqa: E402
 from course.verdicts import LoadMeter  # noqa: E402
 
 DEFAULT_EXERCISES = ("3.1", "2.7", "3.8", "2.5", "4.2", "4.7")
 FIRST_FAILURE_LINE = "the first failure, in"  # tests/preflight.py's note under a live failure
+FAILURE_NOTE = re.compile(r"\(the first failure, in (?P<test>\S+?);")
+FIRST_FAILURE_LINES = 16  # tests/preflight.py prints at most 14 lines of a message, and a cut
+# pytest's line of a test file's dots, a world's progress line, or a blank one
+PROGRESS = re.compile(r"^(\S+\.py [.sFExX]*\s*$|\s+world of \d+: |\s*$)")
 WRONG_GOAL = 10.0  # seconds to 4.7's first real failure (issue 41)
 COLLECTION_GOAL = 5.0  # seconds to collect 4.7's tests (issue 41)
 LM = "phase4_production/template_lm_parallel.py"
@@ -98,6 +113,9 @@ RUN_TIMEOUT = 300.0
 class Timing:
     first: float  # seconds to the first line that names the mistake; inf when none came
     whole: float  # seconds to the command's exit
+    test: str = ""  # the test of the first failure, as tests/preflight.py names it
+    said: str = ""  # the first line of that failure's message
+    returncode: int = 0
 
 
 def command(exercise: str) -> list[str]:
@@ -106,14 +124,14 @@ def command(exercise: str) -> list[str]:
     return [sys.executable, "-m", "pytest", f"tests/test_phase{major}.py", "-m", marker]
 
 
-def timed_run(
-    scratch: Path, exercise: str, needle: str, extra: Sequence[str] = ()
-) -> Timing:
+def timed_run(scratch: Path, exercise: str, needle: str, extra: Sequence[str] = ()) -> Timing:
     """Run the learner's command in ``scratch``; when the first line holding ``needle`` came."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_XDIST_AUTO_NUM_WORKERS", None)
     start = time.perf_counter()
     first = float("inf")
+    test = said = ""
+    before: list[str] = []
     with subprocess.Popen(
         [*command(exercise), "-p", "no:cacheprovider", *extra],
         cwd=scratch,
@@ -126,11 +144,16 @@ def timed_run(
         for line in process.stdout:
             if first == float("inf") and needle in line:
                 first = time.perf_counter() - start
+                if (named := FAILURE_NOTE.search(line)) is not None:
+                    test = named["test"]
+                    said = before[0].strip() if before else ""
+            # the lines since pytest's last progress line: the message the note is under
+            before = [] if PROGRESS.match(line) else [*before[-FIRST_FAILURE_LINES:], line]
             if time.perf_counter() - start > RUN_TIMEOUT:
                 process.kill()
                 break
         process.wait()
-    return Timing(first, time.perf_counter() - start)
+    return Timing(first, time.perf_counter() - start, test, said, process.returncode)
 
 
 def wrong_value_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str]]:
@@ -146,15 +169,8 @@ def wrong_value_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str
     table.add("(collection only)", "-", seconds(collect), "-")
     firsts: list[float] = []
     for function, template, right, wrong in WRONG_4_7:
-        path = scratch / template
-        original = path.read_text()
-        if right not in original:
-            raise SystemExit(f"4.7 plant for {function}: {right!r} is not in {template}")
-        path.write_text(original.replace(right, wrong, 1))
-        try:
+        with substituted(scratch, template, right, wrong):
             runs = [timed_run(scratch, "4.7", FIRST_FAILURE_LINE) for _ in range(repeats)]
-        finally:
-            path.write_text(original)
         firsts.append(statistics.median(t.first for t in runs))
         shown = wrong.strip() or f"(removed) {right.strip()}"
         table.add(function, f"`{shown[:60]}`", seconds([t.first for t in runs]),
@@ -172,6 +188,47 @@ def wrong_value_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str
         ),
     }
     return table, values
+
+
+def wrong_first_times(
+    scratch: Path, exercises: Sequence[str], repeats: int
+) -> tuple[Table, dict[str, str], bool]:
+    """Every exercise's first real failure: its wrong value (tests/wrong_values.py) planted in
+    its first function of the completed ``scratch``, graded as a learner runs it; the table,
+    its summary values, and whether every plant failed a test."""
+    table = Table(
+        ["exercise", "planted in", "the mistake", "first failure, in", "first failure, s",
+         "whole grading, s"],
+        note="median (slowest) of the repeats; one realistic wrong value in the exercise's "
+        "first TODO function (tests/wrong_values.py), the rest of the templates completed with "
+        "the reference's code; the first failure as tests/preflight.py prints it",
+    )  # fmt: skip
+    firsts: dict[str, float] = {}
+    missed: list[str] = []  # exercises where a run failed no test: the plant was not caught
+    for exercise in exercises:
+        plant = first_plant(exercise)
+        with planted_wrong(scratch, plant) as mistake:
+            runs = [timed_run(scratch, exercise, FIRST_FAILURE_LINE) for _ in range(repeats)]
+        if any(t.first == float("inf") or t.returncode == 0 for t in runs):
+            missed.append(exercise)
+        else:
+            firsts[exercise] = statistics.median(t.first for t in runs)
+        test = runs[0].test or "NOT CAUGHT: no test failed"
+        table.add(exercise, f"{plant.qualname}", f"`{mistake.shown}`", test,
+                  seconds([t.first for t in runs]), seconds([t.whole for t in runs]))  # fmt: skip
+        print(f"{exercise} {plant.qualname}: {seconds([t.first for t in runs])} s to {test} "
+              f"({seconds([t.whole for t in runs])} s whole): {runs[0].said[:120]}",
+              flush=True)  # fmt: skip
+    slowest = max(firsts, key=lambda ex: firsts[ex], default="")
+    met = not missed and firsts[slowest] <= WRONG_GOAL
+    verdict = f"the first real failure within {WRONG_GOAL:.0f} s, every exercise: "
+    verdict += "met" if met else "not met"
+    if slowest:
+        verdict += f" (slowest median {firsts[slowest]:.1f} s, {slowest})"
+    if missed:
+        verdict += f"; no test failed for the wrong value planted in {', '.join(missed)}"
+    found = span(list(firsts.values())) if firsts else "none"
+    return table, {"wrong_first": found, "wrong_verdict": verdict}, met
 
 
 PHASES = (1, 2, 3, 4)
@@ -227,18 +284,6 @@ def collection_times(scratch: Path, repeats: int) -> tuple[Table, dict[str, str]
     }
 
 
-def first_plant(exercise: str) -> Plant:
-    """The function of the exercise's first TODO as the preflight names it (the first in file
-    order, in the order of the exercise's modules): where a learner writes first, and what the
-    exercise's first tests call."""
-    ex = BY_ID[exercise]
-    order = {f"{ex.phase}/template_{module}.py": i for i, module in enumerate(ex.modules)}
-    found = [plant for plant in plants() if plant.exercise == exercise and plant.template in order]
-    if not found:
-        raise SystemExit(f"exercise {exercise} has no template function with a TODO to plant in")
-    return min(found, key=lambda plant: order[plant.template])  # the first of the first module
-
-
 def seconds(values: Sequence[float]) -> str:
     if any(v == float("inf") for v in values):
         return "none"
@@ -253,9 +298,23 @@ def span(values: Sequence[float]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--exercises", nargs="+", default=list(DEFAULT_EXERCISES))
+    parser.add_argument(
+        "--exercises",
+        nargs="+",
+        help=f"only these (default: the loop of {' '.join(DEFAULT_EXERCISES)}, and every "
+        "exercise's first real failure)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--record", metavar="PATH", help="write a results file (course/results)")
+    parser.add_argument(
+        "--wrong-only",
+        action="store_true",
+        help="only each exercise's first real failure (its wrong value planted)",
+    )
+    parser.add_argument(
+        "--record",
+        metavar="PATH",
+        help="write a results file (course/results): the default set only, which pages quote",
+    )
     parser.add_argument(
         "--collection",
         action="store_true",
@@ -264,21 +323,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.collection:
         with tempfile.TemporaryDirectory() as tmp:
-            table, values = collection_times(make_scratch(Path(tmp) / "fresh", complete=False),
-                                             args.repeats)  # fmt: skip
+            table, measured = collection_times(
+                make_scratch(Path(tmp) / "fresh", complete=False), args.repeats
+            )
         print()
         print(table.to_markdown())
         if args.record:
-            path = write_results(args.record, tables={"collection": table}, values=values)
+            path = write_results(args.record, tables={"collection": table}, values=measured)
             print(f"recorded {path.relative_to(ROOT) if ROOT in path.parents else path}")
         return 0
-    unknown = [ex for ex in args.exercises if ex not in BY_ID]
+    unknown = [ex for ex in args.exercises or () if ex not in BY_ID]
     if unknown:
         parser.error(
             f"--exercises {' '.join(unknown)}: no such exercise; choose from {', '.join(BY_ID)}"
         )
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be >= 1")
+    if args.record and (args.exercises or args.wrong_only):
+        parser.error(
+            "--record writes every table and value the README quotes: run it without "
+            "--exercises and --wrong-only"
+        )
+    loop_exercises = [] if args.wrong_only else list(args.exercises or DEFAULT_EXERCISES)
+    wrong_exercises = list(args.exercises or [ex for ex in BY_ID if ex in WRONG_VALUES])
 
     table = Table(
         [
@@ -297,11 +364,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     medians: dict[str, list[float]] = {"first_untouched": [], "whole_untouched": [],
                                        "first_broken": [], "whole_broken": []}  # fmt: skip
     meter = LoadMeter()
+    tables: dict[str, Table] = {}
+    values: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         untouched = make_scratch(Path(tmp) / "untouched", complete=False)
         broken = make_scratch(Path(tmp) / "broken", complete=True)
         with meter.running(processes=2):
-            for exercise in args.exercises:
+            for exercise in loop_exercises:
                 plant = first_plant(exercise)
                 fresh: list[Timing] = []
                 wrong: list[Timing] = []
@@ -323,37 +392,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                 worst_first = max(worst_first, medians["first_untouched"][-1],
                                   medians["first_broken"][-1])  # fmt: skip
                 print(f"{exercise}: " + " | ".join(cells), flush=True)
-            wrong_table, wrong_values = (
-                wrong_value_times(broken, args.repeats) if "4.7" in args.exercises else (None, {})
-            )
+            if "4.7" in loop_exercises:
+                tables["wrong_4_7"], found = wrong_value_times(broken, args.repeats)
+                values.update(found)
+            first_table, found, wrong_met = wrong_first_times(broken, wrong_exercises,
+                                                              args.repeats)  # fmt: skip
+            values.update(found)
     load = meter.read()
-    print()
-    print(table.to_markdown())
     met = worst_first <= FIRST_MESSAGE_GOAL
-    verdict = (
-        f"first message within {FIRST_MESSAGE_GOAL:.0f} s: "
-        f"{'met' if met else 'not met'} (slowest median {worst_first:.1f} s); {load.text()}"
-    )
-    print(verdict)
-    tables = {"loop": table}
-    if wrong_table is not None:
+    if loop_exercises:
         print()
-        print(wrong_table.to_markdown())
-        tables["wrong_4_7"] = wrong_table
-        print(wrong_values.get("wrong_verdict_4_7", ""))
-    if args.record:
-        path = write_results(
-            args.record,
-            tables=tables,
-            values={
-                "slowest_first_message": f"{worst_first:.1f} s",
-                "verdict": verdict,
-                **{key: span(found) for key, found in medians.items()},
-                **wrong_values,
-            },
+        print(table.to_markdown())
+        values["verdict"] = (
+            f"first message within {FIRST_MESSAGE_GOAL:.0f} s: "
+            f"{'met' if met else 'not met'} (slowest median {worst_first:.1f} s); {load.text()}"
         )
+        print(values["verdict"])
+        values["slowest_first_message"] = f"{worst_first:.1f} s"
+        values.update({key: span(found) for key, found in medians.items()})
+        tables = {"loop": table, **tables}
+    if "wrong_4_7" in tables:
+        print()
+        print(tables["wrong_4_7"].to_markdown())
+        print(values["wrong_verdict_4_7"])
+    tables["wrong_first"] = first_table
+    values["wrong_verdict"] += f"; {load.text()}"
+    print()
+    print(first_table.to_markdown())
+    print(values["wrong_verdict"])
+    if args.record:
+        path = write_results(args.record, tables=tables, values=values)
         print(f"recorded {path.relative_to(ROOT) if ROOT in path.parents else path}")
-    return 0 if met else 1
+    return 0 if met and wrong_met else 1
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ loads, not part of tests/conftest.py, which the controller never reads). What it
 beyond pass, fail and skip comes in the report: the unwritten TODO a test stopped at is a user
 property (``TODO_PROPERTY``) set by tests/conftest.py where the test ran.
 
-"Next" points at the TODO a failure actually stopped at, even when a test of 2.5 reached an
-unwritten 2.3 through a helper.
+"Next" points at what to do first: a written function that fails (its test, file and line),
+since code built on it would fail too; else the TODO a failure actually stopped at, even when
+a test of 2.5 reached an unwritten 2.3 through a helper.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Tally:
     todo: str | None = None  # the first unwritten-TODO message seen for this exercise
     blocked_by: str | None = None  # the exercise whose TODO that message names, when another
     nodes: list[str] = field(default_factory=list)
+    # the first test that failed for a written function (no unwritten TODO), and the learner's
+    # file:line its failure names ("" when none): fixed before the next TODO is written
+    failure: tuple[str, str] | None = None
     # tests marked ``reference`` check the reference or the library way beside the exercise:
     # they grade no learner code, so they do not decide the status, but they are counted and
     # shown, so the scoreboard's numbers add up to pytest's
@@ -78,8 +82,32 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         tally.passed += 1
     elif report.failed:
         tally.failed += 1
+        stopped_at_todo = any(name == TODO_PROPERTY for name, _ in report.user_properties)
+        if tally.failure is None and not stopped_at_todo:
+            tally.failure = (report.nodeid.split("::")[-1], learner_site(report.longreprtext))
     else:
         tally.skipped += 1
+
+
+# the learner's code, with its line: a template, or the reference under --impl solutions (not
+# the given modules beside them, such as phase3_multi_node/ddp_support.py)
+_SITE = r"(?:solutions/phase\d_\w+/[\w/]+|phase\d_\w+/template_\w+)\.py:\d+"
+# a grader's pointer ("at phase2_advanced/template_x.py:60 in f", or in parentheses); not a
+# traceback's frame, whose line number a colon follows
+_POINTER = re.compile(rf"(?P<site>{_SITE})(?![\d:])(?: in (?P<fn>[\w.<>]+))?")
+_FRAME = re.compile(rf"^(?P<site>{_SITE}): in (?P<fn>[\w<>]+)", re.MULTILINE)
+
+
+def learner_site(text: str) -> str:
+    """``phase2_advanced/template_x.py:60 in forward``: where a failure's text points in the
+    learner's code: the grader's own pointer when it has one, else the deepest frame of the
+    traceback in the learner's code; "" when the text names no line of it."""
+    pointer = _POINTER.search(text)
+    if pointer is not None:
+        function = (pointer["fn"] or "").rstrip(".")
+        return pointer["site"] + (f" in {function}" if function else "")
+    frames = list(_FRAME.finditer(text))
+    return f"{frames[-1]['site']} in {frames[-1]['fn']}" if frames else ""
 
 
 # ----------------------------------------------------------------------------- the scoreboard
@@ -144,8 +172,17 @@ def open_todos(ex: Exercise, root: Path = ROOT) -> list[tuple[Path, int, str, st
 
 
 def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
-    """Where to go next: the TODO the failures stopped at, which may belong to another exercise
-    (a 2.5 test that runs 2.3's checkpointing stops at TODO 2.3)."""
+    """Where to go next: a written function that fails (fix it before writing more: the next
+    TODO may build on it, and its tests would fail for this one's mistake); else the TODO the
+    failures stopped at, which may belong to another exercise (a 2.5 test that runs 2.3's
+    checkpointing stops at TODO 2.3)."""
+    test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
+    rerun = f"uv run pytest {test_file} -m {ex.marker}"
+    if tally.failure is not None:
+        test, site = tally.failure
+        at = f" at {site}" if site else ""
+        more = " before writing the next TODO" if tally.todo else ""
+        return f"fix {ex.id}'s failure in {test}{at} (in full above){more}; rerun with `{rerun}`"
     target = BY_ID.get(tally.blocked_by or "", ex)
     needed = f", which {ex.id}'s tests need" if target is not ex else ""
     guide = f"{target.phase}/guidelines.md#{target.anchor}"
@@ -155,8 +192,6 @@ def _next_step(ex: Exercise, tally: Tally, impl: str) -> str:
         rel = path.relative_to(ROOT)
         read = section or guide
         return f"open {rel}:{line}, {where} (TODO {target.id}{needed}; read {read})"
-    test_file = tally.nodes[0].split("::")[0] if tally.nodes else "tests/"
-    rerun = f"uv run pytest {test_file} -m {ex.marker}"
     return f"fix {target.id}{needed}: see its first failure above; rerun with `{rerun}`"
 
 

@@ -14,10 +14,11 @@ their own step: ``uv run pytest tests/test_first_failure.py -m first_failure --i
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
-from exercises import BY_ID
+from exercises import BY_ID, EXERCISES
 from first_failure import (
     Outcome,
     Plant,
@@ -29,6 +30,7 @@ from first_failure import (
     plants,
     rounds,
 )
+from wrong_values import WRONG_VALUES, WrongValue, completed_template, first_plant, planted_text
 
 pytestmark = pytest.mark.harness
 
@@ -94,6 +96,74 @@ def test_the_raise_goes_before_the_first_statement_and_its_line_is_returned() ->
     text, line = plant_line(source, "A.f")
     assert text.splitlines()[line - 1].strip().startswith("raise RuntimeError("), text
     assert line == 5 and text.splitlines()[2].strip() == '"""Doc."""', text  # before `return`
+
+
+@pytest.mark.parametrize("exercise", [ex.id for ex in EXERCISES])
+def test_every_exercise_has_a_wrong_value_inside_its_first_function(exercise: str) -> None:
+    """tests/learner_loop_bench.py times every exercise's first real failure: its plant must
+    replace text the completed template holds, inside the exercise's first TODO function, with
+    code that still parses (a syntax error would time the import, not a grader)."""
+    assert exercise in WRONG_VALUES, f"{exercise}: tests/wrong_values.py plants no wrong value"
+    plant, mistake = first_plant(exercise), WRONG_VALUES[exercise]
+    assert mistake.right != mistake.wrong, f"{exercise}: the plant changes nothing"
+    completed = completed_template(plant.template)
+    planted = planted_text(completed, plant, mistake)  # raises when the reference text drifted
+    ast.parse(planted, filename=plant.template)
+    assert planted != completed, f"{exercise}: planting {mistake.wrong!r} changed nothing"
+
+
+def test_a_plant_whose_reference_text_is_gone_or_elsewhere_is_refused() -> None:
+    plant = first_plant("3.5")
+    completed = completed_template(plant.template)
+    gone = WrongValue("return numel * 2 ** 40", "return 0")
+    with pytest.raises(ValueError, match="is not in"):
+        planted_text(completed, plant, gone)
+    elsewhere = WrongValue("from __future__ import annotations", "")
+    with pytest.raises(ValueError, match=f"outside {plant.qualname}"):
+        planted_text(completed, plant, elsewhere)
+
+
+def test_the_bench_records_only_the_whole_default_set(capsys: pytest.CaptureFixture[str]) -> None:
+    """The results file feeds the README's numbers: a partial run must not overwrite it."""
+    from learner_loop_bench import main
+
+    for partial in (["--wrong-only"], ["--exercises", "2.6"]):
+        with pytest.raises(SystemExit) as info:
+            main([*partial, "--record", "never-written.json"])
+        assert info.value.code == 2, partial
+        assert "--record writes every table and value the README quotes" in capsys.readouterr().err
+    assert not Path("never-written.json").exists()
+
+
+def test_the_bench_reports_a_wrong_value_that_no_test_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plant no test fails times nothing: the table says so and the verdict is not met (the
+    runs are replaced: what is checked is the bookkeeping, not a time)."""
+    import learner_loop_bench as bench
+
+    for exercise in ("2.3", "3.5"):
+        template = first_plant(exercise).template
+        (tmp_path / template).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / template).write_text(completed_template(template))
+
+    def graded(scratch: Path, exercise: str, needle: str) -> bench.Timing:
+        planted = (scratch / first_plant(exercise).template).read_text()
+        assert WRONG_VALUES[exercise].wrong in planted, "graded without the plant"
+        if exercise == "2.3":
+            return bench.Timing(float("inf"), 3.0, returncode=0)  # every test passed
+        return bench.Timing(1.5, 4.0, "test_partition_pads", returncode=1)
+
+    monkeypatch.setattr(bench, "timed_run", graded)
+    table, values, met = bench.wrong_first_times(tmp_path, ["2.3", "3.5"], 1)
+    assert not met
+    assert values["wrong_first"] == "1.5 s", values
+    assert values["wrong_verdict"].endswith("planted in 2.3"), values
+    rows = {row[0]: row for row in table.rows}
+    assert "NOT CAUGHT" in rows["2.3"][3] and rows["3.5"][3] == "test_partition_pads", rows
+    for exercise in ("2.3", "3.5"):  # the templates are restored
+        template = first_plant(exercise).template
+        assert (tmp_path / template).read_text() == completed_template(template)
 
 
 @pytest.fixture(scope="module")

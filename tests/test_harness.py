@@ -495,6 +495,52 @@ def test_next_points_at_the_todo_that_blocks_and_selected_runs_say_selected() ->
     assert "Every selected exercise passes." in passing, passing
 
 
+def test_next_points_at_a_written_function_that_fails_before_the_next_todo() -> None:
+    # a learner who wrote f and got it wrong, with TODOs still unwritten after it: fix f first
+    out = _pytest("next_cases.py", "--impl", "templates", "-m", "ex2_6")
+    assert "2 failed" in out and "[ TODO  ] 2.6" in out, out
+    next_line = next(line for line in out.splitlines() if line.startswith("Next:"))
+    assert next_line.startswith("Next: fix 2.6's failure in test_a_written_function_fails at "
+                                "phase2_advanced/template_tensor_parallel_ops.py:60 in f.forward"), out  # fmt: skip
+    assert "before writing the next TODO" in next_line and "-m ex2_6" in next_line, out
+    # nothing written fails: the next unwritten TODO, at its line in the template
+    todo_only = _pytest("next_cases.py", "--impl", "templates", "-m", "ex2_6",
+                        "-k", "unwritten")  # fmt: skip
+    next_line = next(line for line in todo_only.splitlines() if line.startswith("Next:"))
+    assert "failure" not in next_line, todo_only
+    if "open " in next_line:  # the templates still hold TODO 2.6: its file and line
+        assert "phase2_advanced/template_tensor_parallel_" in next_line, todo_only
+
+
+def test_the_learners_site_of_a_failure_is_its_pointer_else_its_deepest_frame_there() -> None:
+    from scoreboard import learner_site
+
+    pointer = (
+        "2.6 g: 3 all-reduces, expected 2\n  at rank 1, phase2_advanced/template_tp.py:88 in g"
+    )
+    assert learner_site(pointer) == "phase2_advanced/template_tp.py:88 in g"
+    traceback = (
+        "tests/phase2/grade_2_6_tensor_parallel.py:120: in test_layers\n    out = layer(x)\n"
+        "phase2_advanced/template_tensor_parallel_layers.py:41: in forward\n    y = f(x)\n"
+        "phase2_advanced/template_tensor_parallel_ops.py:60: in forward\n    return x.t()\n"
+        "E   RuntimeError: t() expects a tensor with <= 2 dimensions"
+    )
+    assert (
+        learner_site(traceback) == "phase2_advanced/template_tensor_parallel_ops.py:60 in forward"
+    )
+    assert learner_site("tests/phase2/grade_2_6_tensor_parallel.py:120: in test_x\nE   boom") == ""
+    in_parentheses = "2.6 f must not communicate (phase2_advanced/template_tp.py:43 in f.forward)"
+    assert learner_site(in_parentheses) == "phase2_advanced/template_tp.py:43 in f.forward"
+    given = (  # raised in given code: the learner's call that reached it
+        "IndexError: list index out of range at phase3_multi_node/ddp_support.py:77 in slot, "
+        "called from phase3_multi_node/template_ddp.py:120 in _mark_ready"
+    )
+    assert learner_site(given) == "phase3_multi_node/template_ddp.py:120 in _mark_ready"
+    assert learner_site("at solutions/phase3_multi_node/ddp.py:9 in f") == (
+        "solutions/phase3_multi_node/ddp.py:9 in f"
+    )
+
+
 def test_the_scoreboard_counts_what_pytest_counts() -> None:
     out = _pytest("scoreboard_cases.py", "--impl", "solutions", "-m", "ex1_1")
     # pytest: 2 passed; the scoreboard: 1 graded test and 1 reference check, 2 in all

@@ -179,6 +179,56 @@ def check_totals(runs: list[dict[str, Any]], label: str) -> None:
             )
 
 
+class _JoinedTheGroup(Exception):
+    """main() got past its checks to the process group."""
+
+
+@exercise("1.4")
+@pytest.mark.parametrize(
+    ("argv", "world_size", "expected"),
+    [
+        (["--global-batch-size", "63"], "2", ["63", "multiple of 2"]),
+        (["--all-reduce", "ring"], "2", ["'ring'", "reduce_broadcast"]),
+        (["--model", "resnet"], "1", ["'resnet'", "cnn"]),
+    ],
+)
+def test_bad_arguments_fail_before_training(
+    argv: list[str], world_size: str, expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = trainer_module()
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.setenv("RANK", "0")
+
+    def no_session(*args: Any, **kwargs: Any) -> Any:
+        raise _JoinedTheGroup
+
+    # main() reaching the process group means the run was accepted: say so, instead of waiting
+    # there for ranks that this test never starts
+    monkeypatch.setattr(trainer, "distributed_session", no_session)
+    stderr = io.StringIO()
+    code: int | None = None
+    with suppress(_JoinedTheGroup), redirect_stderr(stderr):
+        code = trainer.main(argv)
+    if code is None:
+        fail(
+            f"1.4: main({argv}) on {world_size} ranks went on to join the process group: "
+            f"validate_config accepted it. {' '.join(argv)} cannot work on {world_size} "
+            "rank(s), so it must raise a ValueError that names the value and the fix"
+        )
+    if code != 2:
+        fail(
+            f"1.4: main({argv}) on {world_size} ranks should return 2 before training; it returned {code}"
+        )
+    if dist.is_initialized():
+        fail(f"1.4: main({argv}) joined the process group: the error must come before it")
+    for word in expected:
+        if word not in stderr.getvalue():
+            fail(
+                f"1.4: main({argv}) on {world_size} ranks: the error should mention {word}; it "
+                f"printed {stderr.getvalue()!r}"
+            )
+
+
 @exercise("1.4")
 def test_trainer_learns_reshuffles_and_every_all_reduce_gives_the_same_model() -> None:
     world_size = 2
@@ -347,56 +397,6 @@ def test_reduce_totals_sums_every_key_in_one_collective() -> None:
         problems,
         "1.4 DataParallelLoop.reduce_totals on 2 ranks, 'samples' 2^24 + 1 on each:",
     )
-
-
-class _JoinedTheGroup(Exception):
-    """main() got past its checks to the process group."""
-
-
-@exercise("1.4")
-@pytest.mark.parametrize(
-    ("argv", "world_size", "expected"),
-    [
-        (["--global-batch-size", "63"], "2", ["63", "multiple of 2"]),
-        (["--all-reduce", "ring"], "2", ["'ring'", "reduce_broadcast"]),
-        (["--model", "resnet"], "1", ["'resnet'", "cnn"]),
-    ],
-)
-def test_bad_arguments_fail_before_training(
-    argv: list[str], world_size: str, expected: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    trainer = trainer_module()
-    monkeypatch.setenv("WORLD_SIZE", world_size)
-    monkeypatch.setenv("RANK", "0")
-
-    def no_session(*args: Any, **kwargs: Any) -> Any:
-        raise _JoinedTheGroup
-
-    # main() reaching the process group means the run was accepted: say so, instead of waiting
-    # there for ranks that this test never starts
-    monkeypatch.setattr(trainer, "distributed_session", no_session)
-    stderr = io.StringIO()
-    code: int | None = None
-    with suppress(_JoinedTheGroup), redirect_stderr(stderr):
-        code = trainer.main(argv)
-    if code is None:
-        fail(
-            f"1.4: main({argv}) on {world_size} ranks went on to join the process group: "
-            f"validate_config accepted it. {' '.join(argv)} cannot work on {world_size} "
-            "rank(s), so it must raise a ValueError that names the value and the fix"
-        )
-    if code != 2:
-        fail(
-            f"1.4: main({argv}) on {world_size} ranks should return 2 before training; it returned {code}"
-        )
-    if dist.is_initialized():
-        fail(f"1.4: main({argv}) joined the process group: the error must come before it")
-    for word in expected:
-        if word not in stderr.getvalue():
-            fail(
-                f"1.4: main({argv}) on {world_size} ranks: the error should mention {word}; it "
-                f"printed {stderr.getvalue()!r}"
-            )
 
 
 @pytest.mark.torchrun
