@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -110,6 +110,28 @@ def same_measurement(a: Any, b: Any, tol: float = 1e-9) -> bool:
             same_measurement(x, y, tol) for x, y in zip(a, b, strict=True)
         )
     return bool(a == b)
+
+
+def one_factor_away(
+    mistake: Mapping[str, Any],
+    known: Iterable[Mapping[str, Any]],
+    right: Mapping[str, Any],
+    factors: Mapping[str, Sequence[Any]],
+    measure: Callable[[dict[str, Any]], Any],
+) -> list[tuple[str, Any]]:
+    """A mistake's neighbours, generated from its function's factor list: the settings that set
+    one factor of ``mistake`` (its factors that differ from ``right``) to another value, other
+    than the right answer and the ``known`` mistakes, each labelled and measured."""
+    known_settings = [{**right, **k} for k in known]
+    out: list[tuple[str, Any]] = []
+    for factor, values in factors.items():
+        for value in values:
+            setting = {**right, **mistake, factor: value}
+            if setting == dict(right) or setting in known_settings:
+                continue
+            changed = {f: v for f, v in setting.items() if v != right[f]}
+            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
+    return out
 
 
 def table_path(exercise: str) -> Path:

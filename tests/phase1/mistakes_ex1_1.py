@@ -20,7 +20,7 @@ import torch
 if str(Path(__file__).parent) not in sys.path:  # loaded by path: the grader's folder
     sys.path.insert(0, str(Path(__file__).parent))
 from grade_1_1_sampler import Case, Yielded, graded_cases, sampler_verdict
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 # factor -> its values, the right one first
 FACTORS: dict[str, tuple[str, ...]] = {
@@ -88,17 +88,7 @@ def measure(changes: dict[str, str]) -> dict[Case, Yielded]:
 def neighbours(key: str) -> Sequence[tuple[str, Any]]:
     """The settings one factor away from ``key``'s (other than the right one and the known
     mistakes), each with what the grader would measure."""
-    base = KNOWN[key]
-    known = [RIGHT | k for k in KNOWN.values()]
-    out = []
-    for factor, values in FACTORS.items():
-        for value in values:
-            setting = RIGHT | base | {factor: value}
-            if setting == RIGHT or setting in known:
-                continue
-            changed = {f: v for f, v in setting.items() if v != RIGHT[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
-    return out
+    return one_factor_away(KNOWN[key], KNOWN.values(), RIGHT, FACTORS, measure)
 
 
 TABLES = (

@@ -20,7 +20,7 @@ import torch
 if str(Path(__file__).parent) not in sys.path:  # loaded by path: the grader's folder
     sys.path.insert(0, str(Path(__file__).parent))
 from grade_1_2_averaging import REDUCED, check_mean
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "divisor": ("group size", "nothing", "world size", "group size twice"),
@@ -78,17 +78,7 @@ def name(measured: dict[str, Any]) -> str | None:
 
 
 def neighbours(key: str) -> Sequence[tuple[str, Any]]:
-    base = KNOWN[key]
-    known = [RIGHT | k for k in KNOWN.values()]
-    out = []
-    for factor, values in FACTORS.items():
-        for value in values:
-            setting = RIGHT | base | {factor: value}
-            if setting == RIGHT or setting in known:
-                continue
-            changed = {f: v for f, v in setting.items() if v != RIGHT[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
-    return out
+    return one_factor_away(KNOWN[key], KNOWN.values(), RIGHT, FACTORS, measure)
 
 
 TABLES = (

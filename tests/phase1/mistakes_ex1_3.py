@@ -16,7 +16,7 @@ from typing import Any
 if str(Path(__file__).parent) not in sys.path:  # loaded by path: the grader's folder
     sys.path.insert(0, str(Path(__file__).parent))
 from grade_1_3_all_reduce import census_remark, contribution_counts
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "start": ("own tensor", "zeros", "own tensor, added again"),
@@ -61,17 +61,7 @@ def name(measured: dict[str, list[float]]) -> str | None:
 
 
 def neighbours(key: str) -> Sequence[tuple[str, Any]]:
-    base = KNOWN[key]
-    known = [RIGHT | k for k in KNOWN.values()]
-    out = []
-    for factor, values in FACTORS.items():
-        for value in values:
-            setting = RIGHT | base | {factor: value}
-            if setting == RIGHT or setting in known:
-                continue
-            changed = {f: v for f, v in setting.items() if v != RIGHT[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
-    return out
+    return one_factor_away(KNOWN[key], KNOWN.values(), RIGHT, FACTORS, measure)
 
 
 TABLES = (

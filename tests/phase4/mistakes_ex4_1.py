@@ -18,7 +18,7 @@ from typing import Any
 if str(Path(__file__).parent) not in sys.path:  # loaded by path: the grader's folder
     sys.path.insert(0, str(Path(__file__).parent))
 from grade_4_1_checkpoint import RNG_ORDERS, RNG_RANKS, rng_restore_verdict
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "prefix": ("rank<r>/", "rank<r> (no slash)"),
@@ -58,16 +58,7 @@ def name(measured: Measured) -> str | None:
 
 
 def neighbours(key: str) -> Sequence[tuple[str, Any]]:
-    known = [RIGHT | k for k in KNOWN.values()]
-    out = []
-    for factor, values in FACTORS.items():
-        for value in values:
-            setting = RIGHT | KNOWN[key] | {factor: value}
-            if setting == RIGHT or setting in known:
-                continue
-            changed = {f: v for f, v in setting.items() if v != RIGHT[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
-    return out
+    return one_factor_away(KNOWN[key], KNOWN.values(), RIGHT, FACTORS, measure)
 
 
 CASES = tuple(f"12 ranks, {order} in the file" for order in RNG_ORDERS)

@@ -17,7 +17,7 @@ from typing import Any
 if str(Path(__file__).parent) not in sys.path:  # loaded by path: the grader's folder
     sys.path.insert(0, str(Path(__file__).parent))
 from grade_4_2_recovery import SUBGROUP_STEPS, subgroup_resume_verdict
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "generators restored": ("the global rank's", "the group rank's", "rank 0's", "none"),
@@ -62,16 +62,7 @@ def name(measured: list[dict[str, Any]]) -> str | None:
 
 
 def neighbours(key: str) -> Sequence[tuple[str, Any]]:
-    known = [RIGHT | k for k in KNOWN.values()]
-    out = []
-    for factor, values in FACTORS.items():
-        for value in values:
-            setting = RIGHT | KNOWN[key] | {factor: value}
-            if setting == RIGHT or setting in known:
-                continue
-            changed = {f: v for f, v in setting.items() if v != RIGHT[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
-    return out
+    return one_factor_away(KNOWN[key], KNOWN.values(), RIGHT, FACTORS, measure)
 
 
 TABLES = (

@@ -25,7 +25,7 @@ from grade_4_3_elastic import (
     RESUME_WORLD,
     resume_verdict,
 )
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 FACTORS: dict[str, tuple[str, ...]] = {
     "first": ("skip, then deal", "deal, then skip"),
@@ -70,16 +70,7 @@ def name(measured: list[list[int]]) -> str | None:
 
 
 def neighbours(key: str) -> Sequence[tuple[str, Any]]:
-    known = [RIGHT | k for k in KNOWN.values()]
-    out = []
-    for factor, values in FACTORS.items():
-        for value in values:
-            setting = RIGHT | KNOWN[key] | {factor: value}
-            if setting == RIGHT or setting in known:
-                continue
-            changed = {f: v for f, v in setting.items() if v != RIGHT[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
-    return out
+    return one_factor_away(KNOWN[key], KNOWN.values(), RIGHT, FACTORS, measure)
 
 
 TABLES = (
