@@ -102,6 +102,8 @@ def same_measurement(a: Any, b: Any, tol: float = 1e-9) -> bool:
             return False
         if a == b or (math.isnan(a) and math.isnan(b)):
             return True
+        if math.isinf(a) or math.isinf(b):
+            return False  # inf is no number's neighbour (an unequal inf was caught above)
         return abs(a - b) <= tol * max(abs(a), abs(b))  # relative: 5e-16 is not 5e-13
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(same_measurement(a[k], b[k], tol) for k in a)

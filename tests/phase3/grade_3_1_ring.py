@@ -52,14 +52,26 @@ def ring() -> Any:
 
 def ring_hang_note(exc: WorldHung) -> str:
     """A specific cause when the messages the hung ranks wait for point at one (else "")."""
-    gather_tag = getattr(ring(), "ALL_GATHER_TAG", None)
+    return ring_hang_words(exc, getattr(ring(), "ALL_GATHER_TAG", None))
+
+
+# the words of ring_hang_words's notes (tests/test_phase3_hang_notes.py plants each and the hangs
+# next to it, which must not get them)
+TAGS_CROSSED = "the reduce-scatter's messages travel under REDUCE_SCATTER_TAG"
+OWN_CHUNK_NEVER_LEFT = "Every hung rank waits for an all-gather message that no rank sent"
+SENDS_MORE = "Every hung rank waits in an all-gather send that no rank receives"
+
+
+def ring_hang_words(exc: Any, gather_tag: int | None) -> str:
+    """ring_hang_note's words for the messages of ``exc`` (a WorldHung: its crossed, pending,
+    hung and unmatched), the all-gather's messages travelling under ``gather_tag``."""
     if exc.crossed:
         send, recv = exc.crossed[0]
         return (
             f"Rank {send.rank} sends under tag {send.tag} a message that rank {recv.rank} "
             f"receives under tag {recv.tag} (lines {send.lineno} and {recv.lineno} of "
-            f"{Path(send.filename).name}): the reduce-scatter's messages travel under "
-            "REDUCE_SCATTER_TAG and the all-gather's under ALL_GATHER_TAG, on both ends."
+            f"{Path(send.filename).name}): {TAGS_CROSSED} and the all-gather's under "
+            "ALL_GATHER_TAG, on both ends."
         )
     waiting = [p2p_ledger.waiting_on(exc.pending.get(rank, ())) for rank in exc.hung]
     never = {(op.rank, op.op, op.peer, op.tag) for op, what in exc.unmatched}
@@ -69,14 +81,14 @@ def ring_hang_note(exc: WorldHung) -> str:
     unmatched = all((op.rank, op.op, op.peer, op.tag) in never for op in ops)
     if unmatched and all(not op.is_send and op.tag == gather_tag for op in ops):
         return (
-            "Every hung rank waits for an all-gather message that no rank sent: the "
+            f"{OWN_CHUNK_NEVER_LEFT}: causes that fit: the "
             "all-gather's first step, each rank's own chunk, never left (in ring_all_reduce the "
             "reduce-scatter sends it when called with forward_own=True; all_gather_ring calls "
             "_send_own_chunk), or a step sends fewer segments than its neighbour receives."
         )
     if unmatched and all(op.is_send and op.tag == gather_tag for op in ops):
         return (
-            "Every hung rank waits in an all-gather send that no rank receives: a rank sends "
+            f"{SENDS_MORE}: a rank sends "
             "more than its right neighbour receives (the chunk received at the last step is "
             "not passed on: its neighbour started it)."
         )
@@ -275,24 +287,38 @@ def crash_verdict(world_size: int) -> str:
             works = False
         if not works:
             broken.append(half)
+    return crash_words(world_size, broken, notes)
+
+
+# the words of crash_words, by the halves that fail alone (tests/phase3/mistakes_ex3_1.py
+# plants a mistake in each part and its neighbours)
+CRASH_SAY = {
+    "reduce-scatter": "reduce_scatter_ring alone fails too and all_gather_ring alone works",
+    "all-gather": "all_gather_ring alone fails too and reduce_scatter_ring alone works",
+    "composition": "each half alone works (reduce_scatter_ring, all_gather_ring)",
+}
+
+
+def crash_words(world_size: int, broken: list[str], notes: list[str]) -> str:
+    """crash_verdict's words, given the halves that failed alone (``broken``, in the order
+    reduce-scatter, all-gather) and what their hangs showed."""
     if broken == ["reduce-scatter"]:
         where = (
-            "reduce_scatter_ring alone fails too and all_gather_ring alone works: look at "
-            "_reduce_scatter_steps (which chunk rank r sends and receives at step s, and the "
-            "size of each receive)"
+            f"{CRASH_SAY['reduce-scatter']}: look at _reduce_scatter_steps (which chunk rank r "
+            "sends and receives at step s, and the size of each receive)"
         )
     elif broken == ["all-gather"]:
         where = (
-            "all_gather_ring alone fails too and reduce_scatter_ring alone works: look at "
-            "_post_all_gather_receives and _finish_all_gather (which chunk arrives at step s)"
+            f"{CRASH_SAY['all-gather']}: look at _post_all_gather_receives and "
+            "_finish_all_gather (which chunk arrives at step s)"
         )
     elif broken:
         where = "both halves fail on their own (reduce_scatter_ring and all_gather_ring)"
     else:
         where = (
-            "each half alone works (reduce_scatter_ring, all_gather_ring), so the composition "
-            "in ring_all_reduce is what breaks: the all-gather's receives, then the "
-            "reduce-scatter with forward_own=True, then _finish_all_gather"
+            f"{CRASH_SAY['composition']}, so the composition in ring_all_reduce is what "
+            "breaks: the all-gather's receives, then the reduce-scatter with forward_own=True, "
+            "then _finish_all_gather"
         )
     return (
         f"3.1 ring_all_reduce on {world_size} ranks stopped before comparing values; {where}."

@@ -83,10 +83,11 @@ def ring_verdict(nodes: int, per_node: int, numel: int) -> str:
         )
     return (
         f"3.3 on {nodes} simulated nodes of {per_node}: 3.1's ring_all_reduce works on this "
-        "world (checked just now), so look at how the three steps are put together: each runs "
-        "on the topology's group for it (intra_node_group for the reduce-scatter and the "
-        "all-gather, inter_node_group for the all-reduce across nodes; without group= a ring "
-        "runs over the whole world), the middle step on the chunk the first one returned."
+        "world (checked just now), so what fails is how the three steps are put together; "
+        "causes that fit: a step on another group than the topology's for it (intra_node_group "
+        "for the reduce-scatter and the all-gather, inter_node_group for the all-reduce across "
+        "nodes; without group= a ring runs over the whole world), or the middle step on another "
+        "tensor than the chunk the first one returned."
     )
 
 

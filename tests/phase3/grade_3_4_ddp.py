@@ -558,20 +558,88 @@ def test_gradients_are_read_only_after_waiting() -> None:
     )
 
 
+# The fp16 case: every rank's weight gradient is FP16_GRAD (Linear(4, 1), input FP16_GRAD, the
+# output summed), so the right average is FP16_GRAD itself; the two 40000s overflow fp16 when
+# summed undivided, the 1s tell an undivided sum from one divided after the all-reduce.
+FP16_GRAD = (40000.0, 40000.0, 1.0, 1.0)
+
+# What an fp16 .grad holds after each realistic mistake of where the division by the world size
+# sits (before the sum, after it; each rank's gradient equal); the words a failure uses when
+# exactly one fits (tests/phase3/mistakes_ex3_4.py plants each and its neighbours).
+FP16_MISTAKES: dict[str, tuple[str, tuple[int, int]]] = {
+    "divided after the sum": (
+        "was divided by the world size only after the all-reduce summed it: the sum of the "
+        "40000s (80000) overflows fp16 (max 65504) before any division; multiply by 1/world "
+        "while copying into the bucket",
+        (0, 1),
+    ),
+    "summed, not averaged": (
+        "is the sum over the ranks, never divided by the world size (and the sum of the 40000s "
+        "overflows fp16): multiply by 1/world while copying into the bucket",
+        (0, 0),
+    ),
+    "divided twice": (
+        "was divided by the world size twice: divide once, while copying into the bucket",
+        (2, 0),
+    ),
+}
+
+
+def fp16_average(world: int, before: int, after: int) -> torch.Tensor:
+    """The fp16 average when each rank's FP16_GRAD is divided ``before`` times by ``world``
+    before an fp16 sum over the ranks and ``after`` times after it."""
+    bucket = torch.tensor(FP16_GRAD, dtype=torch.float16)
+    for _ in range(before):
+        bucket = bucket * (1.0 / world)
+    total = bucket.clone()
+    for _ in range(world - 1):
+        total = total + bucket  # fp16, rank by rank, as gloo sums
+    for _ in range(after):
+        total = total / world
+    return total
+
+
+def fp16_verdict(grad: list[float] | None, world: int) -> str | None:
+    """What is wrong with the fp16 .grad (None: it is FP16_GRAD, the average). A mistake is
+    named only when exactly one of FP16_MISTAKES gives these values; otherwise the message says
+    which elements differ, how (inf, or the ratio), and lists nothing it cannot tell."""
+    head = f"fp16 gradients {list(FP16_GRAD)} on every rank averaged to"
+    if grad is None:
+        return f"{head} None: .grad is None after backward; write the average into .grad"
+    got = torch.tensor(grad, dtype=torch.float64)
+    want = torch.tensor(FP16_GRAD, dtype=torch.float64)
+    if torch.equal(got, want):
+        return None
+    fits = [
+        key
+        for key, (_, (before, after)) in FP16_MISTAKES.items()
+        if torch.equal(got, fp16_average(world, before, after).double())
+    ]
+    if len(fits) == 1:
+        return f"{head} {grad}: the gradient {FP16_MISTAKES[fits[0]][0]}"
+    if fits:
+        return f"{head} {grad}; expected {list(FP16_GRAD)}. It fits more than one mistake: " + (
+            ", or ".join(fits)
+        )
+    differ = [i for i in range(len(grad)) if got[i] != want[i]]
+    overflowed = [i for i in differ if not torch.isfinite(got[i])]
+    ratios = sorted({f"{float(got[i] / want[i]):.4g}" for i in differ if i not in overflowed})
+    return (
+        f"{head} {grad}; expected {list(FP16_GRAD)}: elements {differ} differ"
+        + (f"; {overflowed} are not finite (fp16's largest is 65504)" if overflowed else "")
+        + (f"; the finite ones are {' or '.join(ratios)} times the average" if ratios else "")
+    )
+
+
 def fp16_worker() -> list[str]:
     ddp_cls = ddp_module().DistributedDataParallel
     weight = nn.Linear(4, 1, bias=False).half()
     ddp = ddp_cls(weight)
-    x = torch.full((1, 4), 40000.0, dtype=torch.float16)
-    ddp(x).sum().backward()  # every rank's gradient is 40000; their sum, 80000, overflows fp16
+    x = torch.tensor([FP16_GRAD], dtype=torch.float16)
+    ddp(x).sum().backward()  # every rank's gradient is x; the sum of its 40000s overflows fp16
     grad = weight.weight.grad
-    if grad is None or not torch.isfinite(grad).all() or not bool((grad == 40000).all()):
-        return [
-            f"fp16 gradients of 40000 on every rank averaged to {None if grad is None else grad.tolist()}"
-            "; expected 40000. Their sum (80000) overflows fp16 (max 65504): multiply by 1/world "
-            "while copying into the bucket, before the all-reduce sums"
-        ]
-    return []
+    problem = fp16_verdict(None if grad is None else grad.flatten().tolist(), dist.get_world_size())
+    return [problem] if problem else []
 
 
 @exercise("3.4")
@@ -642,6 +710,73 @@ def no_sync_worker(steps: int, micro: int) -> dict[str, Any]:
     }
 
 
+# What no_sync_worker measures after each realistic mistake of no_sync() (the all-reduces of
+# each step, those of a backward inside an outer no_sync() after an inner one ended, and whether
+# synchronization is back on after a block that raised), given the buckets, micro-batches and
+# steps; the words a failure uses when exactly one fits (tests/phase3/mistakes_ex3_4.py plants
+# each and its neighbours).
+NO_SYNC_MISTAKES: dict[str, tuple[str, Any]] = {
+    "sync never off": (
+        "every micro-batch's backward all-reduced, those inside no_sync() too: no_sync() did not "
+        "turn off the flag forward reads (self.require_backward_grad_sync)",
+        lambda b, micro, steps: ([b * micro] * steps, b, True),
+    ),
+    "flag left off": (
+        "no backward all-reduced, not even the last micro-batch's outside no_sync(): the flag "
+        "no_sync() turned off stayed off after the block; put its value back when the block ends",
+        lambda b, micro, steps: ([0] * steps, 0, False),
+    ),
+    "set back to True": (
+        "a backward inside an outer no_sync(), after an inner no_sync() had ended, all-reduced: "
+        "the inner block switched synchronization back on. When the block ends, put back the "
+        "value the flag had before it (it may already be off), not True",
+        lambda b, micro, steps: ([b] * steps, b, True),
+    ),
+    "not restored on a raise": (
+        "after a no_sync() block that raised, synchronization stayed off: restore the flag in a "
+        "finally clause",
+        lambda b, micro, steps: ([b] * steps, 0, False),
+    ),
+}
+
+
+def no_sync_verdict(
+    rank: int,
+    calls: list[int],
+    buckets: int,
+    steps: int,
+    micro: int,
+    nested_calls: int,
+    restored_after_raise: bool,
+) -> str | None:
+    """What is wrong with no_sync() on ``rank`` (None: nothing). A mistake is named only when
+    exactly one of NO_SYNC_MISTAKES gives all three measurements; otherwise each measurement
+    that differs is described."""
+    got = (calls, nested_calls, restored_after_raise)
+    if got == ([buckets] * steps, 0, True):
+        return None
+    head = f"3.4 no_sync(): {micro} micro-batches per step, all but the last under no_sync(); "
+    fits = [k for k, (_, m) in NO_SYNC_MISTAKES.items() if m(buckets, micro, steps) == got]
+    if len(fits) == 1:
+        return head + f"on rank {rank}, " + NO_SYNC_MISTAKES[fits[0]][0]
+    seen = []
+    if calls != [buckets] * steps:
+        per = sorted({f"{c / buckets:g}" for c in calls})
+        seen.append(
+            f"dist.all_reduce was called {calls} times in {steps} steps, expected "
+            f"{[buckets] * steps} (once per bucket per optimizer step; {buckets} buckets): "
+            f"{' or '.join(per)} times the buckets per step"
+        )
+    if nested_calls:
+        seen.append(
+            f"a backward inside an outer no_sync(), after an inner one had ended, called "
+            f"dist.all_reduce {nested_calls} times (expected 0)"
+        )
+    if not restored_after_raise:
+        seen.append("after a no_sync() block that raised, require_backward_grad_sync is False")
+    return head + f"on rank {rank}: " + "; ".join(seen)
+
+
 @exercise("3.4")
 def test_no_sync_accumulates_and_all_reduces_once_per_step() -> None:
     steps, micro = 3, 3
@@ -652,33 +787,24 @@ def test_no_sync_accumulates_and_all_reduces_once_per_step() -> None:
                 f"no_sync(); on rank {rank}, {result['unreset'][0]} (not a no_sync() problem: "
                 "every backward that synchronizes must leave the buckets ready for the next)"
             )
-        want = [result["buckets"]] * steps
-        if result["calls"] != want:
-            fail(
-                f"3.4 no_sync(): {micro} micro-batches per step, all but the last under no_sync(); "
-                f"rank {rank} called dist.all_reduce {result['calls']} times in {steps} steps, "
-                f"expected {want} (once per bucket per optimizer step). Forwards run inside "
-                "no_sync() must build backwards that do not communicate, and the flag must be "
-                "restored when the block ends"
-            )
-        if result["nested_calls"]:
-            fail(
-                f"3.4 no_sync(): on rank {rank} a backward inside an outer no_sync(), after an "
-                f"inner no_sync() had ended, called dist.all_reduce {result['nested_calls']} "
-                "times: the inner block switched synchronization back on. When the block ends, "
-                "put back the value the flag had before it (it may already be off), not True"
-            )
-        if not result["restored_after_raise"]:
-            fail(
-                f"3.4 no_sync(): on rank {rank}, after a no_sync() block that raised, "
-                "synchronization stayed off: restore the flag in a finally clause"
-            )
+        problem = no_sync_verdict(
+            rank,
+            result["calls"],
+            result["buckets"],
+            steps,
+            micro,
+            result["nested_calls"],
+            result["restored_after_raise"],
+        )
+        if problem:
+            fail(problem)
         if result["diff"] > TOLERANCE:
             fail(
                 f"3.4 no_sync(): after {steps} steps of {micro} micro-batches, rank {rank}'s "
                 f"{result['name']} differs from one process on the whole batch by "
-                f"{result['diff']:.2e}: the last backward must all-reduce the gradients "
-                "accumulated under no_sync()"
+                f"{result['diff']:.2e}, with the all-reduces counted right: what they summed "
+                "was not the gradients accumulated over the micro-batches (the last backward "
+                "must all-reduce the .grad sums built under no_sync())"
             )
 
 
@@ -800,15 +926,21 @@ def training_worker(case: str) -> list[str]:
 
 
 def _step_problem(step: int, name: str, diff: float, label: str) -> str:
+    """The words for parameters that left ``label`` at ``step``: the first step wrong fits
+    every mistake of the average; a later one, after steps that matched, fits only state
+    carried from one backward to the next. Either way it lists the causes that fit."""
     where = f"after step {step + 1} of {STEPS}, {name} differs from {label} by {diff:.2e}"
     if step == 0:
         return (
-            where + ": the first step is already wrong (are the gradients averaged: divided by "
-            "the world size, summed over ranks, and waited for before they are copied back?)"
+            where + ": the first step is already wrong; causes that fit: the gradients not "
+            "averaged (divided by the world size once, summed over the ranks), or not waited "
+            "for before they are copied back into .grad"
         )
     return (
-        where + f", though steps 1..{step} matched: is every bucket's state (pending count, "
-        "work, the next bucket to launch) reset at the end of each backward?"
+        where + f", though steps 1..{step} matched: something carried over from one backward "
+        "to the next; causes that fit: a bucket's state (pending count, work, the next bucket "
+        "to launch) not reset at the end of backward, or a bucket buffer added to (add_) "
+        "instead of overwritten (copy_) with the new gradients"
     )
 
 
@@ -1033,7 +1165,8 @@ def test_torch_comm_hooks_run_on_our_ddp(kind: str) -> None:
             fail(
                 f"3.4 DistributedDataParallel.register_comm_hook with torch's {hook[kind]}: after "
                 f"4 SGD steps rank {rank}'s {result['name']} differs from torch's DDP with the "
-                f"same hook by {result['diff']:.3g}. With a hook registered the bucket must hold "
-                "the raw gradients (self._copy_factor is 1: the hook divides) and every bucket "
-                "must be launched through self._launch, which calls the hook"
+                f"same hook by {result['diff']:.3g}. Causes that fit: the bucket not holding "
+                "the raw gradients while a hook is registered (self._copy_factor must be 1: "
+                "the hook divides), or a bucket launched without self._launch, which calls "
+                "the hook"
             )

@@ -800,6 +800,47 @@ def test_experts_that_receive_no_token(ep: int) -> None:
     check_cases(ep, True, everything, "outputs and gradients when some experts get no token")
 
 
+BYTES_PARTS = ("the counts", "dispatch", "combine")
+DROPPED_TRAVELLED = "dropped choices travelled: a choice its expert does not keep is never sent"
+
+
+def forward_bytes_words(
+    got: list[list[int] | None],
+    want: list[list[int]],
+    every_routed: list[list[int]],
+    row_bytes: int,
+) -> dict[int, str]:
+    """Per rank whose forward all-to-alls sent other bytes than ``want`` (counts, dispatch,
+    combine), what differs. The cause is named only when every rank of the case sent exactly
+    the bytes of every routed choice, kept or dropped; otherwise each wrong part is described:
+    its bytes, the rows they make, how many rows were expected, and whether they are the rows
+    of every routed choice (``got[r]`` None: that rank's calls are reported otherwise)."""
+    wrong = [r for r, g in enumerate(got) if g is not None and g != want[r]]
+    named = all(g == every_routed[r] for r, g in enumerate(got) if g is not None)
+    words = {}
+    for r in wrong:
+        mine = got[r]
+        assert mine is not None
+        if named:
+            words[r] = DROPPED_TRAVELLED
+            continue
+        parts = []
+        for part, g, w, a in zip(BYTES_PARTS, mine, want[r], every_routed[r], strict=True):
+            if g == w:
+                continue
+            if part == "the counts":
+                parts.append(
+                    f"the counts are {g} bytes, " + (f"{g / w:.4g} times {w}" if w else "not 0")
+                )
+                continue
+            say = f"{part} sent {g} bytes ({g / row_bytes:g} rows), expected {w // row_bytes} rows"
+            if g == a:
+                say += f" ({a // row_bytes} is the number of every routed choice, kept or not)"
+            parts.append(say)
+        words[r] = "; ".join(parts) + " (the other parts match)"
+    return words
+
+
 def bytes_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]:
     problems = []
     rows = sends_between(case, ref)
@@ -807,6 +848,19 @@ def bytes_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]
     row_bytes = HIDDEN * ELEMENT
     per_rank = case.num_experts // case.ep
     counts_bytes = (case.ep - 1) * per_rank * 8
+
+    def sent(table: list[list[int]], rank: int) -> list[int]:
+        out_rows = sum(n for d, n in enumerate(table[rank]) if d != rank)
+        in_rows = sum(table[s][rank] for s in range(case.ep) if s != rank)
+        return [counts_bytes, out_rows * row_bytes, in_rows * row_bytes]
+
+    forward_words = forward_bytes_words(
+        [[c.bytes_to_others for c in run.forward_a2a] if len(run.forward_a2a) == 3 else None
+         for run in runs],
+        [sent(rows, rank) for rank in range(case.ep)],
+        [sent(routed, rank) for rank in range(case.ep)],
+        row_bytes,
+    )  # fmt: skip
     for rank, run in enumerate(runs):
         out_rows = sum(n for d, n in enumerate(rows[rank]) if d != rank)
         in_rows = sum(rows[s][rank] for s in range(case.ep) if s != rank)
@@ -822,21 +876,11 @@ def bytes_problems(case: Case, ref: Reference, runs: list[CaseRun]) -> list[str]
                 "dispatch, the rows back in combine"
             )
             continue
-        got = [c.bytes_to_others for c in fwd]
-        want = [counts_bytes, out_rows * row_bytes, in_rows * row_bytes]
-        if got != want:
-            routed_out = sum(n for d, n in enumerate(routed[rank]) if d != rank)
-            routed_in = sum(routed[s][rank] for s in range(case.ep) if s != rank)
-            all_routed = [counts_bytes, routed_out * row_bytes, routed_in * row_bytes]
-            why = (
-                "dropped choices travelled: a choice its expert does not keep is never sent"
-                if got == all_routed
-                else "each rank sends other ranks only its kept rows for their experts, and "
-                "each expert's output goes back only to the rank it came from"
-            )
+        if rank in forward_words:
             problems.append(
-                f"rank {rank}: the forward's all-to-alls sent {got} bytes to other ranks "
-                f"(counts, dispatch, combine); expected {want}: {formula}; {why}"
+                f"rank {rank}: the forward's all-to-alls sent {[c.bytes_to_others for c in fwd]} "
+                f"bytes to other ranks (counts, dispatch, combine); expected "
+                f"{sent(rows, rank)}: {formula}; {forward_words[rank]}"
             )
         bwd_bytes = sum(c.bytes_to_others for c in bwd)
         if len(bwd) != 2 or bwd_bytes != (out_rows + in_rows) * row_bytes:

@@ -7,6 +7,19 @@
   simulation of the messages (written apart from the grader's ``ring_traffic``).
 * which half is wrong (``halves_verdict``): the values test runs each half alone on the
   failing input; here the halves are simulated on integer values, on 3 and 4 ranks.
+* which part crashes (``crash_verdict``): after ring_all_reduce crashed or hung, each half runs
+  alone on the same world; ``crash_words`` names the half that fails alone, or the composition
+  when both work, and says "both halves" when both fail.
+
+Messages of 3.1 that need no table:
+
+* ring_hang_note names a cause only when every hung rank waits the same way (tags crossed, all
+  in an all-gather receive, all in an all-gather send, none matched); its unit tests in
+  tests/test_phase3_hang_notes.py plant each and every hang one factor away (a hang spans the
+  world it ran on, so it is written there as ledgers by hand, not as a table here).
+* the 64 MiB size note describes, names no cause: whether 1000 elements pass in the same run,
+  and the places to look that fit each answer (segments, receive buffers reused; or the values
+  test's message).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ sys.path[:0] = [p for p in (str(Path(__file__).parent),) if p not in sys.path]
 
 import torch  # noqa: E402
 from grade_3_1_ring import (  # noqa: E402
+    CRASH_SAY,
     GLOBAL_RANK_ADVICE,
     GROUP_ADVICE,
     GROUPS,
@@ -27,11 +41,12 @@ from grade_3_1_ring import (  # noqa: E402
     TRAFFIC_MISTAKES,
     TRAFFIC_NUMELS,
     TRAFFIC_WORLDS,
+    crash_words,
     group_advice,
     halves_verdict,
     traffic_verdict,
 )
-from mistake_tables import KnownMistake, NamerTable  # noqa: E402
+from mistake_tables import KnownMistake, NamerTable, one_factor_away  # noqa: E402
 
 Params = dict[str, Any]
 
@@ -359,4 +374,51 @@ RING_GROUPS = NamerTable(
     neighbours=_neighbours(GROUP_RIGHT, GROUP_PLANTED, GROUP_FACTORS, group_measured),
 )
 
-TABLES = (RING_TRAFFIC, RING_HALVES, RING_GROUPS)
+# ----------------------------------------------------------------------------- which part crashes
+
+# crash_verdict: after ring_all_reduce crashed or hung on a world, each half runs alone on it
+CRASH_CASE = "the failing world, each half alone"
+CRASH_FACTORS: dict[str, tuple[Any, ...]] = {
+    "reduce-scatter": ("right", "wrong"),
+    "all-gather": ("right", "wrong"),
+    "composition": ("right", "wrong"),
+}
+CRASH_RIGHT: Params = dict.fromkeys(CRASH_FACTORS, "right")
+CRASH_PLANTED: dict[str, Params] = {part: {part: "wrong"} for part in CRASH_FACTORS}
+
+
+def crash_measured(changed: Params) -> tuple[bool, bool, bool]:
+    """(ring_all_reduce crashed, reduce_scatter_ring alone works, all_gather_ring alone works)
+    with a crashing mistake in each part ``changed`` sets wrong."""
+    s = {**CRASH_RIGHT, **changed}
+    wrong = {part for part, v in s.items() if v == "wrong"}
+    return bool(wrong), "reduce-scatter" not in wrong, "all-gather" not in wrong
+
+
+def crash_name(measured: tuple[bool, bool, bool]) -> str | None:
+    crashed, rs_works, ag_works = measured
+    if not crashed:
+        return None  # crash_verdict runs only after a crash
+    broken = [
+        h for h, works in (("reduce-scatter", rs_works), ("all-gather", ag_works)) if not works
+    ]
+    return crash_words(4, broken, [])
+
+
+RING_CRASH = NamerTable(
+    exercise="3.1",
+    function="ring_all_reduce (which part crashes: crash_verdict)",
+    factors=tuple(CRASH_FACTORS),
+    cases=(CRASH_CASE,),
+    mistakes=tuple(
+        KnownMistake(key, f"{key}: wrong", CRASH_CASE, CRASH_SAY[key]) for key in CRASH_PLANTED
+    ),
+    right=lambda: crash_measured({}),
+    plant=lambda key: crash_measured(CRASH_PLANTED[key]),
+    name=crash_name,
+    neighbours=lambda key: one_factor_away(
+        CRASH_PLANTED[key], CRASH_PLANTED.values(), CRASH_RIGHT, CRASH_FACTORS, crash_measured
+    ),
+)
+
+TABLES = (RING_TRAFFIC, RING_HALVES, RING_GROUPS, RING_CRASH)

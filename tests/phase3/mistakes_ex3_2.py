@@ -6,6 +6,15 @@ which names a mistake only when exactly one it knows gives those counts on every
 mistake is planted here from a model of the function with the factors a learner can get wrong
 (written apart from the grader's own formulas), and every mistake one factor away from a named
 one is planted as its neighbour.
+
+* SIGABRT_NOTE (a rank of halving_doubling_all_reduce aborted by gloo) lists the causes that
+  fit, names none: the signal says a receive got a message of another size, not which exchange
+  sent it (partners splitting their ranges differently, or a fold-in message that is not the
+  whole tensor). The hang notes (fold_hang_note) have unit tests in
+  tests/test_phase3_hang_notes.py.
+* phase3_helpers' chunk_hint (the wrong chunks of a ring's result) and random_float_problems
+  (bits that differ between ranks; an element beyond the reordering bound) describe and list the
+  causes that fit, name none (3.1 and 3.2 both use them).
 """
 
 from __future__ import annotations

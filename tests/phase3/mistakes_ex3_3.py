@@ -7,6 +7,11 @@ naming a mistake only when exactly one it knows gives every rank's bytes inside 
 nodes. Each mistake is planted here by simulating the ranks' tensors and every message of the
 three steps on the topology's groups (written apart from the grader's ``hierarchical_sends``);
 every mistake one factor away from a named one is planted as its neighbour.
+
+* ring_verdict describes, names no cause beyond its evidence: after the hierarchical all-reduce
+  failed, 3.1's flat ring is run on the same world; it says whether that ring fails there too
+  (then 3.1 is to be fixed first) or works (then it lists the causes that fit: a step on another
+  group, the middle step on another tensor).
 """
 
 from __future__ import annotations

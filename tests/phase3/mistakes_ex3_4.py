@@ -5,6 +5,27 @@
 only when exactly one it knows gives those buckets on every case. Each mistake is planted here
 by an assignment written apart from the grader's ``bucket_variant``, with the factors a learner
 can get wrong; every mistake one factor away from a named one is planted as its neighbour.
+
+Also tabled: what .grad holds after the all-reduces are waited for, what each bucket's
+all-reduce is handed, the fp16 average (a gradient whose undivided sum overflows, and one that
+tells an undivided sum from one divided after it), and no_sync() (the all-reduces per step, in a
+nested block, after a block that raised).
+
+Messages of 3.4 that need no table:
+
+* _overlap_problems describes, names no cause (the measured order of gradients, launches and
+  waits in one backward: no launch, a launch after the last gradient, a wait during backward, a
+  bucket launched after the next one's gradients).
+* _launch_order_problems describes, names no cause (the order the buckets were all-reduced in,
+  against bucket order, on a model whose gradients arrive out of order).
+* _step_problem lists the causes that fit, names none (the first step wrong: not averaged or
+  not waited for; a later step wrong: state carried over, not reset or added to).
+* the blocking all-reduce message describes, names no cause (async_op was not True).
+* test_torch_comm_hooks_run_on_our_ddp's message lists the two causes that fit (the bucket not
+  holding the raw gradients, a bucket not launched through self._launch), names none: it
+  measures only how far the parameters are from torch's DDP with the same hook.
+* no_sync's "differs from one process" message describes (counts right, values not), names no
+  cause.
 """
 
 from __future__ import annotations
@@ -20,13 +41,18 @@ import torch  # noqa: E402
 from grade_3_4_ddp import (  # noqa: E402
     BUCKET_MISTAKES,
     CONTENT_SAY,
+    FP16_GRAD,
+    FP16_MISTAKES,
     GRAD_MISTAKES,
+    NO_SYNC_MISTAKES,
     _content_problems,
     assignment_cases,
     assignment_verdict,
+    fp16_verdict,
     grad_verdict,
+    no_sync_verdict,
 )
-from mistake_tables import KnownMistake, NamerTable  # noqa: E402
+from mistake_tables import KnownMistake, NamerTable, one_factor_away  # noqa: E402
 
 from solutions.phase3_multi_node.ddp_buckets import assign_buckets  # noqa: E402
 
@@ -262,4 +288,155 @@ BUCKET_CONTENTS = NamerTable(
     neighbours=_content_neighbours,
 )
 
-TABLES = (ASSIGN_BUCKETS, GRAD_AFTER_WAIT, BUCKET_CONTENTS)
+# ----------------------------------------------------------------------------- fp16 average
+
+# test_fp16_average_does_not_overflow: 2 ranks, each with the fp16 gradient FP16_GRAD
+FP16_CASE = "2 ranks, fp16 gradients " + str(list(FP16_GRAD))
+FP16_FACTORS: dict[str, tuple[Any, ...]] = {
+    "divisions before the sum": (1, 0, 2),
+    "divisions after the sum": (0, 1),
+}
+FP16_RIGHT: Params = {"divisions before the sum": 1, "divisions after the sum": 0}
+FP16_PLANTED: dict[str, Params] = {
+    "divided after the sum": {"divisions before the sum": 0, "divisions after the sum": 1},
+    "summed, not averaged": {"divisions before the sum": 0},
+    "divided twice": {"divisions before the sum": 2},
+}
+
+
+def fp16_measured(params: Params) -> torch.Tensor:
+    """The .grad a learner's DDP leaves: each rank's fp16 gradient scaled into its bucket,
+    the buckets summed in fp16 (torch.stack(...).sum rounds to fp16 like gloo), then scaled
+    again (written apart from the grader's fp16_average). A tensor, not a list: the table's
+    same_measurement compares tensors' infinities exactly, floats' by a relative tolerance."""
+    params = {**FP16_RIGHT, **params}
+    local = torch.tensor(FP16_GRAD, dtype=torch.float16)
+    bucket = local * (1.0 / WORLD) ** params["divisions before the sum"]
+    summed = torch.stack([bucket] * WORLD).sum(0)
+    return (summed * (1.0 / WORLD) ** params["divisions after the sum"]).double()
+
+
+FP16_AVERAGE = NamerTable(
+    exercise="3.4",
+    function="DistributedDataParallel (fp16 gradients averaged without overflow)",
+    factors=tuple(FP16_FACTORS),
+    cases=(FP16_CASE,),
+    mistakes=tuple(
+        KnownMistake(
+            key,
+            ", ".join(f"{f}: {v}" for f, v in change.items()),
+            FP16_CASE,
+            FP16_MISTAKES[key][0],
+        )
+        for key, change in FP16_PLANTED.items()
+    ),
+    right=lambda: fp16_measured(FP16_RIGHT),
+    plant=lambda key: fp16_measured({**FP16_RIGHT, **FP16_PLANTED[key]}),
+    name=lambda grad: fp16_verdict(grad.tolist(), WORLD),
+    neighbours=lambda key: one_factor_away(
+        FP16_PLANTED[key], FP16_PLANTED.values(), FP16_RIGHT, FP16_FACTORS, fp16_measured
+    ),
+)
+
+# ----------------------------------------------------------------------------- no_sync
+
+# test_no_sync_accumulates_and_all_reduces_once_per_step: chain_mlp in buckets of 0.002 MB (2),
+# 3 steps of 3 micro-batches, then a nested no_sync() and one that raises
+NO_SYNC_BUCKETS, NO_SYNC_STEPS, NO_SYNC_MICRO = 2, 3, 3
+NO_SYNC_CASE = "2 ranks, 3 steps of 3 micro-batches, nested, raising"
+NO_SYNC_FACTORS: dict[str, tuple[Any, ...]] = {
+    "turns sync off": (True, False),
+    "on exit": ("previous value", "True", "nothing"),
+    "on a raise": ("exit runs (finally)", "exit skipped"),
+}
+NO_SYNC_RIGHT: Params = {
+    "turns sync off": True,
+    "on exit": "previous value",
+    "on a raise": "exit runs (finally)",
+}
+NO_SYNC_PLANTED: dict[str, Params] = {
+    "sync never off": {"turns sync off": False},
+    "flag left off": {"on exit": "nothing"},
+    "set back to True": {"on exit": "True"},
+    "not restored on a raise": {"on a raise": "exit skipped"},
+}
+
+
+class _Flagged:
+    """A DDP's synchronization flag and a no_sync() written with ``params``' choices; backward
+    all-reduces every bucket when the flag is on (a simulation of no_sync_worker's run)."""
+
+    def __init__(self, params: Params) -> None:
+        self.params = {**NO_SYNC_RIGHT, **params}
+        self.sync = True
+        self.calls = 0
+
+    def backward(self) -> None:
+        self.calls += NO_SYNC_BUCKETS if self.sync else 0
+
+    def no_sync(self, body: Any = None, raises: bool = False) -> None:
+        previous = self.sync
+        if self.params["turns sync off"]:
+            self.sync = False
+
+        def leave() -> None:
+            if self.params["on exit"] == "previous value":
+                self.sync = previous
+            elif self.params["on exit"] == "True":
+                self.sync = True
+
+        if raises:
+            if self.params["on a raise"] == "exit runs (finally)":
+                leave()
+            return
+        if body is not None:
+            body()
+        leave()
+
+
+def no_sync_measured(params: Params) -> tuple[list[int], int, bool]:
+    ddp = _Flagged(params)
+    calls = []
+    for _ in range(NO_SYNC_STEPS):
+        before = ddp.calls
+        for _ in range(NO_SYNC_MICRO - 1):
+            ddp.no_sync(ddp.backward)
+        ddp.backward()
+        calls.append(ddp.calls - before)
+    ddp.no_sync(lambda: ddp.no_sync())  # with no_sync(), no_sync(): pass
+    before = ddp.calls
+
+    def inner_then_backward() -> None:
+        ddp.no_sync()
+        ddp.backward()
+
+    ddp.no_sync(inner_then_backward)
+    nested = ddp.calls - before
+    ddp.no_sync(raises=True)
+    return calls, nested, ddp.sync
+
+
+NO_SYNC = NamerTable(
+    exercise="3.4",
+    function="DistributedDataParallel.no_sync",
+    factors=tuple(NO_SYNC_FACTORS),
+    cases=(NO_SYNC_CASE,),
+    mistakes=tuple(
+        KnownMistake(
+            key,
+            ", ".join(f"{f}: {v}" for f, v in change.items()),
+            NO_SYNC_CASE,
+            NO_SYNC_MISTAKES[key][0],
+        )
+        for key, change in NO_SYNC_PLANTED.items()
+    ),
+    right=lambda: no_sync_measured(NO_SYNC_RIGHT),
+    plant=lambda key: no_sync_measured(NO_SYNC_PLANTED[key]),
+    name=lambda m: no_sync_verdict(0, m[0], NO_SYNC_BUCKETS, NO_SYNC_STEPS, NO_SYNC_MICRO, *m[1:]),
+    neighbours=lambda key: one_factor_away(
+        NO_SYNC_PLANTED[key], NO_SYNC_PLANTED.values(), NO_SYNC_RIGHT, NO_SYNC_FACTORS,
+        no_sync_measured,
+    ),
+)  # fmt: skip
+
+TABLES = (ASSIGN_BUCKETS, GRAD_AFTER_WAIT, BUCKET_CONTENTS, FP16_AVERAGE, NO_SYNC)

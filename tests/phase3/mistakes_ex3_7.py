@@ -9,6 +9,11 @@ launcher does), so honouring it there (a lead of 2) differs from an off-by-one (
 The other 3.7 failures (parameters against data-parallel SGD, the server's logged reasons for a
 closed connection, the sharding's bound) say what was seen against what was expected and name
 no cause beyond what the server's own log says.
+
+* params_words (sync and ssp s=0 against data-parallel SGD) describes, names no cause: which keys
+  and how many elements differ, the largest difference and where, and the change from the initial
+  parameters as a ratio of the expected change; it names neither apply_push nor close_clock,
+  since these numbers alone do not tell which of them moved the parameters.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parent))
 
 import grade_3_8_expert_parallel as grader
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 from moe_helpers import (
     CASE_2D,
     CASES,
@@ -585,4 +586,106 @@ GROUPS = _table(
     name_groups,
 )  # fmt: skip
 
-TABLES = (ROUTE, KEEP, AUX, SYNC, COMBINE, GROUPS)
+# ----------------------------------------------------------------------------- bytes sent
+
+BYTES_CASES_RUN = [case for ep in grader.EP_SIZES for case in CASES[ep]]  # idle ones too
+BYTES_CASES = tuple(case.label for case in BYTES_CASES_RUN)
+BYTES_FACTORS = {
+    "dispatch sends": ("kept choices", "every routed choice"),
+    "combine returns": ("kept choices", "every routed choice"),
+    "counts": ("int64 per expert", "int32 per expert", "int64 per rank"),
+}
+BYTES_RIGHT = {f: vs[0] for f, vs in BYTES_FACTORS.items()}
+ROW_BYTES = HIDDEN * 8  # float64 rows
+
+
+@cache
+def _bytes_reference(index: int) -> Reference:
+    return reference(BYTES_CASES_RUN[index])
+
+
+def _rows_to(case: Case, ref: Reference, kept_only: bool) -> list[list[int]]:
+    """rows[r][d]: the choices rank r's tokens route to rank d's experts (kept ones, or all),
+    counted here apart from the grader's sends_between."""
+    per = case.num_experts // case.ep
+    rows = [[0] * case.ep for _ in range(case.ep)]
+    for r, rank in enumerate(ref.ranks):
+        for t, row in enumerate(rank.experts):
+            for j, e in enumerate(row):
+                if not kept_only or bool(rank.keep[t][j]):
+                    rows[r][int(e) // per] += 1
+    return rows
+
+
+def measure_bytes(s: Settings) -> dict[str, list[list[int]]]:
+    """Per case, per rank: the bytes the forward's three all-to-alls send to other ranks
+    (counts, dispatch, combine), as a learner's choices ``s`` make them."""
+    out = {}
+    for i, case in enumerate(BYTES_CASES_RUN):
+        ref = _bytes_reference(i)
+        out_rows = _rows_to(case, ref, s["dispatch sends"] == "kept choices")
+        back_rows = _rows_to(case, ref, s["combine returns"] == "kept choices")
+        per_count = {"int64 per expert": case.num_experts // case.ep * 8,
+                     "int32 per expert": case.num_experts // case.ep * 4,
+                     "int64 per rank": 8}[s["counts"]]  # fmt: skip
+        out[case.label] = [
+            [
+                (case.ep - 1) * per_count,
+                sum(n for d, n in enumerate(out_rows[r]) if d != r) * ROW_BYTES,
+                sum(back_rows[src][r] for src in range(case.ep) if src != r) * ROW_BYTES,
+            ]
+            for r in range(case.ep)
+        ]
+    return out
+
+
+def name_bytes(measured: dict[str, list[list[int]]]) -> str | None:
+    """The bytes test's words (forward_bytes_words) on the first case whose bytes differ."""
+    want, routed = measure_bytes(BYTES_RIGHT), measure_bytes(
+        {**BYTES_RIGHT, "dispatch sends": "every routed choice",
+         "combine returns": "every routed choice"}
+    )  # fmt: skip
+    for case in BYTES_CASES_RUN:
+        got = measured[case.label]
+        words = grader.forward_bytes_words(
+            list(got), want[case.label], routed[case.label], ROW_BYTES
+        )
+        if words:
+            return (
+                grader._header(case)
+                + "\n    "
+                + "\n    ".join(
+                    f"rank {r}: sent {got[r]}, expected {want[case.label][r]}: {w}"
+                    for r, w in words.items()
+                )
+            )
+    return None
+
+
+_BYTES_PLANTED = {"dispatch sends": "every routed choice", "combine returns": "every routed choice"}
+BYTES = _table(
+    "dispatch and combine (bytes sent)",
+    BYTES_FACTORS,
+    BYTES_RIGHT,
+    [
+        (_m("dropped_travelled", "dispatch and combine: every routed choice, not the kept ones",
+            next(c.label for i, c in enumerate(BYTES_CASES_RUN)
+                 if _rows_to(c, _bytes_reference(i), True) != _rows_to(c, _bytes_reference(i), False)),
+            "dropped choices travelled"), _BYTES_PLANTED),
+    ],
+    BYTES_CASES,
+    measure_bytes,
+    name_bytes,
+)  # fmt: skip
+# every factor of the mistake set to each other value, its right ones too (dispatch alone or
+# combine alone sending dropped choices, the counts' dtype or size): factor_neighbours varies
+# only the factors a mistake got wrong, and each of those has one wrong value here
+BYTES = replace(
+    BYTES,
+    neighbours=lambda key: one_factor_away(
+        _BYTES_PLANTED, [_BYTES_PLANTED], BYTES_RIGHT, BYTES_FACTORS,
+        lambda changed: measure_bytes({**BYTES_RIGHT, **changed}),
+    ),
+)  # fmt: skip
+
+TABLES = (ROUTE, KEEP, AUX, SYNC, COMBINE, GROUPS, BYTES)

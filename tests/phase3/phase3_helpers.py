@@ -240,8 +240,9 @@ def chunk_hint(mine: torch.Tensor, ref: torch.Tensor, n: int, meaning: str = "")
     tail = ""
     if mine.numel() % n and wrong == [n - 1]:
         tail = (
-            f"; only the last chunk is wrong and {mine.numel()} does not divide by {n}: check "
-            "the last chunk's boundary (the chunks must cover every element)"
+            f"; only the last chunk is wrong and {mine.numel()} does not divide by {n}: causes "
+            "that fit: the last chunk's boundary (the chunks must cover every element), or the "
+            "step that handles the last chunk"
         )
     elif meaning:
         tail = f": {meaning}"
@@ -263,9 +264,10 @@ def random_float_problems(fn: Callable[..., Any], seed: int = 77) -> list[str]:
         differ = same_bits_everywhere(mine)
         if differ:
             problems.append(
-                f"{dtype}: ranks {differ} ended with different bits from rank 0's: each element "
-                "must be reduced once, in one order, and then copied to every rank (never "
-                "reduced again on the way back)"
+                f"{dtype}: ranks {differ} ended with different bits from rank 0's; causes "
+                "that fit: an element reduced on more than one rank, in different orders, or "
+                "reduced again on the way back instead of copied (each element must be reduced "
+                "once, in one order, and then copied to every rank)"
             )
         bound = tolerance(inputs)
         excess = (mine.double() - ref.double()).abs() - bound
@@ -274,8 +276,9 @@ def random_float_problems(fn: Callable[..., Any], seed: int = 77) -> list[str]:
             problems.append(
                 f"rank {rank}, {dtype}: element {i} is {mine[i].item()!r}, dist.all_reduce gives "
                 f"{ref[i].item()!r}; two orders of the same sum differ by at most "
-                f"{bound[i].item():.3e} here (2(n-1)·eps·sum|x|): a contribution is missing or "
-                "counted twice"
+                f"{bound[i].item():.3e} here (2(n-1)·eps·sum|x|), it is "
+                f"{(mine[i].double() - ref[i].double()).item():.3e} off; causes that fit: a "
+                "contribution missing, or counted twice"
             )
     return problems
 
