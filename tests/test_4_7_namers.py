@@ -21,6 +21,7 @@ if str(Path(__file__).resolve().parent / "phase4") not in sys.path:
 from lm_namers import (
     BALANCE_MISTAKES,
     BALANCE_RIGHT,
+    PLACEMENT_WAYS,
     BalanceLayout,
     BalanceMeasured,
     HeldKind,
@@ -38,10 +39,12 @@ from lm_namers import (
     loss_problem,
     parameter_causes,
     placements_problem,
+    placements_verdict,
     positions_problem,
     recipe_coefficients,
     reduce_scatter_problem,
     region_problem,
+    right_axes,
     right_recipe,
     zigzag_positions,
 )
@@ -509,3 +512,18 @@ def test_training_advice_lists_only_what_the_layout_can_have() -> None:
     assert "tied embedding" in pipeline and "dp x cp" not in pipeline
     sp = " ".join(parameter_causes("norm", LayoutFacts(tp=2, sp=True)))
     assert "summed over tp" in sp and "not summed over tp" not in sp
+
+
+def test_placements_name_a_way_only_when_every_gradient_fits_it_alone() -> None:
+    cases = [
+        (HeldKind("blocks.0.mlp_norm.weight", tp_replicated=True), "a norm"),
+        (HeldKind("embedding.weight", tp_replicated=True, tied=True), "the tied embedding"),
+        (HeldKind("blocks.0.mlp.down.weight"), "a tp shard"),
+    ]
+    no_tp, words = PLACEMENT_WAYS["no tp"]
+    said = placements_verdict(cases, [no_tp(kind) for kind, _ in cases])
+    assert said and words in said and "2 of 3 gradients" in said
+    # tp and embedding both left out: two ways at once, described gradient by gradient
+    said = placements_verdict(cases, [right_axes(kind) - {"tp", "embedding"} for kind, _ in cases])
+    assert said and "missing ['embedding', 'tp']" in said
+    assert not any(words in said for _, words in PLACEMENT_WAYS.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,8 @@ for folder in ("phase1", "phase4"):
 from compression_helpers import cast_problems, topk_value_problems  # noqa: E402
 from grade_1_2_averaging import averaging_remark  # noqa: E402
 from grade_1_3_all_reduce import census_remark  # noqa: E402
-from grade_4_1_checkpoint import rng_restore_verdict  # noqa: E402
+from grade_1_4_trainer import totals_input, totals_problems  # noqa: E402
+from grade_4_1_checkpoint import durability_problem, rng_restore_verdict  # noqa: E402
 
 
 def test_half_the_mean_in_a_group_of_2_of_4_lists_both_causes_without_the_whole_world() -> None:
@@ -61,3 +63,28 @@ def test_a_16_bit_future_of_the_wrong_shape_is_described() -> None:
         "fp16_hook", want, torch.zeros(5, dtype=torch.float16), want, torch.float16, 3, want
     )
     assert said and "(5,)" in said[0] and "(10,)" in said[0]
+
+
+def test_a_max_over_the_ranks_is_described_though_one_rank_holds_its_own_totals() -> None:
+    inputs = [totals_input(rank) for rank in (0, 1)]
+    largest = {k: max(d[k] for d in inputs) for k in inputs[0]}  # rank 1's: its own
+    said = " ".join(totals_problems([largest, dict(largest)]))
+    assert "'loss' is 3.0, expected 4.5" in said
+    assert "own totals" not in said and "not summed" not in said and "float32" not in said
+
+
+def test_a_float32_sum_shows_the_difference_not_a_ratio_of_1() -> None:
+    rounded = {"samples": float(2**25), "loss": 4.5, "steps": 7.0}
+    said = " ".join(totals_problems([rounded, dict(rounded)]))
+    assert "off by -2" in said and "1 times" not in said and "float32" in said
+
+
+def test_an_unflushed_write_is_named_only_when_it_is_the_only_problem() -> None:
+    target = Path("/ckpt/state.pt")
+    tmp = "/ckpt/.state.pt.tmp"
+    events: list[Any] = [("wrote", "", 0), ("fsync file", tmp, 0), ("replace", tmp, 0),
+                         ("replaced onto", str(target), 0)]  # fmt: skip
+    alone = durability_problem([*events, ("fsync folder", "/ckpt", 0)], target, 1000)
+    assert alone and "Python's own buffer" in alone
+    both = durability_problem(events, target, 1000)
+    assert both and "2 problems" in both and "Python's own buffer" not in both

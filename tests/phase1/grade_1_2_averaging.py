@@ -359,6 +359,11 @@ LOSS_ADVICE = {
 }
 
 
+def loss_advice(step: int) -> str:
+    """What the first step whose mean loss differs says about the cause (LOSS_ADVICE)."""
+    return LOSS_ADVICE[min(step, 2)]
+
+
 def compare_with_reference(
     results: list[dict[str, Any]],
     ref_losses: list[float],
@@ -375,7 +380,7 @@ def compare_with_reference(
             problems.append(
                 f"{where}, step {step}: the mean of the ranks' losses should equal one process's "
                 f"loss on the whole batch, {ref_losses[step]:.12f}; got {mean_loss:.12f}"
-                + LOSS_ADVICE.get(min(step, 2), "")
+                + loss_advice(step)
             )
             break
     for rank, result in zip(ranks, results, strict=True):

@@ -320,8 +320,9 @@ def test_all_reduce_inside_subgroups(strategy: str) -> None:
             problems.append(
                 f"rank {rank} (group {(0, 1) if rank < 2 else (2, 3)}): expected its group's sum "
                 f"{result['ref'][bad].tolist()} at indices {bad}, got {result['mine'][bad].tolist()}"
-                " (sizes and ranks must come from the group: dist.get_world_size(group), "
-                "dist.get_rank(group))"
+                " (the world's sum was right, so the causes that fit are the group's: a size "
+                "or a rank taken from the world, where dist.get_world_size(group) and "
+                "dist.get_rank(group) belong)"
             )
     first_problems(
         problems,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import os
 import re
 import subprocess
@@ -345,15 +346,90 @@ def test_start_epoch_tells_the_sampler_the_epoch_and_where_to_resume() -> None:
 
 
 BIG = float(2**24 + 1)  # float32 holds integers exactly only up to 2^24
+TOTALS_WORLD = 2
+
+
+def totals_input(rank: int) -> dict[str, float]:
+    """Rank ``rank``'s totals, in the order it fills them: rank 0 samples, loss, steps; rank 1
+    the reverse, so values paired by position pair different keys."""
+    mine = {"samples": BIG, "loss": 1.5 * (rank + 1), "steps": 3.0 + rank}
+    keys = list(mine) if rank == 0 else list(reversed(mine))
+    return {key: mine[key] for key in keys}
+
+
+def _totals_ways(rank: int) -> dict[str, dict[str, float]]:
+    """What rank ``rank`` gets from each way of summing the totals that the namer can name."""
+    inputs = [totals_input(q) for q in range(TOTALS_WORLD)]
+    keys = sorted(inputs[0])
+    right = {k: sum(d[k] for d in inputs) for k in keys}
+    float32 = {k: sum(float(torch.tensor(d[k], dtype=torch.float32)) for d in inputs) for k in keys}
+    own_order = list(inputs[rank])
+    paired = {key: sum(list(d.values())[i] for d in inputs) for i, key in enumerate(own_order)}
+    return {
+        "right": right,
+        "float32": {k: float(torch.tensor(v, dtype=torch.float32)) for k, v in float32.items()},
+        "by position": paired,
+        "mean": {k: v / TOTALS_WORLD for k, v in right.items()},
+        "own": dict(inputs[rank]),
+    }
+
+
+_TOTALS_WHY = {
+    "float32": "the values travelled in float32, which holds integers exactly only up to 2^24 "
+    "(bfloat16 rounds 2^24 + 1 the same way)",
+    "by position": "rank 0 filled its dict in the order samples, loss, steps and rank 1 in the "
+    "reverse order, so values paired by position add unrelated numbers",
+    "mean": "each value is the sum over the 2 ranks halved: averaged over the ranks, not summed",
+    "own": "each value is this rank's own: no sum over the ranks, it returned its own totals",
+}
+
+
+def _apart(got: float, want: float) -> str:
+    """How far a value is from the expected one: the ratio, or the difference where the ratio
+    would read 1."""
+    ratio = f"{got / want:.6g}" if want and math.isfinite(got) else ""
+    return f" ({ratio} times that)" if ratio not in ("", "1") else f" (off by {got - want:+.6g})"
+
+
+def totals_problems(returned: list[object]) -> list[str]:
+    """What is wrong with the dicts reduce_totals returned on the 2 ranks (rank r's at r): a
+    way's words only when every value on every rank is what that way gives and no other way
+    gives, else each value that differs, with what was expected and the ratio."""
+    problems: list[str] = []
+    ways = [_totals_ways(rank) for rank in range(len(returned))]
+    dicts: list[dict[str, float]] = []
+    for rank, summed in enumerate(returned):
+        expected = ways[rank]["right"]
+        if not isinstance(summed, dict) or set(summed) != set(expected):
+            problems.append(
+                f"rank {rank}: returned {summed!r}, expected the keys {sorted(expected)}"
+            )
+        else:
+            dicts.append(summed)
+    if problems:
+        return problems
+    fitting = [
+        w for w in _TOTALS_WHY
+        if all(d[k] == v for d, way in zip(dicts, ways, strict=True) for k, v in way[w].items())
+    ]  # fmt: skip
+    for rank, (summed, way) in enumerate(zip(dicts, ways, strict=True)):
+        expected = way["right"]
+        wrong = [k for k, v in expected.items() if summed[k] != v]
+        if not wrong:
+            continue
+        shown = "; ".join(
+            f"the sum of {k!r} is {summed[k]!r}, expected {expected[k]!r}{_apart(summed[k], expected[k])}"
+            for k in wrong
+        )
+        why = f": {_TOTALS_WHY[fitting[0]]}" if len(fitting) == 1 else ""
+        problems.append(f"rank {rank}: {shown}{why}")
+    return problems
 
 
 def totals_worker() -> dict[str, Any]:
     from course.comm_counter import CommCounter
 
-    rank = dist.get_rank()
-    mine = {"samples": BIG, "loss": 1.5 * (rank + 1), "steps": 3.0 + rank}
-    keys = list(mine) if rank == 0 else list(reversed(mine))  # each rank fills its own order
-    totals = {key: mine[key] for key in keys}
+    totals = totals_input(dist.get_rank())
     loop = bare_loop(trainer_module())
     with CommCounter() as comm:
         summed = loop.reduce_totals(totals)
@@ -362,37 +438,18 @@ def totals_worker() -> dict[str, Any]:
 
 @exercise("1.4")
 def test_reduce_totals_sums_every_key_in_one_collective() -> None:
-    expected = {"samples": 2 * BIG, "loss": 4.5, "steps": 7.0}
     problems = []
-    for rank, result in enumerate(small_world(totals_worker, 2)):
-        summed, calls = result["summed"], result["calls"]
+    results = small_world(totals_worker, TOTALS_WORLD)
+    for rank, result in enumerate(results):
+        calls = result["calls"]
         collectives = {op: n for op, n in calls.items() if n}
         if sum(collectives.values()) > 1:
             problems.append(
                 f"rank {rank}: reduce_totals made {sum(collectives.values())} collectives "
-                f"({collectives}) for {len(expected)} keys: each costs a message latency, and "
-                "one tensor can carry every value"
+                f"({collectives}) for {len(totals_input(rank))} keys: each costs a message "
+                "latency, and one tensor can carry every value"
             )
-        if not isinstance(summed, dict) or set(summed) != set(expected):
-            problems.append(
-                f"rank {rank}: returned {summed!r}, expected the keys {sorted(expected)}"
-            )
-            continue
-        for key, want in expected.items():
-            got = summed[key]
-            if got == want:
-                continue
-            if key == "samples" and got == float(torch.tensor(want, dtype=torch.float32)):
-                problems.append(
-                    f"rank {rank}: the sum of 'samples' is {got:.0f}, expected {want:.0f}: the "
-                    "values travelled in float32, which holds integers exactly only up to 2^24"
-                )
-            else:
-                problems.append(
-                    f"rank {rank}: the sum of {key!r} is {got!r}, expected {want!r}; rank 0 "
-                    "filled its dict in the order samples, loss, steps and rank 1 in the "
-                    "reverse order, so values paired by position add unrelated numbers"
-                )
+    problems += totals_problems([result["summed"] for result in results])
     first_problems(
         problems,
         "1.4 DataParallelLoop.reduce_totals on 2 ranks, 'samples' 2^24 + 1 on each:",

@@ -4,6 +4,17 @@ mistakes of a rank combining what it received, each off by one factor of how it 
 
 The mistakes are planted by a direct exchange of our own, one switch per factor, on the worlds
 of 3 and 4 the grader runs; what it measures is every rank's value, which the census reads.
+
+The subgroup checks have no table: they list, and name no single cause.
+
+- A wrong sum inside the groups (0, 1) and (2, 3) lists the causes that fit, names none: the
+  world's sum passed, so what is left is a size or a rank taken from the world, which it lists
+  together (a missing group= or a peer not mapped to its global rank crosses the group, and
+  only_inside fails that call first, naming the call).
+- A hang in the groups lists the three things a subgroup needs (group= on every collective, the
+  group's size and rank, global peers), names none: a hang carries no evidence of which.
+- The byte counts (what each rank sent and received against the strategy's rule) describe, name
+  no cause.
 """
 
 from __future__ import annotations

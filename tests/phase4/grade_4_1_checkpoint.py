@@ -146,48 +146,88 @@ def test_the_bytes_are_on_the_disk_before_the_rename_and_the_rename_after_it(
         events.append(("replaced onto", str(b), 0))
         real_replace(a, b)
 
+    def writing(f: Any) -> None:
+        f.write(data)
+        events.append(("wrote", "", 0))  # write(f) has returned: the bytes are in Python's hands
+
     monkeypatch.setattr(os, "fsync", recording_fsync)
     monkeypatch.setattr(os, "replace", recording_replace)
-    c.atomic_write(target, lambda f: f.write(data))
-    seen = "; ".join(f"{what} {Path(where).name or where}" for what, where, _ in events) or "none"
+    c.atomic_write(target, writing)
+    problem = durability_problem(events, target, len(data))
+    if problem:
+        fail(problem)
+
+
+Event = tuple[str, str, int]  # ("fsync file" / "fsync folder" / "replace" / ..., path, size)
+
+
+def durability_problem(events: list[Event], target: Path, nbytes: int) -> str | None:
+    """What a power loss would find wrong in one atomic_write's recorded fsyncs and renames,
+    ``nbytes`` written to ``target``. The one cause named, why a file fsync saw too few bytes
+    (an fsync before write(f) wrote them, or the bytes unflushed in Python's buffer), is named
+    only when it is the only problem; with others, each is described."""
+    seen = "; ".join(f"{what} {Path(where).name}".strip() for what, where, _ in events) or "none"
     onto = [i for i, (what, where, _) in enumerate(events) if what == "replaced onto"]
     if not onto or Path(events[onto[-1]][1]) != target:
-        fail(
+        return (
             f"4.1 atomic_write: the file never reached {target.name} through os.replace (the "
             f"grader saw: {seen})"
         )
     rename = onto[-1] - 1
     temporary = events[rename][1]
-    before = [size for what, where, size in events[:rename] if what == "fsync file"]
-    after = [what for what, where, _ in events[rename:] if what == "fsync file"]
+    wrote = next((i for i, (what, _, _) in enumerate(events) if what == "wrote"), len(events))
+    before = [
+        (i, size) for i, (what, _, size) in enumerate(events[:rename]) if what == "fsync file"
+    ]
+    after = [what for what, _, _ in events[rename:] if what == "fsync file"]
+    problems: list[tuple[str, str]] = []  # (described, named): named is said when alone
     if not before:
         when = (
             "made durable (os.fsync) only after the rename"
             if after
             else "never made durable (os.fsync)"
         )
-        fail(
-            f"4.1 atomic_write: the temporary file {Path(temporary).name} was {when}. Until then its bytes may sit in the page cache only: a power "
-            f"loss after the rename leaves {target.name} pointing at an empty or partial file "
-            f"(the grader saw: {seen})"
+        said = (
+            f"the temporary file {Path(temporary).name} was {when}. Until then its bytes may sit "
+            f"in the page cache only: a power loss after the rename leaves {target.name} "
+            "pointing at an empty or partial file"
         )
-    if max(before) != len(data):
-        fail(
-            f"4.1 atomic_write: os.fsync ran when the temporary file held {max(before)} of the "
-            f"{len(data)} bytes written; the others were still in Python's own buffer, which "
-            "os.fsync does not see (it makes durable what the operating system holds)"
+        problems.append((said, said))
+    elif max(size for _, size in before) != nbytes:
+        held = max(size for _, size in before)
+        described = (
+            f"os.fsync ran when the temporary file held {held} of the {nbytes} bytes written"
         )
+        if all(i < wrote for i, _ in before):
+            named = (
+                f"{described}: every fsync of it came before write(f) wrote them; fsync after "
+                "the write"
+            )
+        else:
+            named = (
+                f"{described}; the others were still in Python's own buffer, which os.fsync "
+                "does not see (it makes durable what the operating system holds): flush first"
+            )
+        problems.append((described, named))
     folder = [
-        where
-        for what, where, _ in events[rename:]
+        i
+        for i, (what, where, _) in enumerate(events)
         if what == "fsync folder" and Path(where) == target.parent
     ]
-    if not folder:
-        fail(
-            f"4.1 atomic_write: after the rename nothing made it durable: a rename changes the "
-            f"folder {target.parent.name}, and until that folder is fsynced a power loss can "
-            f"bring back the old name (the grader saw: {seen})"
+    if not any(i > rename for i in folder):
+        ahead = " (its fsync came before the rename, which changes it)" if folder else ""
+        said = (
+            f"after the rename nothing made it durable: a rename changes the folder "
+            f"{target.parent.name}{ahead}, and until that folder is fsynced after it a power "
+            "loss can bring back the old name"
         )
+        problems.append((said, said))
+    if not problems:
+        return None
+    if len(problems) == 1:
+        return f"4.1 atomic_write: {problems[0][1]} (the grader saw: {seen})"
+    listed = "; ".join(f"({n}) {d}" for n, (d, _) in enumerate(problems, 1))
+    return f"4.1 atomic_write: {len(problems)} problems: {listed} (the grader saw: {seen})"
 
 
 # ----------------------------------------------------------------------------- manifest, fallback

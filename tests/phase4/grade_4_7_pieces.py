@@ -61,7 +61,7 @@ from lm_namers import (
     finish_right,
     hand_made_problem,
     loss_problem,
-    placements_problem,
+    placements_verdict,
     positions_fitting,
     positions_problem,
     reduce_scatter_problem,
@@ -909,9 +909,18 @@ PLACEMENT_CASES = [
 ]  # fmt: skip
 
 
+def placements_message(got: Sequence[frozenset[str] | None]) -> str | None:
+    """The failure of gradient_placements, from the ``replicated_on`` it gave every graded
+    gradient (None where no GradShard came back), or None when all are right."""
+    said = placements_verdict(PLACEMENT_CASES, got)
+    return f"4.7 gradient_placements: {said}" if said else None
+
+
 @exercise("4.7")
 def test_gradient_placements_name_every_group_holding_copies() -> None:
     lm = lm_parallel()
+    got: list[frozenset[str] | None] = []
+    carried: list[tuple[str, bool]] = []
     for kind, what in PLACEMENT_CASES:
         held = HeldGradient(kind.name, torch.zeros(3), kind.tp_replicated, kind.tied,
                             kind.expert, kind.reduced)  # fmt: skip
@@ -923,14 +932,15 @@ def test_gradient_placements_name_every_group_holding_copies() -> None:
         except Exception as exc:
             fail_piece("gradient_placements", f"4.7 gradient_placements([{what}]) raised "
                        f"{type(exc).__name__}: {exc}{learner_line(exc)}")  # fmt: skip
-        got = shards[0].replicated_on if shards else None
-        problem = placements_problem(kind, got)
-        if problem:
-            fail_piece("gradient_placements", f"4.7 gradient_placements: {held.name} ({what}): "
-                       f"{problem}{at('gradient_placements')}")  # fmt: skip
-        if shards[0].grad is not held.grad:
+        got.append(frozenset(shards[0].replicated_on) if shards else None)
+        carried.append((held.name, bool(shards) and shards[0].grad is held.grad))
+    problem = placements_message(got)
+    if problem:
+        fail_piece("gradient_placements", f"{problem}{at('gradient_placements')}")
+    for name, same_tensor in carried:
+        if not same_tensor:
             fail_piece("gradient_placements", f"4.7 gradient_placements: the GradShard of "
-                       f"{held.name} must carry the same tensor (clipping scales it in place)"
+                       f"{name} must carry the same tensor (clipping scales it in place)"
                        f"{at('gradient_placements')}")  # fmt: skip
 
 

@@ -614,7 +614,8 @@ _COUNT_WHY = {
     ),
     "world": (
         "the sum over every rank of the world: the tp ranks of a position hold the same targets "
-        "and were counted tp times (a collective without group= runs on the world)"
+        "and were counted tp times (a collective without group= runs on the world; so does a "
+        "sum over dp x cp followed by one over tp)"
     ),
 }
 
@@ -1722,6 +1723,83 @@ def placements_problem(kind: HeldKind, got: Iterable[str] | None) -> str | None:
             + ")"
         )
     return f"replicated_on={sorted(got)}, expected {sorted(want)}: " + "; ".join(parts)
+
+
+def _placed(
+    kind: HeldKind,
+    dense: Iterable[str] = ("dp_cp",),
+    expert: Iterable[str] = ("edp",),
+    reduced: Iterable[str] = (),
+    tp: Callable[[HeldKind], bool] = lambda k: k.tp_replicated,
+    embedding: Callable[[HeldKind], bool] = lambda k: k.tied,
+    extras: Callable[[HeldKind], bool] = lambda k: True,
+) -> frozenset[str]:
+    """The groups one way of writing gradient_placements gives ``kind`` (the right way by
+    default): a base set per kind of gradient, then tp and embedding where the way adds them."""
+    axes = set(expert if kind.expert else (reduced if kind.reduced else dense))
+    if extras(kind) and tp(kind):
+        axes.add("tp")
+    if extras(kind) and embedding(kind):
+        axes.add("embedding")
+    return frozenset(axes)
+
+
+# The realistic ways of getting gradient_placements wrong, each a change of the right code, and
+# the words a message says when the placements of every graded gradient fit that way and no
+# other: (the way, its words). Each says what the code did in words no other way's hold.
+PLACEMENT_WAYS: dict[str, tuple[Callable[[HeldKind], frozenset[str]], str]] = {
+    "no tp": (functools.partial(_placed, tp=lambda k: False),
+              "tp left out for every tp-replicated weight"),
+    "no embedding": (functools.partial(_placed, embedding=lambda k: False),
+                     "embedding left out for the two tied copies"),
+    "tp for all": (functools.partial(_placed, tp=lambda k: True),
+                   "tp given to the tp shards as well"),
+    "embedding by name": (functools.partial(_placed, embedding=lambda k: k.is_embedding_or_head),
+                          "embedding given by name, to the untied embedding and head too"),
+    "expert on dp_cp": (functools.partial(_placed, expert=("dp_cp",)),
+                        "an expert placed on dp_cp instead of edp"),
+    "expert on dp_cp and edp": (functools.partial(_placed, expert=("edp", "dp_cp")),
+                                "an expert given dp_cp beside edp"),
+    "slice on dp_cp": (functools.partial(_placed, reduced=("dp_cp",)),
+                       "ZeRO slices given dp_cp, as if every dp x cp rank held the same slice"),
+    "dp for dp_cp": (functools.partial(_placed, dense=("dp",)),
+                     "dp alone where dp_cp belongs"),
+    "slice bare": (functools.partial(_placed, extras=lambda k: not k.reduced),
+                   "ZeRO slices given no group at all, their tp dropped too"),
+    "expert bare": (functools.partial(_placed, extras=lambda k: not k.expert),
+                    "an expert given edp alone, its tp dropped"),
+}  # fmt: skip
+
+
+def placements_fitting(kinds: Sequence[HeldKind], got: Sequence[Iterable[str] | None]) -> list[str]:
+    """The known ways (keys of PLACEMENT_WAYS) that give exactly ``got`` for every kind."""
+    have = [None if g is None else normalized_axes(g) for g in got]
+    return [
+        key for key, (way, _) in PLACEMENT_WAYS.items()
+        if all(h == way(k) for k, h in zip(kinds, have, strict=True))
+    ]  # fmt: skip
+
+
+def placements_verdict(
+    cases: Sequence[tuple[HeldKind, str]], got: Sequence[Iterable[str] | None]
+) -> str | None:
+    """The words of gradient_placements' failure over every graded gradient: a known way's words
+    only when the placements of every gradient fit it and no other, else which gradients are
+    placed wrong and how (the groups missing and extra, with what each group's ranks hold)."""
+    problems = [
+        (kind, what, problem)
+        for (kind, what), g in zip(cases, got, strict=True)
+        if (problem := placements_problem(kind, g))
+    ]
+    if not problems:
+        return None
+    shown = "; ".join(f"{kind.name} ({what}): {problem}" for kind, what, problem in problems[:3])
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    count = f"{len(problems)} of {len(cases)} gradients placed wrong"
+    fitting = placements_fitting([kind for kind, _ in cases], got)
+    if len(fitting) == 1:
+        return f"{PLACEMENT_WAYS[fitting[0]][1]} ({count}): {shown}{more}"
+    return f"{count}: {shown}{more}"
 
 
 # ----------------------------------------------------------------------------- training layouts

@@ -4,8 +4,19 @@ the order of skip and deal, by the count skipped, or by how the rest is dealt.
 
 The shards are planted here by a sampler of our own with one switch per factor, on the epoch
 order of the grader's case (96 samples, seed 5, epoch 1). The rest of 4.3's failures state what
-a check counted (a plan's numbers, the samples a step saw, the audit's epochs and worlds) and
-name no cause beyond it.
+a check counted and name no cause beyond it, so they have no table:
+
+- plan_batches keep-global (accumulation, global batch, lr) describes, names no cause: it shows
+  the three numbers and the samples per step they train against the 32 kept;
+- plan_batches' refusal of 24 / (2 x 8) describes, names no cause: it shows the plan returned
+  (or the refusal lacking a number) and the 1.5 accumulation steps that cannot be;
+- plan_batches scale-lr describes, names no cause: it shows the plan and the expected 16 and 0.05;
+- the changing-world sampler check describes, names no cause: the step's block against the next
+  block of the epoch's order, and the samples seen twice;
+- the resume at world 2 (progress, audit world sizes) describes, names no cause: the progress
+  saved and the world sizes the audit saw against [1, 2];
+- the torchrun join-and-leave checks (exit code, DONE line, resumes, audits) describe, name no
+  cause: what the journal holds against what each step of the scenario should leave there.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ for _path in (_HERE, _HERE.parent):
 
 from grade_4_7_pieces import (  # noqa: E402
     INEXACT_COUNTS,
+    PLACEMENT_CASES,
     POSITION_CASES,
     REGION_FUNCTIONS,
     balance_message,
@@ -38,6 +39,7 @@ from grade_4_7_pieces import (  # noqa: E402
     loss_cases,
     loss_inputs,
     loss_message,
+    placements_message,
     positions_message,
     region_message,
 )
@@ -70,7 +72,7 @@ from lm_pieces_helpers import (  # noqa: E402
     sp_input,
     sp_weight,
 )
-from mistake_tables import KnownMistake, NamerTable, same_measurement  # noqa: E402
+from mistake_tables import KnownMistake, NamerTable, one_factor_away, same_measurement  # noqa: E402
 
 from course.comm_counter import CommRecord  # noqa: E402
 from course.language_model import IGNORE_INDEX  # noqa: E402
@@ -1012,6 +1014,102 @@ FINISH_TABLE = NamerTable(
 )
 
 
+# ----------------------------------------------------------------------------- gradient_placements
+
+# A way of writing gradient_placements, one value per factor: the groups a whole dense gradient,
+# an expert and a ZeRO slice start from; which gradients get tp and embedding; which kinds skip
+# those extras. The right way is PLACEMENT_RIGHT; every factor's other values are its realistic
+# slips ("" is no group).
+PLACEMENT_RIGHT = {"dense": "dp_cp", "expert": "edp", "slice": "", "tp": "tp-replicated",
+                   "embedding": "tied", "bare": "none"}  # fmt: skip
+PLACEMENT_FACTORS = {
+    "dense": ("dp_cp", "dp", "cp", ""),
+    "expert": ("edp", "dp_cp", "edp+dp_cp", "ep", ""),
+    "slice": ("", "dp_cp", "dp"),
+    "tp": ("tp-replicated", "never", "always", "not tp-replicated"),
+    "embedding": ("tied", "never", "embedding or head", "always"),
+    "bare": ("none", "slice", "expert", "slice and expert"),
+}
+
+
+def _placement_measure(changed: dict[str, str]) -> list[frozenset[str] | None]:
+    """The replicated_on a gradient_placements written ``changed``'s way gives every graded
+    gradient, worked out here from the held gradient's flags (not by the namer's ways)."""
+    way = {**PLACEMENT_RIGHT, **changed}
+    out: list[frozenset[str] | None] = []
+    for kind, _ in PLACEMENT_CASES:
+        base = way["expert"] if kind.expert else way["slice"] if kind.reduced else way["dense"]
+        axes = {g for g in base.split("+") if g}
+        bare = (kind.reduced and "slice" in way["bare"]) or (
+            kind.expert and "expert" in way["bare"]
+        )
+        gets_tp = {"tp-replicated": kind.tp_replicated, "never": False, "always": True,
+                   "not tp-replicated": not kind.tp_replicated}[way["tp"]]  # fmt: skip
+        named = kind.name in ("embedding.weight", "head.weight")
+        gets_tie = {"tied": kind.tied, "never": False, "embedding or head": named,
+                    "always": True}[way["embedding"]]  # fmt: skip
+        if gets_tp and not bare:
+            axes.add("tp")
+        if gets_tie and not bare:
+            axes.add("embedding")
+        out.append(frozenset(axes))
+    return out
+
+
+# key: (its way, off by, separated by, words); the words are those of lm_namers.PLACEMENT_WAYS
+PLACEMENT_MISTAKES = {
+    "no tp": ({"tp": "never"}, "the tp group missing", "a norm, averaged over dp x cp",
+              "tp left out for every tp-replicated weight"),
+    "no embedding": ({"embedding": "never"}, "the embedding group missing",
+                     "the tied embedding's copy", "embedding left out for the two tied copies"),
+    "tp for all": ({"tp": "always"}, "the tp group extra", "a tp shard, averaged over dp x cp",
+                   "tp given to the tp shards as well"),
+    "embedding by name": ({"embedding": "embedding or head"}, "the embedding group extra",
+                          "an untied embedding",
+                          "embedding given by name, to the untied embedding and head too"),
+    "expert on dp_cp": ({"expert": "dp_cp"}, "dp x cp for edp", "an expert's weight",
+                        "an expert placed on dp_cp instead of edp"),
+    "expert on dp_cp and edp": ({"expert": "edp+dp_cp"}, "the dp x cp group extra",
+                                "an expert's weight", "an expert given dp_cp beside edp"),
+    "slice on dp_cp": ({"slice": "dp_cp"}, "the dp x cp group extra",
+                       "a ZeRO slice of a tp shard",
+                       "ZeRO slices given dp_cp, as if every dp x cp rank held the same slice"),
+    "dp for dp_cp": ({"dense": "dp"}, "cp (dp for dp x cp)", "a tp shard, averaged over dp x cp",
+                     "dp alone where dp_cp belongs"),
+    "slice bare": ({"bare": "slice"}, "the tp group missing", "a ZeRO slice of a norm",
+                   "ZeRO slices given no group at all, their tp dropped too"),
+    "expert bare": ({"bare": "expert"}, "the tp group missing", "an expert's weight",
+                    "an expert given edp alone, its tp dropped"),
+}  # fmt: skip
+
+
+def _placement_neighbours(key: str) -> list[tuple[str, Any]]:
+    return one_factor_away(
+        PLACEMENT_MISTAKES[key][0],
+        [m[0] for m in PLACEMENT_MISTAKES.values()],
+        PLACEMENT_RIGHT,
+        PLACEMENT_FACTORS,
+        _placement_measure,
+    )
+
+
+PLACEMENTS_TABLE = NamerTable(
+    exercise="4.7",
+    function="gradient_placements",
+    factors=tuple(
+        f"{f} ({' / '.join(v or 'none' for v in vs)})" for f, vs in PLACEMENT_FACTORS.items()
+    ),
+    cases=tuple(what for _, what in PLACEMENT_CASES),
+    mistakes=tuple(
+        KnownMistake(k, off, sep, says) for k, (_, off, sep, says) in PLACEMENT_MISTAKES.items()
+    ),
+    right=lambda: _placement_measure({}),
+    plant=lambda key: _placement_measure(PLACEMENT_MISTAKES[key][0]),
+    name=placements_message,
+    neighbours=_placement_neighbours,
+)
+
+
 TABLES: Sequence[NamerTable] = (
     POSITIONS_TABLE,
     GATHER_TABLE,
@@ -1022,4 +1120,5 @@ TABLES: Sequence[NamerTable] = (
     LOSS_TABLE,
     BALANCE_TABLE,
     FINISH_TABLE,
+    PLACEMENTS_TABLE,
 )
