@@ -70,3 +70,29 @@ def test_an_error_with_no_learners_frame_is_raised_as_it_was() -> None:
 
     with pytest.raises(RuntimeError):
         raised_at_learner(given, "given code")
+
+
+def test_the_checkpointing_tables_cut_the_segments_where_the_grader_does() -> None:
+    """2.3's gradient table places each Linear in a segment by torch's cut, written anew; the
+    grader's namer reads segment_bounds: both must agree on every graded segment count."""
+    from grade_2_3_checkpointing import GRADIENT_SEGMENTS, segment_bounds
+
+    table = load_table_module("2.3")
+    assert table is not None
+    for segments in GRADIENT_SEGMENTS:
+        bounds = segment_bounds(table.LAYERS, segments)
+        size = table.LAYERS // segments
+        for layer in range(table.LAYERS):
+            held = next(i for i, (a, b) in enumerate(bounds) if a <= layer <= b)
+            assert held == min(layer // size, segments - 1), (segments, layer)
+
+
+def test_an_untouched_expanded_gradient_is_not_called_written_into() -> None:
+    """2.6's in-place verdict compares values only: a stride-0 grad_output (what
+    loss.sum().backward() hands f) left alone says nothing; the sum written into it is named."""
+    from grade_2_6_tensor_parallel import grad_output_verdict
+
+    expanded = torch.ones((), dtype=torch.float64).expand(3, 4)
+    assert grad_output_verdict(expanded, expanded.clone(), 2 * expanded) is None
+    said = grad_output_verdict(2 * expanded, expanded.clone(), 2 * expanded)
+    assert said is not None and "an all-reduce wrote into grad_output itself" in said

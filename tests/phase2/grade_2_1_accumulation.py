@@ -339,6 +339,41 @@ def ddp_accumulation_worker(steps: int, global_batch: int, micro: int) -> dict[s
     }
 
 
+NO_SYNC_MICRO_BATCHES = 3  # 5 samples per rank in micro-batches of 2 + 2 + 1
+
+
+def no_sync_verdict(calls: list[int], buckets: int, micro_batches: int) -> str | None:
+    """What DDP's bucket all-reduces per optimizer step say, None when each step launched one per
+    bucket. DDP decides at a micro-batch's forward whether its backward all-reduces, so a step
+    launches ``buckets`` per micro-batch whose forward ran outside no_sync(): none (every one
+    inside) and every one (no forward inside: nothing wrapped, or only the backwards) are told
+    as such; any other count is described."""
+    if calls == [buckets] * len(calls):
+        return None
+    if not any(calls):
+        advice = (
+            "none at all: the last micro-batch (its forward and backward) must run "
+            "outside no_sync(), so that its backward all-reduces the accumulated sum"
+        )
+    elif all(c == micro_batches * buckets for c in calls):
+        advice = (
+            f"that is one per micro-batch ({micro_batches} x {buckets}): no micro-batch's "
+            "forward ran inside no_sync() (none was wrapped, or only its backward was: DDP "
+            "decides at the forward); run every micro-batch but the last, forward and backward, "
+            "inside no_sync()"
+        )
+    else:
+        times = ", ".join(f"{c / buckets:g}" for c in calls)
+        advice = (
+            f"{times} times the bucket count, step by step; run every micro-batch but the last, "
+            "forward and backward, inside no_sync()"
+        )
+    return (
+        f"DDP launched {calls} bucket all-reduces per optimizer step; expected {buckets} (one "
+        f"per bucket): {advice}"
+    )
+
+
 @exercise("2.1")
 def test_ddp_no_sync_accumulation_equals_one_big_batch() -> None:
     steps = 3
@@ -348,26 +383,9 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch() -> None:
         check_sizes(result["sizes"], [2, 2, 1] * steps, f"{label}, rank {rank}")
         buckets = result["buckets"]
         assert buckets > 1, "test setup: expected several DDP buckets"
-        if result["calls"] != [buckets] * steps:
-            calls = result["calls"]
-            if not any(calls):
-                advice = (
-                    "none at all: the last micro-batch (its forward and backward) must run "
-                    "outside no_sync(), so that its backward all-reduces the accumulated sum"
-                )
-            elif all(c == 3 * buckets for c in calls):
-                advice = (
-                    "that is one per micro-batch: run every micro-batch but the last, forward "
-                    "and backward, inside no_sync()"
-                )
-            else:
-                advice = (
-                    "run every micro-batch but the last, forward and backward, inside no_sync()"
-                )
-            fail(
-                f"{label}: DDP launched {calls} bucket all-reduces per optimizer step on rank "
-                f"{rank}; expected {buckets} (one per bucket): {advice}"
-            )
+        said = no_sync_verdict(result["calls"], buckets, NO_SYNC_MICRO_BATCHES)
+        if said:
+            fail(f"{label}: {said} (rank {rank})")
         check_params(result["params"], want, f"{label}, rank {rank}")
 
 

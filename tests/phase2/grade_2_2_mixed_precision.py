@@ -359,32 +359,72 @@ def one_rank_overflows_worker(group_size: int = 0) -> dict[str, Any]:
 
 
 def check_skips(results: list[dict[str, Any]], label: str) -> None:
+    said = skip_verdict(results, label)
+    if said:
+        fail(said)
+
+
+def _iteration_one(rank: int, result: dict[str, Any]) -> str:
+    stepped, unchanged, _ = result["history"][1]
+    return f"rank {rank} {'stepped' if stepped else 'skipped'}" + (
+        "" if stepped or unchanged else " and changed its weights/optimizer state"
+    )
+
+
+def skip_verdict(results: list[dict[str, Any]], label: str) -> str | None:
+    """What every rank's 4 iterations say (rank 1, of the first group, overflows at iteration 1),
+    None when each did what GradScaler does. A cause is named only when it explains every rank
+    of the overflowing group at iteration 1: rank 1 skipped and the others stepped (the flag
+    never reached them), or every one stepped (no rank saw the overflow: causes listed); a rank
+    of the other group that skipped iteration 1 and only it names the flag reduced over the
+    world. Anything else is described, rank by rank."""
+    group = [r for r, result in enumerate(results) if result["index"] == 0]
+    at_one = {r: results[r]["history"][1] for r in group}
+    if any(stepped or not unchanged for stepped, unchanged, _ in at_one.values()):
+        seen = ", ".join(_iteration_one(r, results[r]) for r in group)
+        stepped = [r for r in group if at_one[r][0]]
+        if at_one[1][:2] == (False, True) and set(stepped) == set(group) - {1}:
+            why = (
+                f"rank 1's overflow did not reach rank(s) {stepped}: every rank of the group must "
+                "agree (all-reduce the overflow flag with MAX on the scaler's group, and skip on "
+                "the reduced flag)"
+            )
+        elif set(stepped) == set(group):
+            why = (
+                "no rank saw the overflow, rank 1 itself included; the causes that fit: the "
+                "check for inf/NaN in the gradients, or a reduction of the flag that keeps the "
+                "smaller value (MIN) where MAX keeps any overflow"
+            )
+        else:
+            why = "every rank of the group must skip it and leave its weights and state unchanged"
+        return f"{label}, unscale_: rank 1 overflowed at iteration 1; {seen}: {why}"
     for rank, result in enumerate(results):
-        overflowed = result["index"] == 0  # rank 1 is in the first group (or the only one)
-        stepped, unchanged, scale = result["history"][1]
-        if overflowed and (stepped or not unchanged):
-            fail(
-                f"{label}, unscale_: rank 1 overflowed at iteration 1; rank {rank} "
-                f"{'stepped' if stepped else 'skipped'} and its weights/optimizer state "
-                f"{'stayed' if unchanged else 'changed'}: every rank of the group must agree "
-                "(all-reduce the overflow flag with MAX on the scaler's group) and leave "
-                "everything unchanged"
+        steps = [h[0] for h in result["history"]]
+        if result["index"] != 0 and not steps[1]:
+            if steps == [True, False, True, True]:
+                return (
+                    f"{label}, unscale_: rank {rank} skipped iteration 1, and only it, but only "
+                    "rank 1, in the OTHER group, overflowed: the flag was reduced over the world; "
+                    "all-reduce it on the scaler's group"
+                )
+            return (
+                f"{label}, unscale_: rank {rank} stepped {steps} over 4 iterations; expected "
+                "[True, True, True, True]: only rank 1, in the OTHER group, overflowed (at "
+                "iteration 1)"
             )
-        if not overflowed and not stepped:
-            fail(
-                f"{label}, unscale_: rank {rank} skipped iteration 1, but only rank 1, in the "
-                "OTHER group, "
-                "overflowed: all-reduce the flag on the scaler's group, not on the world"
-            )
+    for rank, result in enumerate(results):
+        overflowed = result["index"] == 0
+        scale = result["history"][1][2]
         want_scale = 128.0 if overflowed else 512.0
         if scale != want_scale:
-            fail(
+            return (
                 f"{label}: rank {rank}'s scale after iteration 1 is {scale}, expected {want_scale}"
             )
         want = [True, False, True, True] if overflowed else [True, True, True, True]
         got = [h[0] for h in result["history"]]
         if got != want:
-            fail(f"{label}: rank {rank} stepped {got} over 4 steps; expected {want}")
+            return f"{label}: rank {rank} stepped {got} over 4 steps; expected {want}"
+    return None
 
 
 @exercise("2.2")
@@ -438,22 +478,57 @@ def update_norm(before: list[torch.Tensor], after: Any) -> float:
     return float(squares) ** 0.5
 
 
+CLIP_SCALE = 2.0**12  # the clipping test's initial scale (no overflow: it stays)
+CLIP_NORM = 0.05  # its max_norm: small enough to bind on every step of the recipe
+
+
 def clipping_advice(moved: list[tuple[float, float]]) -> str:
-    """What the earlier steps' update sizes say, when they differ from GradScaler's recipe."""
+    """What the earlier steps' update sizes say, when they differ from GradScaler's recipe. A
+    step the scale times smaller names the clipping of the still-scaled gradients; any
+    other step much smaller or larger is described (a ratio alone names no cause)."""
     for step, (ours, ref) in enumerate(moved):
+        if ref > 0 and ours == pytest.approx(ref / CLIP_SCALE, rel=1e-2):  # float32 updates
+            return (
+                f". Step {step} moved the weights {ref / max(ours, 1e-30):.4g}x less than the "
+                f"recipe, the scale ({CLIP_SCALE:g}) within rounding: the clipping saw gradients "
+                "still multiplied by the scale (the scaler's unscaling comes before "
+                "clip_grad_norm_)"
+            )
         if ref > 0 and ours < ref / 100:
             return (
                 f". Step {step} moved the weights {ref / max(ours, 1e-30):.3g}x less than the "
-                "recipe: the clipping saw gradients still multiplied by the scale (the "
-                "scaler's unscaling comes before clip_grad_norm_)"
+                f"recipe, and not by the scale ({CLIP_SCALE:g})"
             )
         if ref > 0 and ours > 1.5 * ref:
             return (
-                f". Step {step} moved the weights {ours / ref:.3g}x more than the recipe: the "
-                "clipping did not limit the unscaled gradients (clip between the unscaling and the "
-                "scaler's stepping)"
+                f". Step {step} moved the weights {ours / ref:.3g}x more than the recipe, more "
+                f"than a clipping at max_norm {CLIP_NORM} between the unscaling and the step "
+                "allows"
             )
     return ""
+
+
+def clipping_verdict(
+    losses: list[float],
+    ref_losses: list[float],
+    moved: list[tuple[float, float]],
+    worst: tuple[str, float],
+) -> str | None:
+    """The clipping test's failure from its 3 iterations: each loss against the recipe's (with
+    what the earlier steps' sizes say), then the parameter that differs most after them."""
+    for step, (loss, ref_loss) in enumerate(zip(losses, ref_losses, strict=True)):
+        if loss != pytest.approx(ref_loss, rel=1e-6):
+            return (
+                f"2.2 mixed_precision_step (init scale 2^12, clipping at {CLIP_NORM}): iteration "
+                f"{step} loss {loss}, expected {ref_loss}" + clipping_advice(moved[:step])
+            )
+    name, diff = worst
+    if diff > 1e-6:
+        return (
+            f"2.2 mixed_precision_step: after 3 clipped iterations {name} differs from "
+            f"GradScaler's recipe by {diff:.2e}: clip after unscaling, and unscale once"
+        )
+    return None
 
 
 @exercise("2.2")
@@ -463,20 +538,22 @@ def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
     ours_model, ref_model = small_mlp(), small_mlp()
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.5)
-    scaler = precision.DynamicLossScaler(init_scale=2.0**12)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = precision.DynamicLossScaler(init_scale=CLIP_SCALE)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=CLIP_SCALE)
     moved: list[tuple[float, float]] = []  # (ours, reference) size of each step's update
+    losses: list[float] = []
+    ref_losses: list[float] = []
     for step in range(3):
         before = [p.detach().clone() for p in ours_model.parameters()]
         ref_before = [p.detach().clone() for p in ref_model.parameters()]
         loss, stepped = precision.mixed_precision_step(
-            ours_model, ours_opt, nn.functional.cross_entropy, x, y, scaler, None, 0.05
+            ours_model, ours_opt, nn.functional.cross_entropy, x, y, scaler, None, CLIP_NORM
         )
         ref_opt.zero_grad()
         ref_loss = nn.functional.cross_entropy(ref_model(x), y)
         ref_scaler.scale(ref_loss).backward()
         ref_scaler.unscale_(ref_opt)
-        nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+        nn.utils.clip_grad_norm_(ref_model.parameters(), CLIP_NORM)
         ref_scaler.step(ref_opt)
         ref_scaler.update()
         moved.append(
@@ -487,20 +564,45 @@ def test_clipping_sees_unscaled_gradients_like_the_grad_scaler_recipe() -> None:
         )
         if not stepped:
             fail(f"2.2 mixed_precision_step: iteration {step} has no overflow but reported a skip")
-        if loss != pytest.approx(ref_loss.item(), rel=1e-6):
-            fail(
-                f"2.2 mixed_precision_step (init scale 2^12, clipping at 0.05): iteration {step} "
-                "loss "
-                f"{loss}, expected {ref_loss.item()}" + clipping_advice(moved[:step])
-            )
-    for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters(), strict=True):
-        diff = (p - q).abs().max().item()
-        if diff > 1e-6:
-            fail(
-                f"2.2 mixed_precision_step: after 3 clipped iterations {name} differs from "
-                f"GradScaler's recipe by {diff:.2e}: clip after "
-                "unscaling, and unscale once"
-            )
+        losses.append(loss)
+        ref_losses.append(ref_loss.item())
+    worst = max(
+        ((name, (p - q).abs().max().item()) for (name, p), q in
+         zip(ours_model.named_parameters(), ref_model.parameters(), strict=True)),
+        key=lambda named: named[1],
+    )  # fmt: skip
+    said = clipping_verdict(losses, ref_losses, moved, worst)
+    if said:
+        fail(said)
+
+
+def autocast_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The loss with the forward and the loss under bf16 autocast (float32: autocast computes
+    cross-entropy in float32), and with the loss computed after it, on the bf16 logits."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+        inside = nn.functional.cross_entropy(logits, y)
+    return inside.item(), nn.functional.cross_entropy(logits, y).item()
+
+
+def autocast_loss_verdict(loss: float, ref_loss: float, outside_loss: float) -> str | None:
+    """What the returned loss says, None when it is the loss under autocast. A loss in bf16 is
+    told only when the returned loss is exactly the one computed outside autocast, and then with
+    both causes that give that number (here they coincide)."""
+    if loss == pytest.approx(ref_loss, rel=1e-6):
+        return None
+    said = (
+        f"the loss is {loss}; the forward and the loss under the same autocast give {ref_loss} "
+        "(a float32 loss: autocast computes cross-entropy in float32)"
+    )
+    if loss == outside_loss and outside_loss != ref_loss:
+        return said + (
+            f". Yours is exactly the loss in bf16 ({outside_loss}); the causes that fit: the "
+            "cross-entropy computed after autocast, on its bf16 logits, or the float32 loss "
+            "rounded to bf16 on its way back: compute the loss inside autocast and return it "
+            "as it is"
+        )
+    return said + f"; yours is {loss / ref_loss:.6g} times that"
 
 
 @exercise("2.2")
@@ -515,21 +617,16 @@ def test_mixed_precision_step_runs_the_forward_and_the_loss_under_autocast() -> 
     loss, _ = precision.mixed_precision_step(
         model, optimizer, nn.functional.cross_entropy, x, y, scaler, torch.bfloat16
     )
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = nn.functional.cross_entropy(ref_model(x), y)
+    ref_loss, outside_loss = autocast_losses(ref_model, x, y)
     if seen != [torch.bfloat16]:
         fail(
             f"2.2 mixed_precision_step(autocast_dtype=torch.bfloat16): the model's first Linear "
             f"returned {seen} in its forwards; expected [torch.bfloat16], one forward under "
             "autocast"
         )
-    if loss != pytest.approx(ref_loss.item(), rel=1e-6):
-        fail(
-            f"2.2 mixed_precision_step(autocast_dtype=torch.bfloat16): the loss is {loss}; the "
-            f"forward and the loss under the same autocast give {ref_loss.item()} (a float32 "
-            "loss: autocast computes cross-entropy in float32; outside it, on bf16 logits, it is "
-            "computed and rounded in bf16)"
-        )
+    said = autocast_loss_verdict(loss, ref_loss, outside_loss)
+    if said:
+        fail(f"2.2 mixed_precision_step(autocast_dtype=torch.bfloat16): {said}")
 
 
 @exercise("2.2")

@@ -62,8 +62,13 @@ def segment_bounds(layers: int, segments: int) -> list[tuple[int, int]]:
     return [*bounds, (size * (segments - 1), layers - 1)]
 
 
+# graded segment counts of the bitwise-gradient test: from 3 on, the segments before the last
+# checkpointed one and the checkpointed segments are different sets (their gradients' namer)
+GRADIENT_SEGMENTS = (2, 3, 7, 18)
+
+
 @exercise("2.3")
-@pytest.mark.parametrize("segments", [2, 3, 7, 18])
+@pytest.mark.parametrize("segments", GRADIENT_SEGMENTS)
 def test_checkpointed_gradients_equal_the_plain_model_bitwise_with_dropout(segments: int) -> None:
     checkpointing = checkpointing_module()
     model = deep_dropout_mlp()
@@ -76,27 +81,14 @@ def test_checkpointed_gradients_equal_the_plain_model_bitwise_with_dropout(segme
     if not torch.equal(out, ck_out):
         fail(f"{where}: the output differs from the plain model's (max {describe(ck_out, out)})")
     names = [name for name, _ in model.named_parameters()]
-    last_start = segment_bounds(len(model), segments)[-1][0]
     missing = [
         name
         for name, want, got in zip(names, grads, ck_grads, strict=True)
         if got is None or (want is not None and want.any() and not got.any())
     ]
-    if missing:
-        earlier = [n for n in missing if int(n.split(".")[0]) < last_start]
-        fail(
-            f"{where}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} got no (or "
-            "an all-zero) gradient"
-            + (
-                " while the plain model's is non-zero: these parameters sit in earlier segments, "
-                "so the gradient did not flow from a recomputed segment back to its input. In "
-                "backward, give each detached input requires_grad_(its original requires_grad) "
-                "and return its .grad; checkpoint() passes an anchor that requires grad so the "
-                "first segment's output is part of the graph even when the data is not"
-                if earlier
-                else ""
-            )
-        )
+    said = missing_gradients_verdict(segments, missing, len(model))
+    if said:
+        fail(f"{where}: {said}")
     for name, want, got in zip(names, grads, ck_grads, strict=True):
         assert want is not None and got is not None
         if not torch.equal(want, got):
@@ -112,6 +104,40 @@ def test_checkpointed_gradients_equal_the_plain_model_bitwise_with_dropout(segme
         )
 
 
+def missing_gradients_verdict(segments: int, missing: list[str], layers: int) -> str | None:
+    """What the parameters with no (or an all-zero) gradient say, None when there are none. A
+    cause is named only when the segments they sit in single it out: every segment before the
+    last checkpointed one (the gradient stopped at each recomputed segment's input); every
+    checkpointed segment (their own parameters got nothing: two causes fit, both listed); any
+    other set is described by its segments."""
+    if not missing:
+        return None
+    bounds = segment_bounds(layers, segments)
+    held = sorted(
+        {next(i for i, (a, b) in enumerate(bounds) if a <= int(n.split(".")[0]) <= b)
+         for n in missing}
+    )  # fmt: skip
+    said = (
+        f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} got no (or an all-zero) "
+        f"gradient while the plain model's is non-zero; they sit in segment(s) {held} of "
+        f"0..{segments - 1}"
+    )
+    if held == list(range(segments - 2)):
+        return said + (
+            ": every segment before the last checkpointed one, so the gradient did not flow "
+            "from a recomputed segment back to its input. In backward, give each detached input "
+            "requires_grad_(its original requires_grad) and return its .grad"
+        )
+    if held == list(range(segments - 1)):
+        return said + (
+            ": every checkpointed segment, and no other, so their own parameters got nothing; "
+            "the causes that fit: the segments ran without a graph (under torch.no_grad, not "
+            "through checkpoint), or backward computed only the inputs' gradients "
+            "(torch.autograd.grad fills no .grad; torch.autograd.backward does)"
+        )
+    return said
+
+
 def _why_gradients_differ(checkpointing: Any, segments: int, x: torch.Tensor) -> str:
     """The cause of gradients that differ while the output matched: the same run without
     dropout tells a recomputation that draws other masks from a backward that starts wrong."""
@@ -121,10 +147,18 @@ def _why_gradients_differ(checkpointing: Any, segments: int, x: torch.Tensor) ->
     _, ck_grads, _ = grads_after(
         model, lambda: checkpointing.checkpoint_sequential(model, segments, x)
     )
-    if all(
-        want is not None and got is not None and torch.equal(want, got)
-        for want, got in zip(grads, ck_grads, strict=True)
-    ):
+    return why_gradients_differ(
+        all(
+            want is not None and got is not None and torch.equal(want, got)
+            for want, got in zip(grads, ck_grads, strict=True)
+        )
+    )
+
+
+def why_gradients_differ(equal_without_dropout: bool) -> str:
+    """The words for gradients that differ while the output matched, from whether they match
+    with dropout off: the random state is named only when nothing else differs."""
+    if equal_without_dropout:
         return (
             "The output matched, and with dropout off the gradients match too: the "
             "recomputation in backward draws other random numbers than the first forward did "
@@ -132,10 +166,11 @@ def _why_gradients_differ(checkpointing: Any, segments: int, x: torch.Tensor) ->
             "before recomputing"
         )
     return (
-        "The output matched, and the gradients differ even with dropout off, so the random "
-        "state is not the cause: the backward through the recomputed segment does not start "
-        "from what autograd handed it (each recomputed output that requires grad, with its "
-        "incoming gradient), or what it returns is not the gradient of each input"
+        "The output matched, and the gradients differ even with dropout off, so something "
+        "besides the random state is wrong (the random state may be too; that shows once the "
+        "rest is right): the backward through the recomputed segment does not start from what "
+        "autograd handed it (each recomputed output that requires grad, with its incoming "
+        "gradient), or what it returns is not the gradient of each input"
     )
 
 

@@ -492,15 +492,32 @@ def executor_worker(cases: list[tuple[str, int, int, bool]]) -> list[dict[str, A
     return [run_case(case, rank, p, None) for case in cases]
 
 
-def gradient_hint(got: torch.Tensor, expected: torch.Tensor) -> str:
-    """A likely cause, from how the wrong gradient relates to the right one."""
+def gradient_hint(got: torch.Tensor, expected: torch.Tensor, last_stage_right: bool) -> str:
+    """How the wrong gradient relates to the right one: all zeros (no gradient reached it; the
+    causes that fit, told apart by whether the last stage's gradients are right) or its norm's
+    ratio (described: a ratio alone names none)."""
     if not got.any():
-        return (
-            " (it is all zeros: does each received activation call requires_grad_(), so that "
-            "its .grad can be sent back?)"
+        causes = (
+            "a later stage ran on its received activation without requires_grad_(), so its "
+            ".grad never existed and zeros were sent back; or this stage's backward did not "
+            "start from the gradient that came back"
+            if last_stage_right
+            else "the loss was scaled by 0 (an integer 1 // m); or no backward ran from it"
         )
+        which = "the last stage's are right" if last_stage_right else "the last stage's too"
+        return f" (it is all zeros, no gradient reached it, and {which}; the causes that fit: {causes})"
     ratio = float(got.norm() / expected.norm())
     return f" (its norm is {ratio:.3g} times the expected one)"
+
+
+def _stage_right(
+    per_rank: Sequence[dict[str, Any]], ref_grads: Sequence[Sequence[torch.Tensor]], stage: int
+) -> bool:
+    found = {s: grads for got in per_rank for s, grads in got["grads"].items()}
+    return len(found.get(stage, [])) == len(ref_grads[stage]) and all(
+        torch.allclose(g, r, rtol=1e-10, atol=1e-12)
+        for g, r in zip(found[stage], ref_grads[stage], strict=True)
+    )
 
 
 def _later_stages_right(
@@ -613,7 +630,7 @@ def check_executor_case(
                     fail(
                         f"{label}: stage {stage} (rank {rank}) parameter {i}'s gradient differs "
                         f"from the single-device model's by {(g - r).abs().max():.3e}"
-                        f"{gradient_hint(g, r)}"
+                        f"{gradient_hint(g, r, _stage_right(per_rank, ref_grads, num_stages - 1))}"
                         + _later_stages_right(per_rank, ref_grads, stage, num_stages)
                     )
     for rank, got in enumerate(per_rank):

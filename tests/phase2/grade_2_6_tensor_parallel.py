@@ -195,6 +195,46 @@ def test_f_forward_and_g_backward_hand_their_input_on_in_process() -> None:
         )
 
 
+def written_in_place(
+    what: str, after: torch.Tensor, before: torch.Tensor, summed: torch.Tensor
+) -> str:
+    """How a tensor a function was handed changed ("" when it did not): the in-place all-reduce
+    is named only when the tensor now holds exactly the sum over the group's ranks; any other
+    change (a mean, a sum over other ranks, a scaled copy) is described by its difference."""
+    if torch.equal(after, before):
+        return ""
+    if close(after, summed):
+        return f"it now holds the sum over the ranks: an all-reduce wrote into {what} itself"
+    return f"its values changed, {describe(after, before)} from what was handed in"
+
+
+def grad_output_verdict(
+    after: torch.Tensor, handed: torch.Tensor, summed: torch.Tensor
+) -> str | None:
+    """What f's backward did to the gradient autograd handed it, None when it left it alone."""
+    how = written_in_place("grad_output", after, handed, summed)
+    if not how:
+        return None
+    return (
+        f"f backward changed the gradient autograd handed it ({how}). Autograd may hand that "
+        "tensor to other functions too, and after loss.sum().backward() it is an expanded "
+        "view of one element (stride 0), which an in-place all-reduce corrupts or crashes the "
+        "rank on (SIGSEGV seen). The invariant asks that grad_output be left as it was: "
+        "which tensor may the all-reduce write into?"
+    )
+
+
+def g_input_verdict(after: torch.Tensor, before: torch.Tensor, summed: torch.Tensor) -> str | None:
+    """What g's forward did to its input, None when it left it alone."""
+    how = written_in_place("g's input", after, before, summed)
+    if not how:
+        return None
+    return (
+        f"g (reduce_from_tensor_parallel_region) forward changed its input ({how}); it must "
+        "leave its input as it was and return the sum in a tensor of its own"
+    )
+
+
 def operators_worker() -> list[str]:
     return operator_problems(None, 0)
 
@@ -216,28 +256,17 @@ def operator_problems(group: dist.ProcessGroup | None, offset: int) -> list[str]
     handed = upstream.clone()
     with CommCounter() as backward:
         y.backward(upstream)  # autograd hands f's backward this very tensor as grad_output
-    if not torch.equal(upstream, handed):
-        summed = torch.stack([per_rank(2, r) for r in range(n)]).sum(dim=0)
-        how = (
-            "it now holds the sum over the ranks: an all-reduce wrote into grad_output itself"
-            if close(upstream, summed)
-            else "its values changed"
-        )
-        problems.append(
-            f"f backward changed the gradient autograd handed it ({how}). Autograd may hand that "
-            "tensor to other functions too, and after loss.sum().backward() it is an expanded "
-            "view of one element (stride 0), which an in-place all-reduce corrupts or crashes the "
-            "rank on (SIGSEGV seen). The invariant asks that grad_output be left as it was: "
-            "which tensor may the all-reduce write into?"
-        )
+    summed = torch.stack([per_rank(2, r) for r in range(n)]).sum(dim=0)
+    said = grad_output_verdict(upstream, handed, summed)
+    if said:
+        problems.append(said)
     if not torch.equal(y.detach(), x.detach()):
         problems.append("f (copy_to_tensor_parallel_region) forward must return its input")
     if forward.records:
         problems.append(f"f forward must not communicate; it called {dict(forward.calls)}")
-    want = torch.stack([per_rank(2, r) for r in range(n)]).sum(dim=0)
-    if not close(x.grad, want):
+    if not close(x.grad, summed):
         problems.append(
-            f"f backward must return the sum of every rank's gradient: {describe(x.grad, want)}"
+            f"f backward must return the sum of every rank's gradient: {describe(x.grad, summed)}"
         )
     if backward.count("all_reduce") != 1 or len(backward.records) != 1:
         problems.append(f"f backward must be one all-reduce; it called {dict(backward.calls)}")
@@ -256,8 +285,9 @@ def operator_problems(group: dist.ProcessGroup | None, offset: int) -> list[str]
             f"g (reduce_from_tensor_parallel_region) forward must return the sum over ranks: "
             f"{describe(y.detach(), want)}"
         )
-    if not torch.equal(x.detach(), before):
-        problems.append("g forward must not modify its input (all-reduce a copy)")
+    said = g_input_verdict(x.detach(), before, want)
+    if said:
+        problems.append(said)
     if forward.count("all_reduce") != 1 or len(forward.records) != 1:
         problems.append(f"g forward must be one all-reduce; it called {dict(forward.calls)}")
     if not close(x.grad, upstream):
@@ -736,6 +766,31 @@ def attention_worker() -> dict[bool, dict[str, Any]]:
     return results
 
 
+def qkv_shard_problem(shard: torch.Tensor | None, rank: int, n: int) -> str | None:
+    """What is wrong with rank's qkv.weight of n, None when it holds its heads' rows of q, k
+    and v. The contiguous block is named only when the shard is exactly that block."""
+    in_proj = make_attention().in_proj_weight.detach()
+    want = qkv_rows(in_proj, rank, n)
+    if shard is not None and shard.shape == want.shape and torch.equal(shard, want):
+        return None
+    advice = ""
+    contiguous = rows(in_proj, rank, n)
+    if shard is not None and shard.shape == contiguous.shape and torch.equal(shard, contiguous):
+        advice = (
+            ": it holds a contiguous block of in_proj_weight's rows, which gives rank 0 "
+            "only queries; in_proj_weight is q's, k's and v's projections stacked, and "
+            "each rank needs its own heads' rows of each"
+        )
+    elif shard is not None and shard.shape != want.shape:
+        advice = f": it has shape {list(shard.shape)}, expected {list(want.shape)}"
+    elif shard is not None:
+        advice = f": {describe(shard, want)}"
+    return (
+        "qkv.weight should hold this rank's heads' rows of in_proj_weight "
+        f"(q's, then k's, then v's){advice}"
+    )
+
+
 def check_attention_shards(label: str, world_size: int, results: list[dict[str, Any]]) -> None:
     """This rank's heads' parameters, before any value: a wrong shard names itself."""
     dense = make_attention()
@@ -743,22 +798,9 @@ def check_attention_shards(label: str, world_size: int, results: list[dict[str, 
         where = f"2.6 {label}, rank {rank} of {world_size}"
         if "error" in got:
             fail(f"{where}: {got['error']}")
-        in_proj = dense.in_proj_weight.detach()
-        shard = got["shards"].get("qkv.weight")
-        want = qkv_rows(in_proj, rank, world_size)
-        if shard is None or shard.shape != want.shape or not torch.equal(shard, want):
-            advice = ""
-            contiguous = rows(in_proj, rank, world_size)
-            if shard is not None and shard.shape == want.shape and torch.equal(shard, contiguous):
-                advice = (
-                    ": it holds a contiguous block of in_proj_weight's rows, which gives rank 0 "
-                    "only queries; in_proj_weight is q's, k's and v's projections stacked, and "
-                    "each rank needs its own heads' rows of each"
-                )
-            fail(
-                f"{where}: qkv.weight should hold this rank's heads' rows of in_proj_weight "
-                f"(q's, then k's, then v's){advice}"
-            )
+        said = qkv_shard_problem(got["shards"].get("qkv.weight"), rank, world_size)
+        if said:
+            fail(f"{where}: {said}")
         shard = got["shards"].get("out_proj.weight")
         want = cols(dense.out_proj.weight.detach(), rank, world_size)
         if shard is None or shard.shape != want.shape or not torch.equal(shard, want):

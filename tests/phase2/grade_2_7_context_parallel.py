@@ -537,9 +537,8 @@ def test_ring_attention_output_equals_sdpa_on_the_whole_sequence(cp: int) -> Non
     if not wrong:
         _check_lse(results, cp)
         return
-    causal, zigzag, rank, diff = wrong[0]
+    causal, zigzag, rank, _ = wrong[0]
     silent = results[rank]["cases"][(causal, zigzag)]["forward_bytes"] == 0
-    only_causal = all(c for c, _, _, _ in wrong) and not silent
     bad_lse = [
         (c, z, r)
         for c, z in CASES
@@ -551,25 +550,46 @@ def test_ring_attention_output_equals_sdpa_on_the_whole_sequence(cp: int) -> Non
             ATOL,
         )
     ]
+    only_causal = all(c for c, _, _, _ in wrong) and not silent
+    fail(
+        output_verdict(
+            cp, wrong, bad_lse[0] if bad_lse else None, silent, only_causal and _block_kind_right()
+        )
+        + _chunk_advice(results, cp, zigzag)
+    )
+
+
+def output_verdict(
+    cp: int,
+    wrong: list[tuple[bool, bool, int, str]],
+    bad_lse: tuple[bool, bool, int] | None,
+    silent: bool,
+    block_kind_right: bool,
+) -> str:
+    """The failure of the ring's output, from what was measured: the (causal, zigzag, rank)
+    outputs that differ (with how), the first right output whose lse is wrong, whether the first
+    wrong rank sent nothing, whether the learner's block_kind is right. It describes the lse and
+    the silence; where only causal cases differ it lists the causes that fit (it cannot tell
+    the chunk ids of a visiting block from how the forward acts on the kind)."""
+    causal, zigzag, rank, diff = wrong[0]
+    only_causal = all(c for c, _, _, _ in wrong) and not silent
     advice = (
-        f"\n  Where the output is right ({case_name(cp, bad_lse[0][0], bad_lse[0][1])}, rank "
-        f"{bad_lse[0][2]}), the lse is already wrong: every merge must return the lse over both "
+        f"\n  Where the output is right ({case_name(cp, bad_lse[0], bad_lse[1])}, rank "
+        f"{bad_lse[2]}), the lse is already wrong: every merge must return the lse over both "
         "key sets, or the next merge weighs the blocks wrongly (a query chunk that meets more "
         "blocks goes wrong first)"
         if bad_lse
-        else _only_causal_advice()
+        else _only_causal_advice(block_kind_right)
         if only_causal
         else "\n  This rank sent nothing in the forward: every K/V block must travel around the "
         "ring (start_ring_pass), or the queries only ever meet their own keys"
         if silent
         else ""
     )
-    fail(
+    return (
         f"{case_name(cp, causal, zigzag)}, rank {rank}: the output should equal "
         f"scaled_dot_product_attention on the whole sequence at this rank's positions ({diff}); "
-        f"{len(wrong)} of {len(CASES) * cp} (case, rank) outputs differ"
-        + advice
-        + _chunk_advice(results, cp, zigzag)
+        f"{len(wrong)} of {len(CASES) * cp} (case, rank) outputs differ" + advice
     )
 
 
@@ -588,14 +608,16 @@ def _block_kind_right() -> bool:
         return False
 
 
-def _only_causal_advice() -> str:
-    """Advice when every non-causal output is right and some causal one is not."""
-    if _block_kind_right():
+def _only_causal_advice(block_kind_right: bool) -> str:
+    """Advice when every non-causal output is right and some causal one is not: with the
+    learner's block_kind right, two causes in the forward fit (listed); else block_kind too."""
+    if block_kind_right:
         return (
             "\n  Every non-causal case is right, so the ring and the merge work, and your "
-            "block_kind gives the causal rule: the chunk ids the forward gives a visiting block "
-            "are wrong. A block holds the chunks of the rank it started on, and which rank that "
-            "is changes with the step"
+            "block kinds follow the causal rule; the causes that fit: the chunk ids the forward "
+            "gives a visiting block (a block holds the chunks of the rank it started on, and "
+            "which rank that is changes with the step), or how it acts on the kind (a SKIP "
+            "block skipped, a DIAGONAL block computed with causal=True)"
         )
     return (
         "\n  Every non-causal case is right, so the ring and the merge work: look at which "
@@ -668,20 +690,37 @@ def case_reference(cp: int, causal: bool, zigzag: bool) -> Any:
     return reference(q, k, v, grad, causal)
 
 
+CAUSAL_RULE_ADVICE = (
+    "the causal rule in the backward: the same blocks skipped as in the forward, and the "
+    "diagonal block computed with its mask (causal=True for it), as in the forward"
+)
+CHUNK_SLICING_ADVICE = (
+    "what changes with two chunks per rank: the query side of a block (q, out, lse, the "
+    "incoming gradient, dQ) is sliced by its query chunk, the key side (k, v, dK, dV) by its key "
+    "chunk"
+)
+
+
 def _pattern_advice(wrong: set[tuple[bool, bool]]) -> str:
-    """What the set of wrong (causal, zigzag) cases points at, when it points at something."""
-    if wrong and all(causal for causal, _ in wrong):
+    """What the set of wrong (causal, zigzag) cases points at, when it points at something:
+    every causal case and no other (the causal rule), every zigzag case and no other (the
+    slicing by chunk), or only the causal zigzag case, which both fit (listed, not named)."""
+    only_causal = wrong == {(True, False), (True, True)}
+    only_zigzag = wrong == {(False, True), (True, True)}
+    if wrong == {(True, True)}:
         return (
-            "every non-causal case is right, so the ring and the sums work: look at the causal "
-            "rule in the backward: the same blocks skipped as in the forward, and the diagonal "
-            "block computed with its mask (causal=True for it), as in the forward"
+            "only the causal zigzag case differs, and two causes fit it: "
+            + CAUSAL_RULE_ADVICE
+            + "; or "
+            + CHUNK_SLICING_ADVICE
         )
-    if wrong and all(zigzag for _, zigzag in wrong):
+    if only_causal:
         return (
-            "every contiguous case is right, so look at what changes with two chunks per rank: "
-            "the query side of a block (q, out, lse, the incoming gradient, dQ) is sliced by its "
-            "query chunk, the key side (k, v, dK, dV) by its key chunk"
+            "every non-causal case is right, so the ring and the sums work: look at "
+            + CAUSAL_RULE_ADVICE
         )
+    if only_zigzag:
+        return "every contiguous case is right, so look at " + CHUNK_SLICING_ADVICE
     return ""
 
 

@@ -10,6 +10,15 @@
   a scale that is no power of two. Realistic ways: divide by the scale, divide or multiply in
   float64 and round each result, multiply by a float32 inverse computed in float32 (which, at
   this scale, is GradScaler's own number: it cannot show, and is not named).
+
+Also below (each with its comment block): the loss under autocast
+(:func:`autocast_loss_verdict`), the clipping (:func:`clipping_verdict`, :func:`clipping_advice`)
+and the overflow flag across ranks (:func:`skip_verdict`). Messages that describe and name no
+cause, so need no table:
+
+* skip_verdict's scale after iteration 1 and its steps over 4 iterations describe, name no cause.
+* clipping_advice for a step much smaller (not by the scale) or larger describes, names no cause.
+* the overflow flag's crossing of the scaler's group (fail_on_crossing) describes, names no cause.
 """
 
 from __future__ import annotations
@@ -23,13 +32,20 @@ if str(Path(__file__).parent) not in sys.path:  # loaded by path (tests/mistake_
 
 import torch
 from grade_2_2_mixed_precision import (
+    CLIP_SCALE,
     UNSCALE_SCALE,
+    autocast_loss_verdict,
+    autocast_losses,
+    batch,
+    clipping_verdict,
     scale_verdict,
     scaled_gradients,
+    skip_verdict,
+    small_mlp,
     stream_cases,
     unscale_verdict,
 )
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 STREAMS = stream_cases()
 STREAM_LABELS = tuple(label for label, *_ in STREAMS)
@@ -130,7 +146,7 @@ def unscale_name(measured: dict[str, torch.Tensor]) -> str | None:
     return unscale_verdict(measured[UNSCALE_CASE], theirs, scaled_gradients(), UNSCALE_SCALE)
 
 
-TABLES = (
+TABLES: tuple[NamerTable, ...] = (
     NamerTable(
         exercise="2.2",
         function="DynamicLossScaler.update",
@@ -181,3 +197,222 @@ def grad_scaler_streams() -> dict[str, list[float]]:
         label: run_scaler_stream(torch.amp.GradScaler("cpu", **kwargs), steps, overflows)[0]
         for label, kwargs, steps, overflows in STREAMS
     }
+
+
+# ---------------------------------------------------------------------------- the autocast loss
+# mixed_precision_step's returned loss under bf16 autocast, judged by autocast_loss_verdict on
+# the grader's batch of 16. Factors: where the cross-entropy runs (inside autocast, or after it
+# on the bf16 logits) and how the value comes back (as computed, rounded to bf16, halved). The loss
+# computed outside autocast and the float32 loss rounded to bf16 give the same number here (a
+# bf16 loss): one row, whose message lists both; told only when the value is exactly that loss.
+
+AUTOCAST_CASES = ("mixed_precision_step(autocast_dtype=torch.bfloat16), batch of 16",)
+LOSS_RIGHT = {"where": "inside autocast", "returned": "as computed"}
+LOSS_FACTORS = {
+    "where": ("inside autocast", "outside, on the bf16 logits"),
+    "returned": ("as computed", "rounded to bf16", "halved"),
+}
+LOSS_PLANTED = {"loss_in_bf16": {"where": "outside, on the bf16 logits"}}
+
+
+def autocast_loss(setting: dict[str, str]) -> tuple[float, float, float]:
+    """(the returned loss, the reference, the loss outside autocast), the first from the
+    factors: the cross-entropy written here where the factor puts it."""
+    x, y = batch(16)
+    model = small_mlp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+        inside = torch.nn.functional.cross_entropy(logits, y)
+    outside = torch.nn.functional.cross_entropy(logits, y)
+    loss = inside if setting["where"] == "inside autocast" else outside
+    value = {"as computed": loss.item(), "rounded to bf16": loss.to(torch.bfloat16).item(),
+             "halved": loss.item() / 2}[setting["returned"]]  # fmt: skip
+    return value, *autocast_losses(small_mlp(), x, y)
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.2",
+        function="mixed_precision_step (its loss under autocast)",
+        factors=tuple(LOSS_FACTORS),
+        cases=AUTOCAST_CASES,
+        mistakes=(
+            KnownMistake("loss_in_bf16", "float32 for bf16 in the loss", AUTOCAST_CASES[0],
+                         "Yours is exactly the loss in bf16"),
+        ),
+        right=lambda: autocast_loss(LOSS_RIGHT),
+        plant=lambda key: autocast_loss({**LOSS_RIGHT, **LOSS_PLANTED[key]}),
+        name=lambda measured: autocast_loss_verdict(*measured),
+        neighbours=lambda key: one_factor_away(
+            LOSS_PLANTED[key], LOSS_PLANTED.values(), LOSS_RIGHT, LOSS_FACTORS,
+            lambda changed: autocast_loss({**LOSS_RIGHT, **changed}),
+        ),
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the clipping
+# mixed_precision_step with clipping, judged by clipping_verdict over 3 iterations at scale 2^12
+# and max_norm 0.05 (the loss of each iteration, with what the earlier steps' update sizes say,
+# then the weights). Factors: where the clipping runs (between the unscaling and the step,
+# before the unscaling, after the step, nowhere), its max_norm (0.05, 0.1, 1.0) and how often
+# the gradients are unscaled (once, twice). Each setting is run here with GradScaler and
+# clip_grad_norm_ written in that order, in process. Named: the clipping of the still-scaled
+# gradients (a step exactly the scale times smaller); everything else is described by its ratio.
+
+CLIP_CASES = ("mixed_precision_step, init scale 2^12, clipping at 0.05, 3 iterations",)
+CLIP_RIGHT = {"clip": "between unscale and step", "max_norm": "0.05", "unscale": "once"}
+CLIP_FACTORS = {
+    "clip": ("between unscale and step", "before unscale", "after step", "nowhere"),
+    "max_norm": ("0.05", "0.1", "1.0"),
+    "unscale": ("once", "twice"),
+}
+CLIP_PLANTED = {"clip_scaled": {"clip": "before unscale"}}
+ClipRun = tuple[list[float], list[float], list[tuple[float, float]], tuple[str, float]]
+
+
+def _clip_steps(setting: dict[str, str]) -> tuple[list[float], list[float], torch.nn.Module]:
+    """The losses and update norms of 3 iterations with these factors, and the model after."""
+    x, y = batch(16)
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=CLIP_SCALE)
+    norm = float(setting["max_norm"])
+    losses, moves = [], []
+    for _ in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if setting["clip"] == "before unscale":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), norm)
+        scaler.unscale_(optimizer)
+        if setting["unscale"] == "twice":
+            for p in model.parameters():
+                assert p.grad is not None
+                p.grad /= scaler.get_scale()
+        if setting["clip"] == "between unscale and step":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), norm)
+        scaler.step(optimizer)
+        scaler.update()
+        if setting["clip"] == "after step":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), norm)
+        losses.append(loss.item())
+        moves.append(sum(float(((p.detach() - b) ** 2).sum())
+                         for b, p in zip(before, model.parameters(), strict=True)) ** 0.5)  # fmt: skip
+    return losses, moves, model
+
+
+def clip_run(setting: dict[str, str]) -> ClipRun:
+    losses, moves, model = _clip_steps(setting)
+    ref_losses, ref_moves, ref_model = _clip_steps(CLIP_RIGHT)
+    worst = max(((n, (p - q).abs().max().item()) for (n, p), q in
+                 zip(model.named_parameters(), ref_model.parameters(), strict=True)),
+                key=lambda named: named[1])  # fmt: skip
+    return losses, ref_losses, list(zip(moves, ref_moves, strict=True)), worst
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.2",
+        function="mixed_precision_step (its clipping)",
+        factors=tuple(CLIP_FACTORS),
+        cases=CLIP_CASES,
+        mistakes=(
+            KnownMistake("clip_scaled", "a factor of the scale", CLIP_CASES[0],
+                         "the clipping saw gradients still multiplied by the scale"),
+        ),
+        right=lambda: clip_run(CLIP_RIGHT),
+        plant=lambda key: clip_run({**CLIP_RIGHT, **CLIP_PLANTED[key]}),
+        name=lambda measured: clipping_verdict(*measured),
+        neighbours=lambda key: one_factor_away(
+            CLIP_PLANTED[key], CLIP_PLANTED.values(), CLIP_RIGHT, CLIP_FACTORS,
+            lambda changed: clip_run({**CLIP_RIGHT, **changed}),
+        ),
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the overflow flag
+# DynamicLossScaler on 2 ranks and on two groups of 2 of 4 ranks (rank 1, of the first group,
+# overflows at iteration 1 of 4; init scale 256, growth interval 2), judged by skip_verdict.
+# Factors: how the overflow flag is reduced (MAX on the scaler's group, not at all, MIN on the
+# group, MAX on the world) and what a skipped step does (changes nothing, or still changes the
+# optimizer state). Histories are written here from GradScaler's rules (skip and halve on an
+# overflow; double after 2 clean iterations in a row). Named: the flag not shared (rank 1
+# skipped alone) and the flag reduced over the world (the other group skipped iteration 1 only);
+# listed: no rank seeing the overflow (MIN).
+
+SKIP_CASES = ("DynamicLossScaler on 2 ranks", "DynamicLossScaler(group=...) on two groups of 2")
+SKIP_RIGHT = {"reduce": "MAX on the group", "skipped step": "changes nothing"}
+SKIP_FACTORS = {
+    "reduce": ("MAX on the group", "none", "MIN on the group", "MAX on the world"),
+    "skipped step": ("changes nothing", "changes the state"),
+}
+SKIP_PLANTED = {
+    "flag_not_shared": {"reduce": "none"},
+    "flag_over_the_world": {"reduce": "MAX on the world"},
+    "min_flag": {"reduce": "MIN on the group"},
+}
+Ranks = list[dict[str, Any]]
+
+
+def scaler_ranks(world: int, setting: dict[str, str]) -> Ranks:
+    """Every rank's (stepped, unchanged, scale) over 4 iterations, groups of 2 when world = 4."""
+    size = 2
+    found = []
+    for rank in range(world):
+        index = rank // size
+        group = range(index * size, index * size + size)
+        scale, clean, history = 256.0, 0, []
+        for step in range(4):
+            flags = {r: int(step == 1 and r == 1) for r in range(world)}
+            reduce = setting["reduce"]
+            seen = {"none": flags[rank], "MAX on the group": max(flags[r] for r in group),
+                    "MIN on the group": min(flags[r] for r in group),
+                    "MAX on the world": max(flags.values())}[reduce]  # fmt: skip
+            if seen:
+                scale, clean = scale * 0.5, 0
+                history.append((False, setting["skipped step"] == "changes nothing", scale))
+            else:
+                clean += 1
+                if clean == 2:
+                    scale, clean = scale * 2.0, 0
+                history.append((True, False, scale))
+        found.append({"history": history, "index": index})
+    return found
+
+
+def skip_runs(setting: dict[str, str]) -> dict[str, Ranks]:
+    return {SKIP_CASES[0]: scaler_ranks(2, setting), SKIP_CASES[1]: scaler_ranks(4, setting)}
+
+
+def skip_name(measured: dict[str, Ranks]) -> str | None:
+    return next((s for label in SKIP_CASES if (s := skip_verdict(measured[label], label))), None)
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.2",
+        function="DynamicLossScaler.unscale_ (the overflow flag)",
+        factors=tuple(SKIP_FACTORS),
+        cases=SKIP_CASES,
+        mistakes=(
+            KnownMistake("flag_not_shared", "the group", SKIP_CASES[0],
+                         "rank 1's overflow did not reach"),
+            KnownMistake("flag_over_the_world", "the world for the group", SKIP_CASES[1],
+                         "the flag was reduced over the world"),
+            KnownMistake("min_flag", "MIN for MAX", SKIP_CASES[0], "no rank saw the overflow"),
+        ),
+        right=lambda: skip_runs(SKIP_RIGHT),
+        plant=lambda key: skip_runs({**SKIP_RIGHT, **SKIP_PLANTED[key]}),
+        name=skip_name,
+        neighbours=lambda key: one_factor_away(
+            SKIP_PLANTED[key], SKIP_PLANTED.values(), SKIP_RIGHT, SKIP_FACTORS,
+            lambda changed: skip_runs({**SKIP_RIGHT, **changed}),
+        ),
+    ),
+)  # fmt: skip

@@ -7,6 +7,9 @@ how often a checkpointed segment runs (twice; once when backward never recompute
 and where the segments are cut (torch's: 18 // segments layers, the last taking the rest; or
 ceil(18 / segments); or one layer more). At 4 segments, which do not divide 18, every cut
 differs. Named: only the checkpointed last segment, when every segment ran exactly twice.
+
+Also below: the parameters left without a gradient (:func:`missing_gradients_verdict`) and
+gradients that differ while the output matched (:func:`why_gradients_differ`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,14 @@ from pathlib import Path
 if str(Path(__file__).parent) not in sys.path:  # loaded by path (tests/mistake_tables.py)
     sys.path.insert(0, str(Path(__file__).parent))
 
-from grade_2_3_checkpointing import FORWARD_COUNT_SEGMENTS, forward_count_verdict
-from mistake_tables import KnownMistake, NamerTable
+from grade_2_3_checkpointing import (
+    FORWARD_COUNT_SEGMENTS,
+    GRADIENT_SEGMENTS,
+    forward_count_verdict,
+    missing_gradients_verdict,
+    why_gradients_differ,
+)
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 LAYERS = 18  # deep_dropout_mlp(): 6 x (Linear, ReLU, Dropout)
 CASES = tuple(f"{s} segments" for s in FORWARD_COUNT_SEGMENTS)
@@ -66,7 +75,7 @@ PLANTED = {
     "ceil_cut": ("ceil", False, 2),
 }
 
-TABLES = (
+TABLES: tuple[NamerTable, ...] = (
     NamerTable(
         exercise="2.3",
         function="checkpoint_sequential (forward calls per layer)",
@@ -88,5 +97,118 @@ TABLES = (
             (f"cut {c}, last {'checkpointed' if last else 'plain'}, runs {r}", calls(c, last, r))
             for c, last, r in product(CUTS, (False, True), (1, 2, 3))
         ],
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the gradients
+# Parameters with no (or an all-zero) gradient are judged by missing_gradients_verdict at 2, 3, 7
+# and 18 segments. Factors: whether each recomputed segment's backward returns its input's
+# gradient, whether a checkpointed segment's own parameters get theirs, whether the last (plain)
+# segment's do. Named: the input's gradient not returned (every segment before the last
+# checkpointed one); listed: the checkpointed segments' own parameters (no graph, or
+# autograd.grad for autograd.backward: the same parameters miss out).
+
+GRADIENT_CASES = tuple(f"{s} segments, bitwise gradients" for s in GRADIENT_SEGMENTS)
+LINEARS = range(0, LAYERS, 3)  # deep_dropout_mlp: a Linear at every third layer
+GRADIENT_RIGHT = {"input grad": "returned", "own params": "get theirs", "last segment": "gets"}
+GRADIENT_FACTORS = {
+    "input grad": ("returned", "not returned"),
+    "own params": ("get theirs", "get none"),
+    "last segment": ("gets", "gets none"),
+}
+GRADIENT_PLANTED = {
+    "input_grad_not_returned": {"input grad": "not returned"},
+    "own_params_get_none": {"own params": "get none"},
+}
+
+
+def missing(setting: dict[str, str]) -> dict[str, list[str]]:
+    """The parameters with no gradient, per graded segment count (torch's cut written here)."""
+    found = {}
+    for segments, label in zip(GRADIENT_SEGMENTS, GRADIENT_CASES, strict=True):
+        size = LAYERS // segments
+        names = []
+        for layer in LINEARS:
+            s = min(layer // size, segments - 1)
+            if s == segments - 1:
+                gone = setting["last segment"] == "gets none"
+            else:
+                gone = setting["own params"] == "get none" or (
+                    setting["input grad"] == "not returned" and s < segments - 2
+                )
+            if gone:
+                names += [f"{layer}.weight", f"{layer}.bias"]
+        found[label] = names
+    return found
+
+
+def missing_name(measured: dict[str, list[str]]) -> str | None:
+    for segments, label in zip(GRADIENT_SEGMENTS, GRADIENT_CASES, strict=True):
+        said = missing_gradients_verdict(segments, measured[label], LAYERS)
+        if said:
+            return said
+    return None
+
+
+# why_gradients_differ, when the output matched and a gradient did not: whether they match with
+# dropout off. Factors: the RNG state restored before recomputing, the backward right.
+WHY_RIGHT = {"rng": "restored", "backward": "right"}
+WHY_FACTORS = {"rng": ("restored", "not restored"), "backward": ("right", "wrong")}
+WHY_PLANTED = {"rng_not_restored": {"rng": "not restored"}, "backward_wrong": {"backward": "wrong"}}
+
+
+def equal_gradients(setting: dict[str, str]) -> dict[str, tuple[bool, bool]]:
+    """Per graded case: (equal with dropout, equal with dropout off)."""
+    right = setting["backward"] == "right"
+    return dict.fromkeys(GRADIENT_CASES, (right and setting["rng"] == "restored", right))
+
+
+def why_name(measured: dict[str, tuple[bool, bool]]) -> str | None:
+    for with_dropout, without in measured.values():
+        if not with_dropout:
+            return why_gradients_differ(without)
+    return None
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.3",
+        function="checkpoint / checkpoint_sequential (parameters left without a gradient)",
+        factors=tuple(GRADIENT_FACTORS),
+        cases=GRADIENT_CASES,
+        mistakes=(
+            KnownMistake("input_grad_not_returned", "the input's gradient", GRADIENT_CASES[1],
+                         "did not flow from a recomputed segment back to its input"),
+            KnownMistake("own_params_get_none", "the segment's own parameters", GRADIENT_CASES[0],
+                         "every checkpointed segment, and no other"),
+        ),
+        right=lambda: missing(GRADIENT_RIGHT),
+        plant=lambda key: missing({**GRADIENT_RIGHT, **GRADIENT_PLANTED[key]}),
+        name=missing_name,
+        neighbours=lambda key: one_factor_away(
+            GRADIENT_PLANTED[key], GRADIENT_PLANTED.values(), GRADIENT_RIGHT, GRADIENT_FACTORS,
+            lambda changed: missing({**GRADIENT_RIGHT, **changed}),
+        ),
+    ),
+    NamerTable(
+        exercise="2.3",
+        function="checkpoint (gradients that differ while the output matched)",
+        factors=tuple(WHY_FACTORS),
+        cases=GRADIENT_CASES,
+        mistakes=(
+            KnownMistake("rng_not_restored", "the dropout masks", GRADIENT_CASES[0],
+                         "with dropout off the gradients match too"),
+            KnownMistake("backward_wrong", "the backward", GRADIENT_CASES[0],
+                         "differ even with dropout off"),
+        ),
+        right=lambda: equal_gradients(WHY_RIGHT),
+        plant=lambda key: equal_gradients({**WHY_RIGHT, **WHY_PLANTED[key]}),
+        name=why_name,
+        neighbours=lambda key: one_factor_away(
+            WHY_PLANTED[key], WHY_PLANTED.values(), WHY_RIGHT, WHY_FACTORS,
+            lambda changed: equal_gradients({**WHY_RIGHT, **changed}),
+        ),
     ),
 )  # fmt: skip

@@ -5,6 +5,12 @@ ranks) with 1 <= ranks <= layers <= 12. A realistic mistake is off in where the 
 (the first ranks, the last ranks, all to one rank) and in the base count (the floor, or the
 ceiling with the last rank taking what is left). Named: the extras on the last ranks (the right
 counts in the wrong places), only when every wrong case holds the right counts in some order.
+
+Messages that describe and name no cause, so need no table:
+
+* the p2p gradient hint (``describe``: "all zeros ... was the gradient sent back and received
+  into the right buffer?", and "Is the gradient sent back to the previous rank, and received in
+  order?") describes, names no cause: it says what differs and asks about the places that fit.
 """
 
 from __future__ import annotations

@@ -8,6 +8,18 @@ which operator (f, g, or none) stands at each end. The counts do not depend on t
 so every graded world (2 and 4 ranks) measures alike; the output's rightness tells apart the
 placements with equal counts, and where it cannot (f at one end and nothing at the other) the
 namer lists both.
+
+Also below: f's backward and g's forward writing into what they were handed
+(:func:`grad_output_verdict`, :func:`g_input_verdict`: the in-place all-reduce), and attention's
+qkv shard (:func:`qkv_shard_problem`: the contiguous block). Messages that describe and name no
+cause, so need no table:
+
+* the other operator problems (f/g/gather/scatter values and collective counts) describe, name no
+  cause.
+* the gather-backward hint ("is the slice picked by the rank in the group?") describes (the error
+  raised, at the learner's line) and asks; it names no cause.
+* the attention output message (shards right, output wrong) describes, and lists the two parts of
+  forward that fit.
 """
 
 from __future__ import annotations
@@ -28,12 +40,19 @@ from grade_2_6_tensor_parallel import (
     ROW_ALL_REDUCES,
     ROW_WEIGHT,
     SHARD_CASES,
+    SUBGROUP_SIZE,
+    SUBGROUP_WORLD,
     bias_reference,
     bias_verdict,
     column_shard_verdict,
+    g_input_verdict,
+    grad_output_verdict,
+    make_attention,
+    qkv_shard_problem,
     row_shard_verdict,
+    seeded,
 )
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 from tp_namers import BLOCK, COLUMN_LAYER, ROW_LAYER, placement_verdict
 
 Measured = dict[str, tuple[int, int, bool]]
@@ -269,5 +288,164 @@ TABLES = (
         name=bias_verdict,
         neighbours=lambda key: [(f"{p}, scale {s}", bias_run(p, s))
                                 for p in BIAS_PLACES for s in ("1", "1/n")],
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the operators
+# f's backward and g's forward, judged per rank by grad_output_verdict and g_input_verdict in
+# the operators' worlds: 2 ranks, 4 ranks, and the groups (0, 1) and (2, 3) of 4 ranks. Factors:
+# what is written into the tensor the operator was handed (nothing, the sum, the mean or the max
+# over the ranks, n times this rank's own) and over which ranks (the layer's group or the whole
+# world, which differ only on the subgroups). Named: the in-place all-reduce (the sum over the
+# group written into the tensor itself). The group is not a factor of this name: an all-reduce
+# over the world written into the tensor is an in-place all-reduce too, and at 2 ranks (the first
+# world graded) it is told so; its group shows apart, in the subgroup test's crossing message and
+# gradients. So the neighbours vary what is written, over the group.
+
+OPERATOR_CASES = ("operators on 2 ranks", "operators on 4 ranks",
+                  f"operators on groups of {SUBGROUP_SIZE} of {SUBGROUP_WORLD} ranks")  # fmt: skip
+WRITTEN = ("nothing", "sum", "mean", "max", "n x own")
+Handed = dict[str, list[torch.Tensor]]  # per case, per rank: the handed tensor after the call
+
+
+def handed_in(seed: int, case: str) -> list[list[torch.Tensor]]:
+    """Per group of the case, its ranks' tensors as the grader hands them (operator_problems'
+    per_rank: seed 100 x seed + rank in group + 1000 x group index)."""
+    size, world = ((2, 2), (4, 4), (SUBGROUP_SIZE, SUBGROUP_WORLD))[OPERATOR_CASES.index(case)]
+    return [[seeded(100 * seed + r + 1000 * g, 3, 4) for r in range(size)]
+            for g in range(world // size)]  # fmt: skip
+
+
+def written(seed: int, setting: dict[str, str]) -> Handed:
+    """What the handed tensors hold after an operator that writes ``setting`` into them."""
+    found: Handed = {}
+    for case in OPERATOR_CASES:
+        groups = handed_in(seed, case)
+        world = torch.stack([t for group in groups for t in group])
+        after = []
+        for group in groups:
+            pool = torch.stack(group) if setting["over"] == "the group" else world
+            for own in group:
+                after.append(
+                    {
+                        "nothing": own,
+                        "sum": pool.sum(0),
+                        "mean": pool.mean(0),
+                        "max": pool.amax(0),
+                        "n x own": len(pool) * own,
+                    }[setting["write"]]
+                )
+        found[case] = after
+    return found  # fmt: skip
+
+
+def operator_namer(
+    seed: int, verdict: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], str | None]
+) -> Callable[[Handed], str | None]:
+    def name(measured: Handed) -> str | None:
+        for case in OPERATOR_CASES:
+            groups = handed_in(seed, case)
+            handed = [(own, torch.stack(group).sum(0)) for group in groups for own in group]
+            for after, (own, summed) in zip(measured[case], handed, strict=True):
+                said = verdict(after, own, summed)
+                if said:
+                    return said
+        return None
+
+    return name
+
+
+OPERATOR_RIGHT = {"write": "nothing", "over": "the group"}
+IN_PLACE = {"write": "sum"}
+
+
+def operator_neighbours(seed: int) -> Callable[[str], list[tuple[str, Handed]]]:
+    return lambda key: one_factor_away(
+        IN_PLACE, [IN_PLACE], OPERATOR_RIGHT, {"write": WRITTEN},
+        lambda changed: written(seed, {**OPERATOR_RIGHT, **changed}),
+    )  # fmt: skip
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.6",
+        function="CopyToTensorParallelRegion.backward (f: its grad_output)",
+        factors=("what is written into grad_output",),
+        cases=OPERATOR_CASES,
+        mistakes=(
+            KnownMistake("in_place_all_reduce", "grad_output itself for a new tensor",
+                         OPERATOR_CASES[0], "an all-reduce wrote into grad_output itself"),
+        ),
+        right=lambda: written(2, OPERATOR_RIGHT),
+        plant=lambda key: written(2, {**OPERATOR_RIGHT, **IN_PLACE}),
+        name=operator_namer(2, grad_output_verdict),
+        neighbours=operator_neighbours(2),
+    ),
+    NamerTable(
+        exercise="2.6",
+        function="ReduceFromTensorParallelRegion.forward (g: its input)",
+        factors=("what is written into the input",),
+        cases=OPERATOR_CASES,
+        mistakes=(
+            KnownMistake("in_place_all_reduce", "the input itself for a new tensor",
+                         OPERATOR_CASES[0], "an all-reduce wrote into g's input itself"),
+        ),
+        right=lambda: written(3, OPERATOR_RIGHT),
+        plant=lambda key: written(3, {**OPERATOR_RIGHT, **IN_PLACE}),
+        name=operator_namer(3, g_input_verdict),
+        neighbours=operator_neighbours(3),
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- attention's qkv
+# ParallelSelfAttention's qkv.weight, judged by qkv_shard_problem on every rank of 2 and 4. The
+# same factors as column_shard (the dimension cut, per fused part or contiguous, the rank's
+# offset), on nn.MultiheadAttention's in_proj_weight ([q; k; v] stacked). Named: the contiguous
+# block.
+
+QKV_CASES = tuple((n, r) for n in (2, 4) for r in range(n))
+QKV_LABELS = tuple(f"ParallelSelfAttention on {n} ranks, rank {r}" for n, r in QKV_CASES)
+
+
+def qkv_shards(dim: int, per_part: bool, offset: int) -> dict[tuple[int, int], torch.Tensor]:
+    """Each rank's qkv.weight from a from_dense with these factors (written here)."""
+    weight = make_attention().in_proj_weight.detach()
+    found = {}
+    for n, rank in QKV_CASES:
+        r = (rank + offset) % n
+        parts = weight.chunk(3, dim=0) if per_part else (weight,)
+        found[(n, rank)] = torch.cat(
+            [p.narrow(dim, r * (p.shape[dim] // n), p.shape[dim] // n) for p in parts], dim=0
+        )
+    return found
+
+
+def qkv_name(measured: dict[tuple[int, int], torch.Tensor]) -> str | None:
+    return next(
+        (s for (n, r), shard in measured.items() if (s := qkv_shard_problem(shard, r, n))), None
+    )
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.6",
+        function="ParallelSelfAttention.from_dense (qkv.weight)",
+        factors=("the dimension cut", "per fused part or contiguous", "the rank's offset"),
+        cases=QKV_LABELS,
+        mistakes=(
+            KnownMistake("contiguous", "the fused parts", QKV_LABELS[0],
+                         "a contiguous block of in_proj_weight's rows"),
+        ),
+        right=lambda: qkv_shards(0, True, 0),
+        plant=lambda key: qkv_shards(0, False, 0),
+        name=qkv_name,
+        neighbours=lambda key: [
+            (f"dim {d}, {'per part' if p else 'contiguous'}, offset {o}", qkv_shards(d, p, o))
+            for d in (0, 1) for p in (True, False) for o in (0, 1)
+        ],
     ),
 )  # fmt: skip

@@ -7,6 +7,14 @@ partner chunk (2cp-1-r, one off from it either way, or the neighbour 2r+1). Only
 combinations have a name: the pairs in the other order (chunk order swapped), and two
 neighbouring chunks per rank (the contiguous split); every other combination is described (which
 chunks are held twice, or the unbalanced work), never named as one of those two.
+
+Also below: the backward's pattern of wrong cases (:func:`_pattern_advice`) and the forward's
+output (:func:`output_verdict`: only causal cases wrong, its causes listed). Messages that describe
+and name no cause, so need no table:
+
+* output_verdict's "this rank sent nothing in the forward" describes, names no cause.
+* output_verdict's "where the output is right, the lse is already wrong" describes, names no
+  cause (it says what every merge must return).
 """
 
 from __future__ import annotations
@@ -29,13 +37,15 @@ from grade_2_7_context_parallel import (
     MERGE_CASES,
     ZIGZAG_CP_SIZES,
     _partials,
+    _pattern_advice,
     block_rule_verdict,
     case_tensors,
     dkdv_verdict,
     merge_verdict,
+    output_verdict,
     zigzag_verdict,
 )
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, one_factor_away
 
 CASES = tuple(f"cp={cp}" for cp in ZIGZAG_CP_SIZES)
 Layout = dict[str, list[tuple[int, ...]]]
@@ -367,5 +377,135 @@ TABLES = (
             for s in (0, 1)
             for m in (False, True)
         ],
+    ),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the ring's patterns
+# Two verdicts read the pattern of which (causal, zigzag) cases a ring run got wrong, the same at
+# every graded cp (2, 3, 4); nothing here runs a ring: the measurement is the evidence each
+# verdict reads, written from the factors.
+#
+# The backward's _pattern_advice (dQ, dK, dV): factors, each (causal, zigzag) case spoiled or
+# not. Named: the causal rule in the backward (every causal case, no other) and the slicing by
+# chunk (every zigzag case, no other); the causal zigzag case alone fits both, and gets both.
+
+PATTERN_CASES = tuple(f"ring attention gradients, cp={cp}" for cp in CP_SIZES)
+QUADRANTS = tuple((causal, zigzag) for causal in (False, True) for zigzag in (False, True))
+QUADRANT_RIGHT = {f"causal={c}, zigzag={z}": "right" for c, z in QUADRANTS}
+QUADRANT_FACTORS = {q: ("right", "spoiled") for q in QUADRANT_RIGHT}
+PATTERN_PLANTED = {
+    "causal_rule": {"causal=True, zigzag=False": "spoiled", "causal=True, zigzag=True": "spoiled"},
+    "chunk_slicing": {
+        "causal=False, zigzag=True": "spoiled",
+        "causal=True, zigzag=True": "spoiled",
+    },
+}
+
+
+def spoiled(setting: dict[str, str]) -> dict[str, frozenset[tuple[bool, bool]]]:
+    cases = frozenset(q for q, label in zip(QUADRANTS, QUADRANT_RIGHT, strict=True)
+                      if setting[label] == "spoiled")  # fmt: skip
+    return dict.fromkeys(PATTERN_CASES, cases)
+
+
+def pattern_name(measured: dict[str, frozenset[tuple[bool, bool]]]) -> str | None:
+    wrong = next(iter(measured.values()))
+    if not wrong:
+        return None
+    return _pattern_advice(set(wrong)) or f"the cases {sorted(wrong)} differ"
+
+
+# The forward's output_verdict: factors, whether the causal and the non-causal cases are spoiled,
+# whether the learner's block_kind is right, whether the first wrong rank sent nothing, whether a
+# right output has a wrong lse. Named (as a list of the two causes that fit: the visiting block's
+# chunk ids, or how the forward acts on the kind): only causal cases wrong with block_kind right.
+# Listed apart: only causal cases wrong with block_kind wrong. Described, naming no cause: a
+# rank that sent nothing, a right output with a wrong lse. A setting with every output right is
+# judged elsewhere (_check_lse, the block_kind test), so it measures as the right answer here.
+
+OUTPUT_CASES = tuple(f"ring attention output, cp={cp}" for cp in CP_SIZES)
+OUTPUT_RIGHT = {"causal": "right", "non-causal": "right", "block_kind": "right",
+                "sent": "every block", "lse of a right output": "right"}  # fmt: skip
+OUTPUT_FACTORS = {
+    "causal": ("right", "spoiled"),
+    "non-causal": ("right", "spoiled"),
+    "block_kind": ("right", "wrong"),
+    "sent": ("every block", "nothing"),
+    "lse of a right output": ("right", "wrong"),
+}
+OUTPUT_PLANTED = {
+    "visiting_ids_or_kind_use": {"causal": "spoiled"},
+    "block_kind_wrong": {"causal": "spoiled", "block_kind": "wrong"},
+}
+OutputSeen = dict[str, tuple[Any, ...]]
+
+
+def output_seen(setting: dict[str, str]) -> OutputSeen:
+    """Per graded cp: (wrong (causal, zigzag, rank) cases, the first right output with a wrong
+    lse, silent, block_kind right), as output_verdict reads them."""
+    found: OutputSeen = {}
+    for cp, label in zip(CP_SIZES, OUTPUT_CASES, strict=True):
+        wrong = tuple((c, z, r) for c, z in QUADRANTS for r in range(cp)
+                      if setting["causal" if c else "non-causal"] == "spoiled")  # fmt: skip
+        if not wrong:
+            found[label] = ()
+            continue
+        right_one = next(((c, z, r) for c, z in QUADRANTS for r in range(cp)
+                          if (c, z, r) not in wrong), None)  # fmt: skip
+        bad_lse = right_one if setting["lse of a right output"] == "wrong" else None
+        found[label] = (wrong, bad_lse, setting["sent"] == "nothing",
+                        setting["block_kind"] == "right")  # fmt: skip
+    return found
+
+
+def output_name(measured: OutputSeen) -> str | None:
+    for cp, label in zip(CP_SIZES, OUTPUT_CASES, strict=True):
+        if measured[label]:
+            wrong, bad_lse, silent, block_kind_right = measured[label]
+            return output_verdict(cp, [(*w, "max difference 1e+00") for w in wrong], bad_lse,
+                                  silent, block_kind_right)  # fmt: skip
+    return None
+
+
+TABLES = (
+    *TABLES,
+    NamerTable(
+        exercise="2.7",
+        function="ring_attention backward (the pattern of wrong cases)",
+        factors=tuple(QUADRANT_FACTORS),
+        cases=PATTERN_CASES,
+        mistakes=(
+            KnownMistake("causal_rule", "the causal cases", PATTERN_CASES[0],
+                         "so the ring and the sums work: look at the causal rule"),
+            KnownMistake("chunk_slicing", "the zigzag cases", PATTERN_CASES[0],
+                         "every contiguous case is right, so look at"),
+        ),
+        right=lambda: spoiled(QUADRANT_RIGHT),
+        plant=lambda key: spoiled({**QUADRANT_RIGHT, **PATTERN_PLANTED[key]}),
+        name=pattern_name,
+        neighbours=lambda key: one_factor_away(
+            PATTERN_PLANTED[key], PATTERN_PLANTED.values(), QUADRANT_RIGHT, QUADRANT_FACTORS,
+            lambda changed: spoiled({**QUADRANT_RIGHT, **changed}),
+        ),
+    ),
+    NamerTable(
+        exercise="2.7",
+        function="ring_attention forward (the output)",
+        factors=tuple(OUTPUT_FACTORS),
+        cases=OUTPUT_CASES,
+        mistakes=(
+            KnownMistake("visiting_ids_or_kind_use", "the causal cases, block_kind right",
+                         OUTPUT_CASES[0], "the causes that fit: the chunk ids the forward gives"),
+            KnownMistake("block_kind_wrong", "the causal cases, block_kind wrong",
+                         OUTPUT_CASES[0], "look at which blocks are skipped or masked"),
+        ),
+        right=lambda: output_seen(OUTPUT_RIGHT),
+        plant=lambda key: output_seen({**OUTPUT_RIGHT, **OUTPUT_PLANTED[key]}),
+        name=output_name,
+        neighbours=lambda key: one_factor_away(
+            OUTPUT_PLANTED[key], OUTPUT_PLANTED.values(), OUTPUT_RIGHT, OUTPUT_FACTORS,
+            lambda changed: output_seen({**OUTPUT_RIGHT, **changed}),
+        ),
     ),
 )  # fmt: skip
