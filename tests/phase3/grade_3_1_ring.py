@@ -55,7 +55,7 @@ def ring_hang_note(exc: WorldHung) -> str:
     return ring_hang_words(exc, getattr(ring(), "ALL_GATHER_TAG", None))
 
 
-# the words of ring_hang_words's notes (tests/test_phase3_hang_notes.py plants each and the hangs
+# the words of ring_hang_words's notes (tests/test_hang_notes_phase3.py plants each and the hangs
 # next to it, which must not get them)
 TAGS_CROSSED = "the reduce-scatter's messages travel under REDUCE_SCATTER_TAG"
 OWN_CHUNK_NEVER_LEFT = "Every hung rank waits for an all-gather message that no rank sent"

@@ -15,7 +15,7 @@ Messages of 3.1 that need no table:
 
 * ring_hang_note names a cause only when every hung rank waits the same way (tags crossed, all
   in an all-gather receive, all in an all-gather send, none matched); its unit tests in
-  tests/test_phase3_hang_notes.py plant each and every hang one factor away (a hang spans the
+  tests/test_hang_notes_phase3.py plant each and every hang one factor away (a hang spans the
   world it ran on, so it is written there as ledgers by hand, not as a table here).
 * the 64 MiB size note describes, names no cause: whether 1000 elements pass in the same run,
   and the places to look that fit each answer (segments, receive buffers reused; or the values

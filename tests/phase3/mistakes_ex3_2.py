@@ -11,7 +11,7 @@ one is planted as its neighbour.
   fit, names none: the signal says a receive got a message of another size, not which exchange
   sent it (partners splitting their ranges differently, or a fold-in message that is not the
   whole tensor). The hang notes (fold_hang_note) have unit tests in
-  tests/test_phase3_hang_notes.py.
+  tests/test_hang_notes_phase3.py.
 * phase3_helpers' chunk_hint (the wrong chunks of a ring's result) and random_float_problems
   (bits that differ between ranks; an element beyond the reordering bound) describe and list the
   causes that fit, name none (3.1 and 3.2 both use them).

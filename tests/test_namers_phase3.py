@@ -86,5 +86,5 @@ class _Unit:
 
 def test_a_unit_remark_points_at_its_own_class_method() -> None:
     got = with_sites({"gather": "it left the storage at 0 bytes"}, _Unit)
-    assert got["gather"].startswith("it left the storage at 0 bytes (tests/test_phase3_namers.py:")
+    assert got["gather"].startswith("it left the storage at 0 bytes (tests/test_namers_phase3.py:")
     assert got["gather"].endswith("in _Unit.gather)")

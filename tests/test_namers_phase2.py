@@ -59,7 +59,7 @@ def test_a_shard_of_the_wrong_shape_is_reported_with_both_shapes_at_the_learners
     said = shard_shape_problem(layers, "column", torch.zeros(12, 8), 0, 2)
     assert said is not None
     assert "returned shape [12, 4]; expected [6, 8]" in said
-    assert "test_phase2_namers.py:" in said and "_column_cut_along_the_input" in said
+    assert "test_namers_phase2.py:" in said and "_column_cut_along_the_input" in said
     right = SimpleNamespace(column_shard=lambda w, r, n, fused_parts=1: w[r * 6 : (r + 1) * 6])
     assert shard_shape_problem(right, "column", torch.zeros(12, 8), 0, 2) is None
 
