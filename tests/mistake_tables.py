@@ -114,6 +114,25 @@ def same_measurement(a: Any, b: Any, tol: float = 1e-9) -> bool:
     return bool(a == b)
 
 
+def settings_one_away(
+    mistake: Mapping[str, Any],
+    known: Iterable[Mapping[str, Any]],
+    right: Mapping[str, Any],
+    factors: Mapping[str, Sequence[Any]],
+) -> list[dict[str, Any]]:
+    """A mistake's neighbours, generated from its function's factor list: every setting that
+    sets one factor of ``mistake`` to another value, other than the right answer and the
+    ``known`` mistakes, each once (whole settings: one value per factor)."""
+    taken = [{**right, **k} for k in known]
+    out: list[dict[str, Any]] = []
+    for factor, values in factors.items():
+        for value in values:
+            setting = {**right, **mistake, factor: value}
+            if setting != dict(right) and setting not in taken and setting not in out:
+                out.append(setting)
+    return out
+
+
 def one_factor_away(
     mistake: Mapping[str, Any],
     known: Iterable[Mapping[str, Any]],
@@ -121,18 +140,12 @@ def one_factor_away(
     factors: Mapping[str, Sequence[Any]],
     measure: Callable[[dict[str, Any]], Any],
 ) -> list[tuple[str, Any]]:
-    """A mistake's neighbours, generated from its function's factor list: the settings that set
-    one factor of ``mistake`` (its factors that differ from ``right``) to another value, other
-    than the right answer and the ``known`` mistakes, each labelled and measured."""
-    known_settings = [{**right, **k} for k in known]
+    """:func:`settings_one_away`, each labelled by the factors it changes and measured
+    (``measure`` takes only the changed factors)."""
     out: list[tuple[str, Any]] = []
-    for factor, values in factors.items():
-        for value in values:
-            setting = {**right, **mistake, factor: value}
-            if setting == dict(right) or setting in known_settings:
-                continue
-            changed = {f: v for f, v in setting.items() if v != right[f]}
-            out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
+    for setting in settings_one_away(mistake, known, right, factors):
+        changed = {f: v for f, v in setting.items() if v != right[f]}
+        out.append((", ".join(f"{f}: {v}" for f, v in changed.items()), measure(changed)))
     return out
 
 

@@ -30,7 +30,7 @@ from compression_helpers import (
     sparse_top,
     topk_value_problems,
 )
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, settings_one_away
 
 Setting = dict[str, str]
 
@@ -40,14 +40,7 @@ def one_away(
 ) -> list[Setting]:
     """The settings one factor away from ``known[key]``, other than right and the known ones."""
     right = {f: v[0] for f, v in factors.items()}
-    taken = [right | k for k in known.values()]
-    out = []
-    for factor, values in factors.items():
-        for value in values:
-            setting = right | known[key] | {factor: value}
-            if setting != right and setting not in taken and setting not in out:
-                out.append(setting)
-    return out
+    return settings_one_away(known[key], known.values(), right, factors)
 
 
 def label_of(setting: Setting, factors: dict[str, tuple[str, ...]]) -> str:

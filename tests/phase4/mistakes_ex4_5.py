@@ -26,7 +26,7 @@ from grade_4_5_monitoring import (
     mfu_verdict,
     straggler_verdict,
 )
-from mistake_tables import KnownMistake, NamerTable
+from mistake_tables import KnownMistake, NamerTable, settings_one_away
 
 Setting = dict[str, str]
 
@@ -34,16 +34,9 @@ Setting = dict[str, str]
 def one_away(
     factors: dict[str, tuple[str, ...]], known: dict[str, Setting], key: str
 ) -> list[Setting]:
-    """Settings one factor away from ``known[key]``, other than the right one and the known."""
+    """The settings one factor away from ``known[key]``, other than right and the known ones."""
     right = {f: v[0] for f, v in factors.items()}
-    taken = [right | k for k in known.values()]
-    out: list[Setting] = []
-    for factor, values in factors.items():
-        for value in values:
-            setting = right | known[key] | {factor: value}
-            if setting != right and setting not in taken and setting not in out:
-                out.append(setting)
-    return out
+    return settings_one_away(known[key], known.values(), right, factors)
 
 
 def neighbours_of(
